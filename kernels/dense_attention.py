@@ -1,0 +1,69 @@
+"""Exact masked attention for CPU: the BlockMask's mask_mod, materialised densely.
+
+Why: on CPU, FlexAttention has no backward ("FlexAttention does not support backward on
+CPU") and varlen needs `aten::_flash_attention_forward` (CUDA only), while torchtitan 0.3.0
+accepts only those two for language models. This backend subclasses FlexAttention so the
+decoder still builds the same causal + packed-document BlockMask (one mask definition for
+every backend), then evaluates that mask's `mask_mod` on the full (B, 1, L, L) grid and
+calls SDPA's math path with a boolean mask.
+
+Cost: O(B x L^2) booleans for the mask and O(B x H x L^2) for the scores: fine for the debug
+model and tests (seq 256-2048), never for real training. `kernels.attention = "dense"`
+selects it; `auto` selects it on CPU only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
+from torchtitan.models.common.attention import FlexAttention
+
+
+def dense_mask_from_block_mask(block_mask: BlockMask, batch: int, q_len: int, kv_len: int):
+    """Evaluate `block_mask.mask_mod` on every (b, q, kv): a (B, 1, Lq, Lkv) bool tensor."""
+    device = block_mask.kv_num_blocks.device
+    b = torch.arange(batch, device=device).view(batch, 1, 1)
+    h = torch.zeros(1, 1, 1, dtype=torch.long, device=device)
+    q = torch.arange(q_len, device=device).view(1, q_len, 1)
+    kv = torch.arange(kv_len, device=device).view(1, 1, kv_len)
+    # torchtitan's mask_mods index per-batch tensors with `b` and compare indices, so they
+    # broadcast over these grids exactly as flex evaluates them block by block.
+    mask = block_mask.mask_mod(b, h, q, kv)
+    return mask.expand(batch, q_len, kv_len).unsqueeze(1)
+
+
+class DenseMaskAttention(FlexAttention):
+    """Drop-in for FlexAttention (same inputs, same mask) that runs anywhere, exactly."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(FlexAttention.Config):
+        pass
+
+    def forward(  # type: ignore[override]
+        self,
+        q_BLNH: torch.Tensor,
+        k_BLNH: torch.Tensor,
+        v_BLNH: torch.Tensor,
+        *,
+        attention_masks: BlockMask,
+        score_mod=None,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        out_transform=None,
+        **kwargs,
+    ) -> torch.Tensor:
+        if score_mod is not None or out_transform is not None:
+            raise NotImplementedError("dense attention supports plain masked attention only")
+        if not isinstance(attention_masks, BlockMask):
+            raise TypeError(f"expected a BlockMask, got {type(attention_masks).__name__}")
+        B, Lq = q_BLNH.shape[:2]
+        Lkv = k_BLNH.shape[1]
+        mask = dense_mask_from_block_mask(attention_masks, B, Lq, Lkv)
+        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
+        )
+        return out.transpose(1, 2)

@@ -1,0 +1,54 @@
+"""The one error type for bad input (recipes, cluster profiles, --set overrides, claims files).
+
+Every tool catches `ConfigError` at its entry point, prints the message and exits with
+code 2 (`exit_on_config_error`), before any process group starts. The message always names
+the file and the dotted key (or the file position for TOML syntax errors).
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from collections.abc import Callable, Iterable
+from functools import wraps
+from typing import Any, TypeVar
+
+EXIT_BAD_INPUT = 2
+
+
+class ConfigError(ValueError):
+    """Bad user input: names the file and the dotted key, and says what was expected."""
+
+    def __init__(self, message: str, *, file: str | None = None, key: str | None = None):
+        self.file = file
+        self.key = key
+        self.detail = message
+        where = ""
+        if file:
+            where += f"{file}: "
+        if key:
+            where += f"{key}: "
+        super().__init__(where + message)
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """A ' (did you mean 'x'?)' hint, or '' when nothing is close."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def exit_on_config_error(fn: F) -> F:
+    """Decorate a CLI `main`: a ConfigError becomes one line on stderr and exit code 2."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(EXIT_BAD_INPUT) from None
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,145 @@
+"""The one recipe loader: TOML (+ base chain) + --set overrides -> validated `Recipe`.
+
+    recipe = load_recipe("recipes/debug.toml", ["training.steps=5"])
+    layout = check_recipe(recipe, world_size=2)   # cross-section checks, needs the world size
+
+Both raise ConfigError (file + dotted key) and never touch torch.distributed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from parallel.axes import Layout, resolve_layout
+from recipe.errors import ConfigError
+from recipe.models import model_shape, pp_layer_weights, stages_per_rank
+from recipe.schema import Recipe
+from recipe.toml_schema import apply_override, build_dataclass, read_with_bases
+
+DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "debug.toml"
+
+
+def load_recipe_dict(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    data = read_with_bases(path)
+    for o in overrides:
+        data = apply_override(data, o, Recipe)
+    return data
+
+
+def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Recipe:
+    """Load, merge bases, apply overrides and check every key and type."""
+    path = path or DEFAULT_RECIPE
+    data = load_recipe_dict(path, overrides)
+    # An override's key is named with --set; a file's key with the file.
+    recipe = build_dataclass(Recipe, data, file=str(path), prefix="")
+    recipe.source = str(path)
+    return recipe
+
+
+def check_recipe(recipe: Recipe, world_size: int | None = None) -> Layout:
+    """Cross-section checks. Returns the resolved layout for `world_size`.
+
+    `world_size` defaults to the recipe's declared `parallel.world_size`, else the product of
+    the fixed degrees (dp_shard -1 counts as 1). Raises ConfigError naming the key.
+    """
+    f = recipe.source
+    par = recipe.parallel
+    tr = recipe.training
+    if par.world_size and world_size is not None and world_size != par.world_size:
+        raise ConfigError(
+            f"the recipe declares {par.world_size} processes but the launch has {world_size} "
+            "(fix the launcher's process count, or the recipe)",
+            file=f,
+            key="parallel.world_size",
+        )
+    if world_size is None:
+        world_size = par.world_size or (
+            par.dp_replicate * max(par.dp_shard, 1) * par.cp * par.tp * par.pp
+        )
+    if par.auto:
+        # The planner chooses the degrees; only checks that don't depend on them apply.
+        layout = Layout(dp_shard=world_size)
+    else:
+        resolved = resolve_layout(
+            world_size=world_size,
+            dp_replicate=par.dp_replicate,
+            dp_shard=par.dp_shard,
+            cp=par.cp,
+            tp=par.tp,
+            pp=par.pp,
+        )
+        if isinstance(resolved, str):
+            raise ConfigError(resolved, file=f, key="parallel.dp_shard")
+        layout = resolved
+        check_layout(recipe, layout)
+    gbs = tr.global_batch_size
+    if gbs != -1 and gbs % (tr.local_batch_size * layout.dp):
+        raise ConfigError(
+            f"{gbs} is not a multiple of local_batch_size x data-parallel size = "
+            f"{tr.local_batch_size} x {layout.dp}",
+            file=f,
+            key="training.global_batch_size",
+        )
+    if recipe.model.vocab_size and recipe.model.vocab_size < 260:
+        raise ConfigError(
+            "a byte-level tokenizer needs at least 260 entries (256 bytes + specials)",
+            file=f,
+            key="model.vocab_size",
+        )
+    return layout
+
+
+def check_layout(recipe: Recipe, layout: Layout) -> None:
+    """Checks that depend on concrete degrees (also used by the planner's candidates)."""
+    f = recipe.source
+    tr = recipe.training
+    par = recipe.parallel
+    shape = model_shape(recipe.model.flavor)
+    if shape.n_heads % layout.tp or shape.n_kv_heads % layout.tp:
+        raise ConfigError(
+            f"tp={layout.tp} must divide the attention heads ({shape.n_heads} query, "
+            f"{shape.n_kv_heads} key/value) of {shape.flavor}",
+            file=f,
+            key="parallel.tp",
+        )
+    seq_div = (layout.tp if layout.tp > 1 else 1) * (2 * layout.cp if layout.cp > 1 else 1)
+    if tr.seq_len % seq_div:
+        raise ConfigError(
+            f"seq_len {tr.seq_len} must be divisible by {seq_div} (tp for sequence parallel "
+            "x 2 x cp for load-balanced context parallel)",
+            file=f,
+            key="training.seq_len",
+        )
+    if layout.pp > 1:
+        stages = layout.pp * stages_per_rank(par.pp_schedule)
+        if pp_layer_weights(shape.n_layers, stages) is None:
+            raise ConfigError(
+                f"{shape.n_layers} layers of {shape.flavor} do not split evenly over {stages} "
+                f"pipeline stages (pp={layout.pp}, {par.pp_schedule} puts "
+                f"{stages_per_rank(par.pp_schedule)} on each rank)",
+                file=f,
+                key="parallel.pp",
+            )
+        mbs = par.pp_microbatches or tr.local_batch_size
+        if tr.local_batch_size % mbs:
+            raise ConfigError(
+                f"{mbs} microbatches do not divide local_batch_size {tr.local_batch_size}",
+                file=f,
+                key="parallel.pp_microbatches",
+            )
+        if mbs < layout.pp and par.pp_schedule not in ("GPipe",):
+            raise ConfigError(
+                f"{mbs} microbatches are fewer than pp={layout.pp} stages; the "
+                f"{par.pp_schedule} schedule needs at least one per stage",
+                file=f,
+                key="parallel.pp_microbatches",
+            )
+    elif par.pp_microbatches > 1:
+        raise ConfigError(
+            "microbatches only apply with pp > 1 (use training.global_batch_size for "
+            "gradient accumulation)",
+            file=f,
+            key="parallel.pp_microbatches",
+        )

@@ -1,0 +1,251 @@
+"""The recipe contract: one dataclass per TOML section, every field documented.
+
+Sections: [job] [model] [training] [parallel] [kernels] [data] [checkpoint] [metrics].
+Field-local checks (ranges, choices) run in `__post_init__` and raise ConfigError with the
+key; checks that need several sections or the world size live in `recipe.validate`.
+Extend this contract by adding fields; never rename one (users' recipes depend on them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from recipe.errors import ConfigError
+from recipe.toml_schema import doc
+
+
+def _positive(name: str, value: int | float, *, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        want = "a non-negative" if allow_zero else "a positive"
+        raise ConfigError(f"expected {want} value, got {value}", key=name)
+
+
+@dataclass
+class JobSection:
+    name: str = field(default="titanscale", metadata=doc("Run name; used in output paths."))
+    output_dir: str = field(
+        default="outputs/{name}",
+        metadata=doc(
+            "Folder for metrics, TensorBoard and checkpoints (relative to the working "
+            "directory); '{name}' expands to job.name."
+        ),
+    )
+    description: str = field(default="", metadata=doc("Free text, shown in reports."))
+
+
+@dataclass
+class ModelSection:
+    flavor: Literal["debugmodel", "1B", "3B", "8B", "70B", "405B"] = field(
+        default="debugmodel", metadata=doc("torchtitan llama3 flavor.")
+    )
+    tokenizer: str = field(
+        default="embedded",
+        metadata=doc(
+            "Tokenizer folder (tokenizer.json [+ tokenizer_config.json]); 'embedded' trains a "
+            "byte-level BPE on the standard-library corpus at first use and caches it."
+        ),
+    )
+    vocab_size: int = field(
+        default=0,
+        metadata=doc(
+            "Override the flavor's vocabulary size (0 = the flavor's). The embedded "
+            "tokenizer is trained to the flavor's size."
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        _positive("vocab_size", self.vocab_size, allow_zero=True)
+
+
+@dataclass
+class TrainingSection:
+    seq_len: int = field(default=256, metadata=doc("Tokens per sequence."))
+    local_batch_size: int = field(
+        default=2, metadata=doc("Sequences per data-parallel rank per microstep.")
+    )
+    global_batch_size: int = field(
+        default=-1,
+        metadata=doc(
+            "Sequences per optimizer step over all data-parallel ranks; -1 = local batch x "
+            "data-parallel size (no gradient accumulation). Must be a multiple of that."
+        ),
+    )
+    steps: int = field(default=10, metadata=doc("Optimizer steps to train."))
+    lr: float = field(default=8e-4, metadata=doc("Peak learning rate (AdamW)."))
+    warmup_steps: int = field(default=2, metadata=doc("Linear learning-rate warmup steps."))
+    weight_decay: float = field(default=0.1, metadata=doc("AdamW weight decay."))
+    max_norm: float = field(default=1.0, metadata=doc("Gradient clipping norm."))
+    dtype: Literal["bfloat16", "float32"] = field(
+        default="float32",
+        metadata=doc(
+            "Compute dtype for parameters under FSDP mixed precision (gradients reduce in "
+            "float32). GPU recipes use bfloat16; CPU runs use float32."
+        ),
+    )
+    activation_checkpoint: Literal["none", "selective", "full"] = field(
+        default="none", metadata=doc("Activation checkpointing mode.")
+    )
+    compile: bool = field(default=False, metadata=doc("torch.compile the model and loss."))
+    seed: int = field(default=42, metadata=doc("Random seed (same on every rank)."))
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "local_batch_size", "steps"):
+            _positive(name, getattr(self, name))
+        if self.global_batch_size != -1:
+            _positive("global_batch_size", self.global_batch_size)
+        _positive("lr", self.lr)
+        _positive("warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("weight_decay", self.weight_decay, allow_zero=True)
+        _positive("max_norm", self.max_norm)
+        if self.warmup_steps > self.steps:
+            raise ConfigError(
+                f"warmup_steps ({self.warmup_steps}) exceeds steps ({self.steps})",
+                key="warmup_steps",
+            )
+
+
+@dataclass
+class ParallelSection:
+    world_size: int = field(
+        default=0,
+        metadata=doc(
+            "Declared number of processes (GPUs). 0 = whatever the launcher provides. When "
+            "set, a launch with another world size stops before training."
+        ),
+    )
+    dp_replicate: int = field(default=1, metadata=doc("HSDP replicate degree (DDP-like)."))
+    dp_shard: int = field(
+        default=-1, metadata=doc("FSDP2 shard degree; -1 = the rest of the world size.")
+    )
+    tp: int = field(default=1, metadata=doc("Tensor-parallel degree (inside NVLink)."))
+    pp: int = field(default=1, metadata=doc("Pipeline-parallel degree."))
+    cp: int = field(default=1, metadata=doc("Context-parallel degree."))
+    pp_schedule: Literal[
+        "GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
+    ] = field(default="1F1B", metadata=doc("Pipeline schedule (torchtitan names)."))
+    pp_microbatches: int = field(
+        default=0,
+        metadata=doc(
+            "Microbatches per local batch under PP; 0 = one sequence per microbatch. Must "
+            "divide training.local_batch_size."
+        ),
+    )
+    auto: bool = field(
+        default=False,
+        metadata=doc("Ignore the degrees above and train with the planner's best plan."),
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "tp", "pp", "cp"):
+            _positive(name, getattr(self, name))
+        if self.dp_shard != -1:
+            _positive("dp_shard", self.dp_shard)
+        _positive("world_size", self.world_size, allow_zero=True)
+        _positive("pp_microbatches", self.pp_microbatches, allow_zero=True)
+
+
+@dataclass
+class KernelsSection:
+    attention: Literal["auto", "flex", "varlen", "dense"] = field(
+        default="auto",
+        metadata=doc(
+            "Attention backend: flex (FlexAttention, document masks), varlen (flash varlen, "
+            "CUDA), dense (exact masked attention for CPU; memory grows with seq_len^2), "
+            "auto (flex on CUDA, dense on CPU)."
+        ),
+    )
+    linear: Literal["auto", "bf16", "fp8_rowwise", "fp8_rowwise_gw_hp", "mxfp8"] = field(
+        default="bf16",
+        metadata=doc(
+            "Linear backend: bf16 (plain), fp8_rowwise / fp8_rowwise_gw_hp (SM89+), mxfp8 "
+            "(SM100); emulated on CPU. auto = the fastest the hardware supports."
+        ),
+    )
+
+
+@dataclass
+class DataSection:
+    source: str = field(
+        default="stdlib",
+        metadata=doc(
+            "'stdlib' (this Python's standard-library sources, one document per file), a "
+            "local .jsonl/.json/.parquet/.txt file or folder, or a Hugging Face hub name."
+        ),
+    )
+    packing: Literal["concat", "bfd", "none"] = field(
+        default="concat",
+        metadata=doc(
+            "concat: concatenate and split (torchtitan's way); bfd: best-fit-decreasing over "
+            "a window (no split unless a document exceeds seq_len); none: one document per "
+            "row, padded."
+        ),
+    )
+    text_field: str = field(default="text", metadata=doc("Record field holding the text."))
+
+
+@dataclass
+class CheckpointSection:
+    folder: str = field(
+        default="",
+        metadata=doc("Checkpoint folder; '' = <job.output_dir>/checkpoint. Relative to cwd."),
+    )
+    interval: int = field(default=0, metadata=doc("Save every N steps; 0 = never."))
+    resume: bool = field(
+        default=True, metadata=doc("Resume from the latest complete checkpoint if one exists.")
+    )
+    keep_latest: int = field(default=2, metadata=doc("Checkpoints kept; 0 = keep all."))
+    load_from: str = field(
+        default="",
+        metadata=doc(
+            "A checkpoint folder (a step-N folder) to initialise the model from when no "
+            "checkpoint of this run exists (e.g. a seed checkpoint); model weights only."
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        _positive("interval", self.interval, allow_zero=True)
+        _positive("keep_latest", self.keep_latest, allow_zero=True)
+
+
+@dataclass
+class MetricsSection:
+    log_every: int = field(default=1, metadata=doc("Log metrics every N steps."))
+    tensorboard: bool = field(default=True, metadata=doc("Write TensorBoard events."))
+    jsonl: bool = field(default=True, metadata=doc("Write metrics.jsonl, one object per log."))
+    summary_skip_steps: int = field(
+        default=2,
+        metadata=doc(
+            "Warmup steps excluded from the steady-state summary (compilation, allocator "
+            "warmup, first collectives)."
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        _positive("log_every", self.log_every)
+        _positive("summary_skip_steps", self.summary_skip_steps, allow_zero=True)
+
+
+@dataclass
+class Recipe:
+    """A whole recipe. `source` is the file it came from (for error messages)."""
+
+    job: JobSection = field(default_factory=JobSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    kernels: KernelsSection = field(default_factory=KernelsSection)
+    data: DataSection = field(default_factory=DataSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+    source: str = field(default="<defaults>", init=False, compare=False)
+
+    @property
+    def output_dir(self) -> str:
+        return self.job.output_dir.replace("{name}", self.job.name)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        import os
+
+        return self.checkpoint.folder or os.path.join(self.output_dir, "checkpoint")
