@@ -17,7 +17,7 @@ at >1M tokens/s/core, far above what one GPU consumes at the dp sizes we plan fo
 
 from __future__ import annotations
 
-import pickle
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -182,9 +182,10 @@ class TitanscaleDataLoader(ParallelAwareDataloader):
 
     # The stream state is identical on every rank (see PackedStream._emit), so it is saved
     # under one key instead of torchtitan's per-dp-rank keys, which also lets a run resume at
-    # a different data-parallel size (torchtitan's loader refuses that).
+    # a different data-parallel size (torchtitan's loader refuses that). It is JSON text,
+    # not a pickle: loading a checkpoint must never run code from it (see runtime.checkpoint).
     def state_dict(self) -> dict[str, Any]:
-        return {"titanscale_stream": pickle.dumps(StatefulDataLoader.state_dict(self))}
+        return {"titanscale_stream": json.dumps(StatefulDataLoader.state_dict(self))}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
@@ -193,7 +194,13 @@ class TitanscaleDataLoader(ParallelAwareDataloader):
             raise ValueError(
                 "checkpoint has no titanscale data position (written by another dataloader?)"
             )
-        StatefulDataLoader.load_state_dict(self, pickle.loads(state_dict["titanscale_stream"]))
+        raw = state_dict["titanscale_stream"]
+        if not isinstance(raw, str):
+            raise ValueError(
+                "checkpoint data position is not JSON text (an older pickled format?); "
+                "refusing to unpickle it"
+            )
+        StatefulDataLoader.load_state_dict(self, json.loads(raw))
 
     @staticmethod
     def useful_tokens(labels: torch.Tensor) -> int:

@@ -1,0 +1,116 @@
+"""Test-only fault injection: make one rank die or hang at a chosen step, on purpose.
+
+    TITANSCALE_FAULT="kill:rank=1:step=5"             SIGKILL rank 1 in the middle of step 5
+    TITANSCALE_FAULT="hang:rank=1:step=3"             rank 1 stops answering in step 3
+    TITANSCALE_FAULT="kill:rank=0:step=4:at=save"     die while the step-4 checkpoint is written
+    TITANSCALE_FAULT="kill:rank=1:step=5,hang:rank=0:step=9"   several, comma-separated
+
+Fields: `rank` (global rank; omitted = every rank), `step` (required), `at` = `step`
+(mid-step: after the batch is fetched and the token count all-reduced, before forward and
+backward) or `save` (after the checkpoint's data is written, before it is committed), and
+`restart` (the torchelastic restart count on which to fire; default 0, so a job restarted
+by `torchrun --max-restarts` does not fault again).
+
+Unset (the normal case) costs one list test per seam. A malformed value is a ConfigError
+before training (`runtime.session.prepare`). The seams are
+`TitanscaleTrainer.forward_backward_step` and `AtomicCheckpointManager.dcp_save`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+ENV = "TITANSCALE_FAULT"
+KINDS = ("kill", "hang")
+POINTS = ("step", "save")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int | None = None
+    at: str = "step"
+    restart: int = 0
+
+    def matches(self, point: str, step: int, rank: int, restart: int) -> bool:
+        return (
+            self.at == point
+            and self.step == step
+            and self.restart == restart
+            and (self.rank is None or self.rank == rank)
+        )
+
+
+def parse(spec: str) -> list[Fault]:
+    """Parse a TITANSCALE_FAULT value; ValueError says what is wrong."""
+    faults = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        kind, *fields = item.split(":")
+        if kind not in KINDS:
+            raise ValueError(f"fault {item!r}: kind must be one of {', '.join(KINDS)}")
+        kv: dict[str, str] = {}
+        for f in fields:
+            k, sep, v = f.partition("=")
+            if not sep or k not in ("rank", "step", "at", "restart"):
+                raise ValueError(f"fault {item!r}: expected rank=, step=, at= or restart=")
+            kv[k] = v
+        if "step" not in kv:
+            raise ValueError(f"fault {item!r}: step= is required")
+        at = kv.get("at", "step")
+        if at not in POINTS:
+            raise ValueError(f"fault {item!r}: at must be one of {', '.join(POINTS)}")
+        try:
+            faults.append(
+                Fault(
+                    kind=kind,
+                    step=int(kv["step"]),
+                    rank=int(kv["rank"]) if "rank" in kv else None,
+                    at=at,
+                    restart=int(kv.get("restart", "0")),
+                )
+            )
+        except ValueError:
+            raise ValueError(f"fault {item!r}: rank, step and restart are integers") from None
+    return faults
+
+
+_FAULTS: list[Fault] | None = None
+
+
+def active() -> list[Fault]:
+    """The faults of this process's environment (parsed once; ValueError if malformed)."""
+    global _FAULTS
+    if _FAULTS is None:
+        _FAULTS = parse(os.environ.get(ENV, ""))
+    return _FAULTS
+
+
+def inject(point: str, step: int) -> None:
+    """Fire the faults set for this rank, `point` and `step` (no-op when none are set)."""
+    faults = _FAULTS if _FAULTS is not None else active()
+    if not faults:
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    for f in faults:
+        if not f.matches(point, step, rank, restart):
+            continue
+        print(
+            f"titanscale fault injection: {f.kind} rank {rank} at {point} of step {step}",
+            file=sys.stderr,
+            flush=True,
+        )
+        if f.kind == "kill":
+            # SIGKILL: no exception handlers, no atexit, no flush, like a node losing power
+            # or the OOM killer.
+            os.kill(os.getpid(), signal.SIGKILL)
+        if f.kind == "hang":
+            # Stops answering without dying; sleeps in short slices so that a watchdog
+            # thread can still run and report where this rank is.
+            while True:
+                time.sleep(0.5)
