@@ -32,6 +32,25 @@ class JobSection:
         ),
     )
     description: str = field(default="", metadata=doc("Free text, shown in reports."))
+    collective_timeout_s: int = field(
+        default=100,
+        metadata=doc(
+            "Seconds a collective (or a training step, for the step watchdog) may wait "
+            "after the first step before the job stops with a message naming the rank that "
+            "stopped answering. Also bounds checkpoint-save collectives."
+        ),
+    )
+    init_timeout_s: int = field(
+        default=300,
+        metadata=doc(
+            "The same limit for process-group setup and the first step of each (re)start "
+            "(compilation, first collectives, checkpoint load)."
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        _positive("collective_timeout_s", self.collective_timeout_s)
+        _positive("init_timeout_s", self.init_timeout_s)
 
 
 @dataclass
@@ -200,6 +219,14 @@ class CheckpointSection:
         metadata=doc(
             "A checkpoint folder (a step-N folder) to initialise the model from when no "
             "checkpoint of this run exists (e.g. a seed checkpoint); model weights only."
+        ),
+    )
+
+    checksums: bool = field(
+        default=True,
+        metadata=doc(
+            "CRC32 of every checkpoint file, written in its manifest and checked on load "
+            "(about 1 GB/s per core; each rank reads its share). Sizes are always checked."
         ),
     )
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 import sys
 import types
 import typing
@@ -32,6 +33,20 @@ T = TypeVar("T")
 MAX_INT = 2**63 - 1
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
+_REPR.maxlevel = 3
+_REPR.maxlong = 40
+
+
+def show(value: Any) -> str:
+    """A bounded repr for messages: huge strings, numbers and deep nesting stay one short line."""
+    try:
+        return _REPR.repr(value)
+    except (RecursionError, ValueError):
+        return f"<{type(value).__name__}>"
+
+
 def doc(text: str, **extra: Any) -> dict[str, Any]:
     """Field metadata: `field(default=..., metadata=doc("what it is"))`."""
     return {"doc": text, **extra}
@@ -40,14 +55,18 @@ def doc(text: str, **extra: Any) -> dict[str, Any]:
 def read_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML file; missing files, bad bytes and syntax errors become ConfigError."""
     p = Path(path)
-    if not p.exists():
-        raise ConfigError("file not found", file=str(path))
-    if p.is_dir():
-        raise ConfigError("expected a TOML file, found a folder", file=str(path))
     try:
+        if not p.exists():
+            raise ConfigError("file not found", file=str(path))
+        if p.is_dir():
+            raise ConfigError("expected a TOML file, found a folder", file=str(path))
+        if not p.is_file():  # a FIFO or a device would block or never end
+            raise ConfigError("expected a regular TOML file", file=str(path))
         raw = p.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"cannot read: {e.strerror}", file=str(path)) from None
+    except (OSError, ValueError) as e:  # ValueError: NUL byte in the path
+        raise ConfigError(
+            f"cannot read: {getattr(e, 'strerror', None) or e}", file=str(path)
+        ) from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -59,10 +78,16 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        # tomllib's message already carries "(at line L, column C)".
-        raise ConfigError(f"invalid TOML: {e}", file=str(path)) from None
+        # tomllib's message carries "(at line L, column C)", or "(at end of document)" for
+        # an unterminated string or table: give that one its line number too.
+        msg = str(e).replace(
+            "at end of document", f"at end of document, line {text.count(chr(10)) + 1}"
+        )
+        raise ConfigError(f"invalid TOML: {msg}", file=str(path)) from None
     except RecursionError:
         raise ConfigError("invalid TOML: nesting too deep", file=str(path)) from None
+    except ValueError as e:  # e.g. an integer literal over Python's 4300-digit limit
+        raise ConfigError(f"invalid TOML: {show(str(e))}", file=str(path)) from None
 
 
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -82,7 +107,10 @@ def read_with_bases(path: str | Path, *, _chain: tuple[Path, ...] = ()) -> dict[
     The base is read first and the child merged over it. A cycle or a missing base is an
     error naming the file that points at it.
     """
-    p = Path(path).resolve()
+    try:
+        p = Path(path).resolve()
+    except (OSError, RuntimeError, ValueError) as e:  # symlink loop, NUL byte, too long
+        raise ConfigError(f"unusable path: {show(str(e))}", file=show(str(path))) from None
     if p in _chain:
         cycle = " -> ".join(str(c) for c in (*_chain, p))
         raise ConfigError(f"'base' inheritance cycle: {cycle}", file=str(path), key="base")
@@ -92,15 +120,28 @@ def read_with_bases(path: str | Path, *, _chain: tuple[Path, ...] = ()) -> dict[
         return data
     if not isinstance(base, str) or not base:
         raise ConfigError(
-            f"expected a path string (relative to this file), got {base!r}",
+            f"expected a path string (relative to this file), got {show(base)}",
             file=str(path),
             key="base",
         )
     base_path = p.parent / base
-    if not base_path.exists():
-        raise ConfigError(f"base file not found: {base_path}", file=str(path), key="base")
+    try:
+        if not base_path.exists():
+            raise ConfigError(
+                f"base file not found: {show(str(base_path))}", file=str(path), key="base"
+            )
+        if not base_path.is_file():
+            raise ConfigError(
+                f"base is not a TOML file: {show(str(base_path))}", file=str(path), key="base"
+            )
+    except (OSError, ValueError) as e:  # name too long, NUL byte
+        why = getattr(e, "strerror", None) or str(e)
+        raise ConfigError(f"unusable base path: {show(why)}", file=str(path), key="base") from None
     parent = read_with_bases(base_path, _chain=(*_chain, p))
-    return deep_merge(parent, data)
+    try:
+        return deep_merge(parent, data)
+    except RecursionError:
+        raise ConfigError("tables nested too deep to merge with the base", file=str(path)) from None
 
 
 def _type_name(tp: Any) -> str:
@@ -126,13 +167,15 @@ def coerce(value: Any, tp: Any, *, file: str | None, key: str) -> Any:
     origin = get_origin(tp)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         if not isinstance(value, dict):
-            raise ConfigError(f"expected a table [{key}], got {value!r}", file=file, key=key)
+            raise ConfigError(f"expected a table [{key}], got {show(value)}", file=file, key=key)
         return build_dataclass(tp, value, file=file, prefix=key)
     if origin is Literal:
         choices = get_args(tp)
         if value not in choices or type(value) is not type(choices[0]):
-            hint = did_you_mean(str(value), [str(c) for c in choices])
-            raise ConfigError(f"expected {_type_name(tp)}, got {value!r}{hint}", file=file, key=key)
+            hint = did_you_mean(show(value).strip("'"), [str(c) for c in choices])
+            raise ConfigError(
+                f"expected {_type_name(tp)}, got {show(value)}{hint}", file=file, key=key
+            )
         return value
     if origin in (typing.Union, types.UnionType):
         errors = []
@@ -143,36 +186,38 @@ def coerce(value: Any, tp: Any, *, file: str | None, key: str) -> Any:
                 return coerce(value, alt, file=file, key=key)
             except ConfigError as e:
                 errors.append(e)
-        raise ConfigError(f"expected {_type_name(tp)}, got {value!r}", file=file, key=key)
+        raise ConfigError(f"expected {_type_name(tp)}, got {show(value)}", file=file, key=key)
     if origin is list:
         (inner,) = get_args(tp)
         if not isinstance(value, list):
-            raise ConfigError(f"expected {_type_name(tp)}, got {value!r}", file=file, key=key)
+            raise ConfigError(f"expected {_type_name(tp)}, got {show(value)}", file=file, key=key)
         return [coerce(v, inner, file=file, key=f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"expected a table, got {value!r}", file=file, key=key)
+            raise ConfigError(f"expected a table, got {show(value)}", file=file, key=key)
         (_, vt) = get_args(tp)
         return {str(k): coerce(v, vt, file=file, key=f"{key}.{k}") for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"expected true or false, got {value!r}", file=file, key=key)
+            raise ConfigError(f"expected true or false, got {show(value)}", file=file, key=key)
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"expected an integer, got {value!r}", file=file, key=key)
+            raise ConfigError(f"expected an integer, got {show(value)}", file=file, key=key)
         if abs(value) > MAX_INT:
-            raise ConfigError(f"integer out of range: {value}", file=file, key=key)
+            raise ConfigError(f"integer out of range: {show(value)}", file=file, key=key)
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"expected a number, got {value!r}", file=file, key=key)
+            raise ConfigError(f"expected a number, got {show(value)}", file=file, key=key)
         if not math.isfinite(float(value)):
-            raise ConfigError(f"expected a finite number, got {value!r}", file=file, key=key)
+            raise ConfigError(f"expected a finite number, got {show(value)}", file=file, key=key)
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"expected a string, got {value!r}", file=file, key=key)
+            raise ConfigError(f"expected a string, got {show(value)}", file=file, key=key)
+        if "\x00" in value:  # no path, name or option can hold one; os calls would raise
+            raise ConfigError("a string cannot contain NUL (\\u0000)", file=file, key=key)
         return value
     if tp is Any:
         return value
@@ -215,7 +260,9 @@ def parse_scalar(text: str) -> Any:
     """Parse the right-hand side of `--set k=v` as a TOML value; bare words are strings."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):
+        return text
+    except ValueError:  # an integer over Python's 4300-digit limit: not a usable value
         return text
 
 
@@ -225,7 +272,7 @@ def apply_override(
     """Apply `section.key=value` to the raw dict; the key path is checked against `root`."""
     if "=" not in assignment:
         raise ConfigError(
-            f"expected section.key=value, got {assignment!r}", file=source, key=assignment
+            f"expected section.key=value, got {show(assignment)}", file=source, key=assignment
         )
     dotted, _, raw = assignment.partition("=")
     dotted = dotted.strip()

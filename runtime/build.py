@@ -3,8 +3,9 @@
 Everything here is plain construction of torchtitan's own config objects (model registry,
 converters, loss, optimizer, scheduler, parallelism, checkpoint, AC, compile); titanscale
 adds its own components only at torchtitan's seams: the dataloader
-(`data.loader.TitanscaleDataLoader`), the metrics processor (`runtime.metrics`) and the
-inner-attention config chosen by the kernels layer.
+(`data.loader.TitanscaleDataLoader`), the metrics processor (`runtime.metrics`), the
+checkpoint manager (`runtime.checkpoint.AtomicCheckpointManager`) and the inner-attention
+config chosen by the kernels layer.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.components.validate import Validator
@@ -29,6 +29,7 @@ from kernels.dense_attention import DenseMaskAttention
 from parallel.axes import Layout
 from recipe.models import pp_layer_weights, stages_per_rank
 from recipe.schema import Recipe
+from runtime.checkpoint import AtomicCheckpointManager
 from runtime.metrics import TitanscaleMetrics
 from runtime.platform import Platform
 
@@ -146,7 +147,7 @@ def build_trainer_config(
             device_name=platform.device_name,
             disable_color_printing=True,
         ),
-        checkpoint=CheckpointManager.Config(
+        checkpoint=AtomicCheckpointManager.Config(
             enable=ckpt_enabled,
             folder=os.path.abspath(recipe.checkpoint_dir),
             interval=recipe.checkpoint.interval or tr.steps,
@@ -158,10 +159,14 @@ def build_trainer_config(
             ),
             initial_load_model_only=True,
             last_save_model_only=False,
+            checksums=recipe.checkpoint.checksums,
         ),
         activation_checkpoint=ac,
         compile=CompileConfig(enable=tr.compile),
-        comm=CommConfig(),
+        comm=CommConfig(
+            init_timeout_seconds=recipe.job.init_timeout_s,
+            train_timeout_seconds=recipe.job.collective_timeout_s,
+        ),
         validator=Validator.Config(enable=False),
         debug=DebugConfig(seed=tr.seed),
     )

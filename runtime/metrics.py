@@ -123,6 +123,13 @@ class TitanscaleMetrics(MetricsProcessor):
             # Append: a restarted or requeued job continues the same file; `event` lines mark
             # each start so a reader can drop steps that a restart replays.
             self._jsonl = open(self.jsonl_path, "a", buffering=1)  # noqa: SIM115
+            # A process killed mid-line leaves no newline; start on a fresh line so the
+            # next record stays parseable (read_trajectory skips the torn one).
+            if self._jsonl.tell() > 0:
+                with open(self.jsonl_path, "rb") as f:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        self._jsonl.write("\n")
 
     def write_event(self, event: str, **fields: Any) -> None:
         if self._jsonl is not None:
@@ -229,3 +236,47 @@ class TitanscaleMetrics(MetricsProcessor):
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+
+
+def read_trajectory(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The training trajectory in a metrics.jsonl that restarts appended to: one record per
+    step, ascending, each from the latest (re)start that logged it.
+
+    A restart resumes from its checkpoint (`resumed_from_step` of its start event) and
+    replays the steps after it; the replayed records supersede the earlier ones, which
+    belong to a trajectory that was lost with the crash. Torn lines (a process killed in
+    the middle of a write) are skipped.
+    """
+    steps: dict[int, dict[str, Any]] = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(rec, dict):
+                continue
+            if rec.get("event") == "start":
+                resumed = int(rec.get("resumed_from_step") or 0)
+                for s in [s for s in steps if s > resumed]:
+                    del steps[s]
+            elif "event" not in rec and isinstance(rec.get("step"), int):
+                steps[rec["step"]] = rec
+    return [steps[s] for s in sorted(steps)]
+
+
+def read_starts(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The `start` events of a metrics.jsonl, in order (one per process start)."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and rec.get("event") == "start":
+                out.append(rec)
+    return out

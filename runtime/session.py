@@ -56,26 +56,48 @@ def _launch_env() -> int:
     return int(os.environ["WORLD_SIZE"])
 
 
-def check_environment(recipe: Recipe) -> None:
-    """Output folder writable with room to spare; checkpoints not silently reused."""
-    f = recipe.source
-    out = Path(recipe.output_dir)
+# A full checkpoint holds fp32 parameters and AdamW's two fp32 moments: 12 bytes/parameter.
+CHECKPOINT_BYTES_PER_PARAM = 12
+
+
+def _probe_writable(folder: Path, *, file: str, key: str) -> None:
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-probe-{os.getpid()}"
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-probe-{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        why = getattr(e, "strerror", None) or str(e)
+        raise ConfigError(f"folder {folder} is not writable: {why}", file=file, key=key) from None
+
+
+def checkpoint_bytes(recipe: Recipe) -> int:
+    """Estimated size of one full checkpoint (all ranks together)."""
+    return model_shape(recipe.model.flavor).total_params * CHECKPOINT_BYTES_PER_PARAM
+
+
+def check_environment(recipe: Recipe) -> None:
+    """Output (and checkpoint) folders writable with room for a checkpoint; checkpoints not
+    silently reused; the checkpoint to start from present and intact."""
+    f = recipe.source
+    out = Path(recipe.output_dir)
+    _probe_writable(out, file=f, key="job.output_dir")
+    need, what = MIN_FREE_BYTES, "metrics"
+    where, key = out, "job.output_dir"
+    if recipe.checkpoint.interval > 0:
+        where = Path(recipe.checkpoint_dir)
+        key = "checkpoint.folder" if recipe.checkpoint.folder else "job.output_dir"
+        _probe_writable(where, file=f, key=key)
+        # One checkpoint is written in full before the oldest is pruned.
+        need += checkpoint_bytes(recipe)
+        what = f"metrics and one {checkpoint_bytes(recipe) / 2**30:.1f} GiB checkpoint"
+    free = shutil.disk_usage(where).free
+    if free < need:
         raise ConfigError(
-            f"output folder {out} is not writable: {e.strerror}", file=f, key="job.output_dir"
-        ) from None
-    free = shutil.disk_usage(out).free
-    if free < MIN_FREE_BYTES:
-        raise ConfigError(
-            f"only {free / 2**20:.0f} MiB free under {out}; need at least "
-            f"{MIN_FREE_BYTES / 2**20:.0f} MiB for metrics and checkpoints",
+            f"only {free / 2**30:.2f} GiB free under {where}; need at least "
+            f"{need / 2**30:.2f} GiB for {what} (the disk would fill mid-run)",
             file=f,
-            key="job.output_dir",
+            key=key,
         )
     ckpt = Path(recipe.checkpoint_dir)
     if not recipe.checkpoint.resume and ckpt.is_dir() and any(ckpt.glob("step-*")):
@@ -85,12 +107,49 @@ def check_environment(recipe: Recipe) -> None:
             file=f,
             key="checkpoint.resume",
         )
-    if recipe.checkpoint.load_from and not Path(recipe.checkpoint.load_from).is_dir():
+    if recipe.checkpoint.load_from:
+        if not Path(recipe.checkpoint.load_from).is_dir():
+            raise ConfigError(
+                f"checkpoint to load not found: {recipe.checkpoint.load_from}",
+                file=f,
+                key="checkpoint.load_from",
+            )
+        from runtime.checkpoint import verify_checkpoint
+
+        # Sizes and metadata only (cheap); the checksums are checked when it is loaded.
+        problems = verify_checkpoint(recipe.checkpoint.load_from, checksums=False)
+        if problems:
+            raise ConfigError(
+                f"checkpoint {recipe.checkpoint.load_from} is damaged: " + "; ".join(problems),
+                file=f,
+                key="checkpoint.load_from",
+            )
+
+
+def check_tokenizer(path: str, recipe: Recipe) -> None:
+    """The tokenizer folder's tokenizer.json parses (JSON; nothing executable is loaded)."""
+    tj = Path(path) / "tokenizer.json"
+    if not tj.exists():
+        return  # vocab.json + merges.txt: torchtitan reads them as plain text/JSON
+    try:
+        from tokenizers import Tokenizer
+
+        Tokenizer.from_file(str(tj))
+    except Exception as e:
         raise ConfigError(
-            f"checkpoint to load not found: {recipe.checkpoint.load_from}",
-            file=f,
-            key="checkpoint.load_from",
-        )
+            f"{tj} is not a valid tokenizer: {str(e).splitlines()[0][:200]}",
+            file=recipe.source,
+            key="model.tokenizer",
+        ) from None
+
+
+def check_faults() -> None:
+    from runtime import faults
+
+    try:
+        faults.active()
+    except ValueError as e:
+        raise ConfigError(str(e), file="environment", key=faults.ENV) from None
 
 
 def check_data_source(recipe: Recipe) -> None:
@@ -119,6 +178,8 @@ def prepare(recipe_path: str | None, overrides: list[str]) -> Job:
     tokenizer_path = resolve_tokenizer(
         recipe.model.tokenizer, vocab_size=vocab, recipe_file=recipe.source
     )
+    check_tokenizer(tokenizer_path, recipe)
+    check_faults()
     config = build_trainer_config(
         recipe, layout, platform=platform, kernels=kernels, tokenizer_path=tokenizer_path
     )

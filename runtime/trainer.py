@@ -4,7 +4,10 @@
 - `init_distributed`: builds the device mesh from a planned rank order when one is given
   (`rank_order`, see parallel.mesh), else torchtitan's plain order.
 - `train`: writes a `start` event (resumed step, restart count) and, at the end, the
-  steady-state summary.
+  steady-state summary; runs the step watchdog (runtime.watchdog) around the loop.
+- `train_step`: marks step begin/end for the watchdog; a collective timeout becomes a
+  `RankTimeoutError` naming the rank that stopped answering and its groups.
+- `forward_backward_step`: the mid-step fault-injection seam (runtime.faults, tests only).
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import ParallelDims
 from torchtitan.trainer import Trainer
 
+from runtime import faults
 from runtime.metrics import TitanscaleMetrics
+from runtime.watchdog import RankTimeoutError, StepWatchdog, default_store, looks_like_timeout
 
 
 class TitanscaleTrainer(Trainer):
@@ -27,6 +32,7 @@ class TitanscaleTrainer(Trainer):
     # mesh position (row-major over MESH_ORDER) -> global rank. None = plain rank order.
     rank_order: list[int] | None = None
     summary: dict[str, Any] | None = None
+    watchdog: StepWatchdog | None = None
 
     def init_distributed(self) -> ParallelDims:
         if self.rank_order is None:
@@ -70,8 +76,48 @@ class TitanscaleTrainer(Trainer):
             metrics.useful_ntokens_since_last_log += int((labels != IGNORE_INDEX).sum())
             yield input_dict, labels
 
+    def _start_watchdog(self) -> StepWatchdog:
+        groups = {
+            name: [int(r) for r in mesh.mesh.flatten().tolist()]
+            for name, mesh in self.parallel_dims.get_all_one_dimensional_meshes().items()
+        }
+        return StepWatchdog(
+            rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0,
+            world_size=self.parallel_dims.world_size,
+            timeout_s=self.config.comm.train_timeout_seconds,
+            first_timeout_s=self.config.comm.init_timeout_seconds,
+            groups=groups,
+            store=default_store(),
+            attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        ).start()
+
+    def train_step(self, data_iterator) -> None:
+        wd = self.watchdog
+        if wd is None:
+            return super().train_step(data_iterator)
+        wd.begin(self.step)
+        try:
+            super().train_step(data_iterator)
+        except Exception as e:
+            if self.parallel_dims.world_size > 1 and looks_like_timeout(e):
+                msg = wd.collective_failed(self.step, e)
+                from torchtitan.tools.logging import logger
+
+                logger.error(msg)
+                raise RankTimeoutError(msg) from e
+            raise
+        wd.end()
+
+    def forward_backward_step(self, **kwargs: Any) -> torch.Tensor:
+        faults.inject("step", self.step)
+        return super().forward_backward_step(**kwargs)
+
     def train(self) -> None:
-        super().train()
+        self.watchdog = self._start_watchdog()
+        try:
+            super().train()
+        finally:
+            self.watchdog.stop()
         metrics = self.metrics_processor
         assert isinstance(metrics, TitanscaleMetrics)
         self.summary = metrics.finish()
