@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
@@ -133,9 +134,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
+            lines = str(e).splitlines()
+            why = next(
+                (ln.strip() for ln in lines if "Unsupported" in ln), lines[0] if lines else ""
+            )
             raise pickle.UnpicklingError(
                 f"checkpoint item {read_item.dest_index.fqn!r} is not plain data; refusing "
-                f"to run code from it ({str(e).splitlines()[0]})"
+                f"to run code from it ({why[:200]})"
             ) from None
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._nested_dict import set_element
@@ -420,7 +425,7 @@ class AtomicCheckpointManager(CheckpointManager):
                 err = None
                 try:
                     loaded = super()._load(s)
-                except Exception as e:
+                except (Exception, CheckpointException) as e:  # DCP's is a BaseException
                     err = f"loading failed: {type(e).__name__}: {str(e)[:500]}"
                 # Every rank takes the same branch even if the failure was local to one.
                 problems = self._gather([err] if err else [])

@@ -100,8 +100,9 @@ def inject(point: str, step: int) -> None:
     for f in faults:
         if not f.matches(point, step, rank, restart):
             continue
+        where = f"in step {step}" if point == "step" else f"in the step-{step} checkpoint save"
         print(
-            f"titanscale fault injection: {f.kind} rank {rank} at {point} of step {step}",
+            f"titanscale fault injection: {f.kind} rank {rank} {where}",
             file=sys.stderr,
             flush=True,
         )
