@@ -8,6 +8,7 @@ dp_shard groups, runs the startup check (must pass), then checks the plain rank 
 """
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -32,7 +33,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     # torchtitan gives size-1 mesh axes the "fake" backend; on CPU it must be registered
     # (the runtime's CPU platform layer does the same).
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+    importlib.import_module("torch.testing._internal.distributed.fake_pg")
     from torchtitan.config.configs import ParallelismConfig
 
     from parallel.mesh import make_parallel_dims
@@ -47,7 +48,9 @@ def main() -> None:
     tp_ranks = sorted(int(r) for r in tp_mesh.mesh.flatten().tolist())
     x = torch.tensor([float(rank)])
     dist.all_reduce(x, group=tp_mesh.get_group())
-    shard_mesh = pd.get_mesh("dp_shard") if pd.spmd_backend != "partial_dtensor" else pd.get_mesh("fsdp")
+    shard_mesh = (
+        pd.get_mesh("dp_shard") if pd.spmd_backend != "partial_dtensor" else pd.get_mesh("fsdp")
+    )
     shard_ranks = sorted(int(r) for r in shard_mesh.mesh.flatten().tolist())
     y = torch.tensor([float(rank)])
     dist.all_reduce(y, group=shard_mesh.get_group())
