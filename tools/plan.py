@@ -70,6 +70,8 @@ def placement_report(best, cluster, fabric, limit: int) -> tuple[str, dict]:
     from parallel.placement import (
         cross_switch_traffic,
         group_spans,
+        monotone_violation,
+        node_order,
         placement_table,
         plain_rank_order,
         planned_rank_order,
@@ -113,7 +115,19 @@ def placement_report(best, cluster, fabric, limit: int) -> tuple[str, dict]:
     out.append("spine GB/step by axis (planned vs plain): " + ", ".join(
         f"{a} {v['planned_spine_gb']:.1f} vs {v['plain_spine_gb']:.1f}" for a, v in by_axis.items()
     ))  # fmt: skip
-    return "\n".join(out), {"rank_order": planned, **rows, "spine_gb_by_axis": by_axis}
+    hosts = node_order(lay, fabric)
+    bad = monotone_violation(lay, planned)
+    out.append(
+        "launch: node ranks in this host order (torchrun --node_rank=i on host i): "
+        + " ".join(hosts[:16])
+        + (f" ... ({len(hosts)} hosts)" if len(hosts) > 16 else "")
+    )
+    out.append(
+        "as a permuted world mesh on the current launch order: "
+        + ("safe (every group increasing)" if bad is None else f"not safe ({bad} decreases); use the node order")
+    )
+    info = {"rank_order": planned, "node_order": hosts, "mesh_permutation_safe": bad is None}
+    return "\n".join(out), {**info, **rows, "spine_gb_by_axis": by_axis}
 
 
 @exit_on_config_error
@@ -129,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="`scontrol show topology` output to take switch paths from")  # fmt: skip
     p.add_argument("--nodelist", default=None, help="SLURM_JOB_NODELIST (launch order)")
     p.add_argument("--placement-rows", type=int, default=64, help="ranks listed by --placement")
+    p.add_argument("--time", type=int, default=0, metavar="N",
+                   help="also time the search N times (wall and CPU seconds, to stderr)")  # fmt: skip
     args = p.parse_args(argv)
     if args.top < 1:
         raise ConfigError(f"expected a positive count, got {args.top}", key="--top")
@@ -139,7 +155,23 @@ def main(argv: list[str] | None = None) -> None:
     fabric = None
     if args.placement or args.slurm_topology or args.nodelist:
         cluster, fabric = fabric_for(args, cluster)
-    res = search(recipe, cluster)
+    res = search(recipe, cluster, nodes=cluster.nodes)
+    if args.time > 0:
+        import statistics
+        import time
+
+        walls, cpus = [], []
+        for _ in range(args.time):
+            w0, c0 = time.perf_counter(), time.process_time()
+            search(recipe, cluster, nodes=cluster.nodes)
+            walls.append(time.perf_counter() - w0)
+            cpus.append(time.process_time() - c0)
+        print(
+            f"search time over {args.time} runs: wall min {min(walls):.3f} s, median "
+            f"{statistics.median(walls):.3f} s; CPU min {min(cpus):.3f} s, median "
+            f"{statistics.median(cpus):.3f} s ({res.candidates} candidates, {len(res.plans)} fit)",
+            file=sys.stderr,
+        )
     top = res.plans[: args.top]
     add_traffic(top, cluster)
     extra: dict = {}

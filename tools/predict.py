@@ -28,7 +28,7 @@ def predict_recipe(recipe, cluster) -> tuple[dict, object]:
 
     world = cluster.world_size
     if recipe.parallel.auto:
-        plan = best_plan(recipe, cluster)
+        plan = best_plan(recipe, cluster, nodes=cluster.nodes)
         layout, pred = plan.layout, plan.prediction
         extra = {"plan": plan.to_json()}
     else:
@@ -62,7 +62,7 @@ def predict_recipe(recipe, cluster) -> tuple[dict, object]:
             },
             "world_size": world,
             "gpu": cluster.gpu,
-            "memory_fits": pred.memory.required_gib <= hbm,
+            "memory_fits": pred.memory.required_gib_on(cluster.gpu) <= hbm,
             "memory_breakdown_gib": {
                 k: round(v, 2) for k, v in pred.memory.breakdown_gib().items()
             },
