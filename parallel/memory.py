@@ -49,6 +49,7 @@ CPU_RUNTIME_OVERHEAD_GIB = 0.8
 def runtime_overhead_gib(gpu: str) -> float:
     return CPU_RUNTIME_OVERHEAD_GIB if gpu == "cpu" else RUNTIME_OVERHEAD_GIB
 
+
 # Bytes per logit element alive at the loss: bf16 logits (2) + fp32 upcast (4) + fp32
 # log-softmax kept for backward (4). torch.compile fuses the upcast into the loss.
 LOGIT_BYTES_EAGER = 10

@@ -16,7 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_row_within_25_percent(row):
     pred = row.predict().tokens_per_sec_per_gpu
     err = pred / row.tokens_per_sec_per_gpu - 1
-    assert abs(err) <= DRIFT, f"{row.name}: predicted {pred:.0f}, published {row.tokens_per_sec_per_gpu}"
+    assert abs(err) <= DRIFT, (
+        f"{row.name}: predicted {pred:.0f}, published {row.tokens_per_sec_per_gpu}"
+    )
 
 
 def test_calibration_table_is_current():

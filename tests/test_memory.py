@@ -30,7 +30,9 @@ def test_published_memory_rows(row):
 def test_parts_move_the_right_way():
     s = model_shape("70B")
     w = Workload(s, 8192, 2, Layout(dp_shard=8, tp=8), ac="none")
-    none_, sel, full = (layer_activation_bytes(w.with_(ac=a)) for a in ("none", "selective", "full"))
+    none_, sel, full = (
+        layer_activation_bytes(w.with_(ac=a)) for a in ("none", "selective", "full")
+    )
     assert none_ > sel > full == 2 * s.dim / 8
     assert layer_activation_bytes(w.with_(compile=True)) < none_
     assert layer_activation_bytes(w.with_(dtype="float32")) == 2 * none_
@@ -44,7 +46,9 @@ def test_parts_move_the_right_way():
     prof = memory_profile(w)
     for f in (1, 8, 64):
         lay = Layout(dp_shard=f, tp=8)
-        assert prof.required_gib(f) == pytest.approx(estimate_memory(w.with_(layout=lay)).required_gib)
+        assert prof.required_gib(f) == pytest.approx(
+            estimate_memory(w.with_(layout=lay)).required_gib
+        )
 
 
 def test_pipeline_schedules_hold_the_right_microbatches():

@@ -29,7 +29,9 @@ def _torchrun(nproc: int, script: str, args: list[str], env: dict | None = None,
 
 
 def test_placed_mesh_groups_collectives_and_startup_check(tmp_path):
-    _torchrun(4, "tests/multiproc/placed_mesh_worker.py", ["--out", str(tmp_path), "--order", "0,2,1,3"])
+    _torchrun(
+        4, "tests/multiproc/placed_mesh_worker.py", ["--out", str(tmp_path), "--order", "0,2,1,3"]
+    )
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     # Mesh (dp_shard 2 x tp 2) positions 0..3 hold ranks 0,2,1,3: tp groups {0,2}, {1,3}
     # (plain order would give {0,1}, {2,3}); dp_shard groups {0,1}, {2,3}.
@@ -46,7 +48,10 @@ def test_placed_mesh_groups_collectives_and_startup_check(tmp_path):
         assert r["shard_sum"] == sum(want_shard[rank])
         # Faked hosts: rank r on node<r % 2>. Placement keeps each tp group on one host.
         assert "NVLink domains 1-1" in r["summary"].splitlines()[1]
-        assert "tp group [0, 1]" in r["plain_error"] and "rank 0 on node0, rank 1 on node1" in r["plain_error"]
+        assert (
+            "tp group [0, 1]" in r["plain_error"]
+            and "rank 0 on node0, rank 1 on node1" in r["plain_error"]
+        )
 
 
 def test_permuted_mesh_trains_to_the_unpermuted_losses(tmp_path, seed_checkpoint):
@@ -57,8 +62,12 @@ def test_permuted_mesh_trains_to_the_unpermuted_losses(tmp_path, seed_checkpoint
     losses = {}
     runs = (
         ("unpermuted", 1, ["training.local_batch_size=4"], ""),
-        ("permuted", 4, ["training.local_batch_size=2", "parallel.dp_shard=2", "parallel.tp=2"],
-         "0,2,1,3"),  # fmt: skip
+        (
+            "permuted",
+            4,
+            ["training.local_batch_size=2", "parallel.dp_shard=2", "parallel.tp=2"],
+            "0,2,1,3",
+        ),  # fmt: skip
     )
     for name, nproc, extra, order in runs:
         out = tmp_path / name

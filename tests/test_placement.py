@@ -49,7 +49,10 @@ def test_16_nodes_4_leaves_shuffled_planned_beats_plain_order():
     assert t_plan.leaf_gb <= t_plain.leaf_gb
     spans = group_spans(lay, planned, fabric)
     assert spans["dp_shard"].leaves == 2 and spans["tp"].domains == 1
-    assert group_spans(lay, plain, fabric)["dp_shard"].ring_leaf_hops > spans["dp_shard"].ring_leaf_hops
+    assert (
+        group_spans(lay, plain, fabric)["dp_shard"].ring_leaf_hops
+        > spans["dp_shard"].ring_leaf_hops
+    )
     # And the model prices the difference (oversubscribed spine).
     fast = predict(w, c, spans).tokens_per_sec_per_gpu
     slow = predict(w, c, group_spans(lay, plain, fabric)).tokens_per_sec_per_gpu

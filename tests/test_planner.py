@@ -117,7 +117,9 @@ clusters = st.builds(
 def test_plan_properties(cs, recipe, seq, lbs):
     cluster, seed = cs
     if cluster.nodes % cluster.nodes_per_domain:
-        cluster = cluster.with_nodes(cluster.nodes_per_domain * max(1, cluster.nodes // cluster.nodes_per_domain))
+        cluster = cluster.with_nodes(
+            cluster.nodes_per_domain * max(1, cluster.nodes // cluster.nodes_per_domain)
+        )
     r = _recipe(recipe, f"training.seq_len={seq}", f"training.local_batch_size={lbs}",
                 "parallel.world_size=0")  # fmt: skip
     plans = plan(r, cluster)

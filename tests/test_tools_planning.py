@@ -18,7 +18,9 @@ PLAN_KEYS = {
 
 
 def test_plan_json(capsys):
-    plan_cli.main(["--recipe", "llama3_70b_h100", "--cluster", "hgx_h100_ib", "--top", "5", "--json"])
+    plan_cli.main(
+        ["--recipe", "llama3_70b_h100", "--cluster", "hgx_h100_ib", "--top", "5", "--json"]
+    )
     out = json.loads(capsys.readouterr().out)
     assert list(out) == ["plans"] and len(out["plans"]) == 5
     assert all(set(p) >= PLAN_KEYS for p in out["plans"])
@@ -79,14 +81,32 @@ def test_predict_json_and_set(capsys):
     "argv,fragment,clis",
     [
         (["--recipe", "llama3_8b", "--cluster", "hgx_h100_lb"], "did you mean 'hgx_h100_ib'", "pd"),
-        (["--recipe", "llama3_8b", "--cluster", "hgx_h100_ib", "--set", "parallel.tpp=2"],
-         "did you mean 'tp'", "pd"),  # fmt: skip
+        (
+            ["--recipe", "llama3_8b", "--cluster", "hgx_h100_ib", "--set", "parallel.tpp=2"],
+            "did you mean 'tp'",
+            "pd",
+        ),  # fmt: skip
         (["--recipe", "llama3_8b", "--cluster", "hgx_h100_ib", "--nodes", "0"], "--nodes", "pd"),
         (["--recipe", "nope", "--cluster", "hgx_h100_ib"], "file not found", "pd"),
         # The planner ignores the recipe's degrees; pricing them checks them.
-        (["--recipe", "llama3_8b", "--cluster", "hgx_h100_ib", "--nodes", "3", "--set",
-          "parallel.tp=3", "--set", "parallel.dp_shard=-1", "--set", "parallel.world_size=0"],
-         "parallel.tp: tp=3 must divide the attention heads", "d"),  # fmt: skip
+        (
+            [
+                "--recipe",
+                "llama3_8b",
+                "--cluster",
+                "hgx_h100_ib",
+                "--nodes",
+                "3",
+                "--set",
+                "parallel.tp=3",
+                "--set",
+                "parallel.dp_shard=-1",
+                "--set",
+                "parallel.world_size=0",
+            ],
+            "parallel.tp: tp=3 must divide the attention heads",
+            "d",
+        ),  # fmt: skip
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, fragment, clis, capsys):

@@ -124,7 +124,11 @@ def placement_report(best, cluster, fabric, limit: int) -> tuple[str, dict]:
     )
     out.append(
         "as a permuted world mesh on the current launch order: "
-        + ("safe (every group increasing)" if bad is None else f"not safe ({bad} decreases); use the node order")
+        + (
+            "safe (every group increasing)"
+            if bad is None
+            else f"not safe ({bad} decreases); use the node order"
+        )
     )
     info = {"rank_order": planned, "node_order": hosts, "mesh_permutation_safe": bad is None}
     return "\n".join(out), {**info, **rows, "spine_gb_by_axis": by_axis}
