@@ -147,3 +147,26 @@ def test_planner_leaves_the_recipe_alone():
     before = copy.deepcopy(r)
     plan(r, load_cluster("hgx_h100_ib"))
     assert r == before
+
+
+@pytest.mark.parametrize(
+    "recipe,cluster",
+    [
+        ("recipes/llama3_8b.toml", "hgx_h100_ib"),
+        ("recipes/llama3_70b.toml", "hgx_h100_ib"),
+        ("recipes/llama3_70b_h100.toml", "hgx_h100_ib"),
+        ("recipes/llama3_70b_b200.toml", "hgx_b200_ib"),
+        ("recipes/llama3_405b.toml", "hgx_h100_ib"),
+    ],
+)
+def test_shipped_recipes_fit_their_hardware(recipe, cluster):
+    """The memory model says every shipped GPU recipe's own layout fits its GPUs."""
+    from parallel.perf import predict
+    from parallel.workload import workload_from_recipe
+
+    r = load_recipe(recipe)
+    lay = check_recipe(r)
+    c = load_cluster(cluster, nodes=lay.world_size // 8)
+    p = predict(workload_from_recipe(r, lay, c), c)
+    assert p.memory.required_gib_on(c.gpu) <= c.hbm_bytes / 2**30, p.memory.breakdown_gib()
+    assert p.tokens_per_sec_per_gpu > 0

@@ -271,6 +271,11 @@ def chart(claims: list[Claim], results: dict[str, dict], path: Path) -> None:
             colors.append("#d62728" if "impossible" in p["verdict"] else "#1f77b4")
         for p in r["predictions"]:
             if "error" in p:
+                labels.append(
+                    f"predicted\n{p['nodes']} node{'s' if p['nodes'] > 1 else ''}\n(no fit)"
+                )
+                vals.append(0)
+                colors.append("#cccccc")
                 continue
             labels.append(f"predicted\n{p['nodes']} node{'s' if p['nodes'] > 1 else ''}")
             vals.append(p["tokens_per_sec_per_gpu"])
