@@ -206,6 +206,9 @@ class CheckpointSection:
     def __post_init__(self) -> None:
         _positive("interval", self.interval, allow_zero=True)
         _positive("keep_latest", self.keep_latest, allow_zero=True)
+        if self.keep_latest == 1:
+            # The newest checkpoint may still be being written; the one before must survive.
+            raise ConfigError("expected 0 (keep all) or at least 2, got 1", key="keep_latest")
 
 
 @dataclass
