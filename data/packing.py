@@ -134,6 +134,10 @@ class Packer:
         raise NotImplementedError
 
     # -- shared ---------------------------------------------------------------------------
+    def padding_row(self) -> Row:
+        """A row of padding only (counted), to even out the last group of a finite stream."""
+        return self._emit(())
+
     def pending_docs(self) -> list[int]:
         return [s[0] for s in self.state()]
 
@@ -319,9 +323,7 @@ class BestFitDecreasingPacker(Packer):
         # Emit in data order (by the earliest document in each row) for readability of
         # the stream; the choice does not affect padding.
         out.sort(key=lambda b: min(it.piece.doc for it in b.items))
-        rows = [
-            self._emit(sorted((it.piece for it in b.items), key=lambda p: p.doc)) for b in out
-        ]
+        rows = [self._emit(sorted((it.piece for it in b.items), key=lambda p: p.doc)) for b in out]
         # Held-back items keep arrival order so that a restored buffer is identical.
         order = {id(it): i for i, it in enumerate(self._items)}
         keep.sort(key=lambda it: order[id(it)])
