@@ -63,6 +63,14 @@ def attention_pairs(positions: torch.Tensor) -> AttentionPairs:
     return AttentionPairs(doc_causal=doc, causal=B * L * (L + 1) // 2, full=B * L * L)
 
 
+def doc_masked_flops(shape, tokens: int, doc_pairs: int) -> float:
+    """Training FLOPs (fwd + bwd) of `tokens` positions whose attention kept `doc_pairs`
+    (query, key) pairs: accumulate both per logging interval (`attention_pairs(positions)`
+    per batch) and divide by interval time x devices for a document-masked MFU."""
+    attn = 12 * shape.n_layers * shape.n_heads * shape.head_dim * doc_pairs
+    return 6 * shape.non_embedding_params * tokens + attn
+
+
 def doc_masked_flops_per_token(shape, positions: torch.Tensor) -> float:
     """FLOPs per token (fwd + bwd) with attention counted only over document-masked pairs.
 
@@ -71,10 +79,8 @@ def doc_masked_flops_per_token(shape, positions: torch.Tensor) -> float:
     token is 12 x layers x heads x head_dim x (pairs / tokens) with pairs = L^2 per row in
     torchtitan's count, and here the pairs the document mask keeps.
     """
-    pairs = attention_pairs(positions)
     tokens = positions.numel()
-    attn = 12 * shape.n_layers * shape.n_heads * shape.head_dim * pairs.doc_causal / tokens
-    return 6 * shape.non_embedding_params + attn
+    return doc_masked_flops(shape, tokens, attention_pairs(positions).doc_causal) / tokens
 
 
 def mfu_doc_masked_pct(

@@ -209,6 +209,29 @@ def local_files(path: Path, *, file: str | None, key: str) -> tuple[str, list[Pa
     return kinds[0], files
 
 
+def check_source(spec: str, *, file: str | None = None, key: str = "data.source") -> str:
+    """Cheap validation of `[data] source` (no `datasets` import, nothing read): returns
+    'stdlib', 'local' or 'hub', or raises ConfigError naming the key."""
+    if spec == "stdlib":
+        return "stdlib"
+    path = Path(spec)
+    if path.exists():
+        local_files(path, file=file, key=key)
+        return "local"
+    looks_local = spec.startswith((".", "/", "~")) or path.suffix.lower() in KINDS
+    if looks_local or spec.count("/") > 1 or not spec.strip():
+        raise ConfigError(f"{spec!r} does not exist", file=file, key=key)
+    if _offline():
+        raise ConfigError(
+            f"{spec!r} is not a local file or folder, and the Hugging Face hub is offline "
+            "(HF_HUB_OFFLINE / HF_DATASETS_OFFLINE): download the dataset and point "
+            "data.source at the local copy",
+            file=file,
+            key=key,
+        )
+    return "hub"
+
+
 def open_source(
     spec: str,
     *,
@@ -218,20 +241,20 @@ def open_source(
     key: str = "data.source",
 ) -> Source:
     """Resolve `[data] source`: 'stdlib', a local file/folder, or a hub dataset name."""
-    if spec == "stdlib":
-        return StdlibSource()
-    path = Path(spec)
     if streaming not in ("auto", "always", "never"):
         raise ConfigError(
             f"expected 'auto', 'always' or 'never', got {streaming!r}",
             file=file,
             key="data.streaming",
         )
+    where = check_source(spec, file=file, key=key)
+    if where == "stdlib":
+        return StdlibSource()
     import datasets
 
     datasets.disable_progress_bars()
-    if path.exists():
-        kind, files = local_files(path, file=file, key=key)
+    if where == "local":
+        kind, files = local_files(Path(spec), file=file, key=key)
         size = sum(p.stat().st_size for p in files)
         stream = streaming == "always" or (streaming == "auto" and size > STREAM_ABOVE_BYTES)
         names = [str(p) for p in files]
@@ -257,17 +280,6 @@ def open_source(
         desc = f"{kind}:{spec} ({len(files)} file{'s' if len(files) != 1 else ''}"
         desc += ", streaming)" if stream else ")"
         return DatasetsSource(ds, kind=kind, text_field=text_field, description=desc)
-    looks_local = spec.startswith((".", "/", "~")) or Path(spec).suffix.lower() in KINDS
-    if looks_local or spec.count("/") > 1:
-        raise ConfigError(f"{spec!r} does not exist", file=file, key=key)
-    if _offline():
-        raise ConfigError(
-            f"{spec!r} is not a local file or folder, and the Hugging Face hub is offline "
-            "(HF_HUB_OFFLINE / HF_DATASETS_OFFLINE): download the dataset and point "
-            "data.source at the local copy",
-            file=file,
-            key=key,
-        )
     try:
         ds = datasets.load_dataset(spec, split="train", streaming=True)
     except Exception as e:

@@ -136,6 +136,9 @@ def build_trainer_config(
             source=recipe.data.source,
             packing=recipe.data.packing,
             text_field=recipe.data.text_field,
+            window=recipe.data.window,
+            bad_records=recipe.data.bad_records,
+            streaming=recipe.data.streaming,
         ),
         metrics=TitanscaleMetrics.Config(
             log_freq=recipe.metrics.log_every,

@@ -55,3 +55,27 @@ def doc_text(i: int, n: int) -> str:
 def random_lengths(seed: int, count: int, lo: int = 1, hi: int = 300) -> list[int]:
     rng = random.Random(seed)
     return [rng.choice([rng.randint(lo, 40), rng.randint(lo, hi)]) for _ in range(count)]
+
+
+def make_tokenizer_dir(path, texts: list[str], vocab_size: int = 320) -> str:
+    """A small byte-level BPE folder (tokenizer.json + tokenizer_config.json) in a second."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>"})
+    )
+    return str(path)
