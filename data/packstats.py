@@ -68,11 +68,11 @@ def measure_packing(
         bad_records=bad_records,
         infinite=False,
     )
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     rows = 0
     for _ in stream:
         rows += 1
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     st = stream.packing_stats()
     return {
         "source": src.description,
@@ -86,6 +86,7 @@ def measure_packing(
         "split_documents_fraction": st["split_documents_fraction"],
         "tokens_per_sec": st["useful_tokens"] / dt if dt > 0 else None,
         "seconds": dt,
+        "tokens_per_cpu_sec": st["useful_tokens"] / cpu if cpu > 0 else None,
         "packing_efficiency": st["packing_efficiency"],
         "split_documents": st["split_documents"],
         "bad_records": st["bad_records"],
@@ -113,11 +114,11 @@ def measure_torchtitan(texts: list[str], tokenizer, *, seq_len: int) -> dict[str
         hf = td.HuggingFaceTextDataset(
             dataset_name=name, dataset_path=None, tokenizer=tokenizer, seq_len=seq_len
         )
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         rows = 0
         for _ in hf:
             rows += 1
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     finally:
         del td.DATASETS[name]
     placed = rows * seq_len
@@ -134,4 +135,5 @@ def measure_torchtitan(texts: list[str], tokenizer, *, seq_len: int) -> dict[str
         "dropped_fraction": dropped / (placed + dropped) if placed + dropped else 0.0,
         "tokens_per_sec": placed / dt if dt > 0 else None,
         "seconds": dt,
+        "tokens_per_cpu_sec": placed / cpu if cpu > 0 else None,
     }
