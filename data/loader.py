@@ -157,10 +157,11 @@ class PackedStream(IterableDataset, Stateful):
                         break
                 else:
                     exhausted = True
-                texts = [t for _, t, bad in chunk if bad is None]
+                # A record has text xor a bad-record reason (data.sources contract).
+                texts = [t for _, t, _ in chunk if t is not None]
                 encoded = iter(encode_documents(self.tokenizer, texts)) if texts else iter(())
-                for idx, _text, bad in chunk:
-                    ids = next(encoded) if bad is None else None
+                for idx, text, bad in chunk:
+                    ids = next(encoded) if text is not None else None
                     if ids is not None and len(ids) < 2:
                         bad = "empty"  # no next-token pair (a tokenizer without BOS/EOS)
                     self._next_record = idx + 1
