@@ -54,8 +54,17 @@ class ModelSection:
         ),
     )
 
+    layers: int = field(
+        default=0,
+        metadata=doc(
+            "Keep only the first N transformer layers of the flavor (0 = all): a model slice "
+            "with the flavor's layer shapes, for benchmarks and memory checks."
+        ),
+    )
+
     def __post_init__(self) -> None:
         _positive("vocab_size", self.vocab_size, allow_zero=True)
+        _positive("layers", self.layers, allow_zero=True)
 
 
 @dataclass

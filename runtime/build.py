@@ -77,6 +77,8 @@ def build_trainer_config(
         attn_backend="varlen" if kernels.attention == "varlen" else "flex",
         converters=kernels.converters or None,
     )
+    if recipe.model.layers:
+        spec.model.layers = spec.model.layers[: recipe.model.layers]
     _set_inner_attention(spec.model, kernels.attention)
     if recipe.model.vocab_size:
         spec.model.vocab_size = recipe.model.vocab_size
