@@ -88,7 +88,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--core", type=int, default=0, help="CPU core to pin to")
     ap.add_argument("--out", default=str(HERE / "packing"))
+    ap.add_argument("--render", action="store_true", help="rewrite the .md from the .json")
     args = ap.parse_args(argv)
+    if args.render:
+        Path(args.out + ".md").write_text(render(json.loads(Path(args.out + ".json").read_text())))
+        return
 
     # One core: pin this process and stop `tokenizers` from spawning its thread pool.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -222,12 +226,17 @@ def render(r: dict) -> str:
         )
     lines += [
         "",
-        "Reading: bfd splits only documents longer than seq_len (their full seq_len chunks are "
-        "rows of their own); concat splits every document that straddles a row boundary. "
-        "Tokenization dominates the end-to-end time; the packing decision itself is cheap. "
-        "With the global stream (every rank tokenizes every document, data/loader.py), one "
-        "core's end-to-end tokens/s bounds the data-parallel size x tokens/s per replica a "
-        "single loader process can feed.",
+        "Reading: bfd pads under 1% (target) and splits only documents longer than seq_len "
+        "(their full seq_len chunks are rows of their own); concat splits every document "
+        "that straddles a row boundary; none pads heavily on this corpus of long files. "
+        "Tokenization dominates the end-to-end time and the packing decision itself is "
+        "cheap, so every packer runs at torchtitan's speed within this machine's noise "
+        "(CPU-time rates moved by about 15% between runs on the shared 2 cores). The "
+        "document mask keeps 74-95% of plain causal attention's (query, key) pairs here: "
+        "bfd keeps more than concat because it splits fewer documents. With the global "
+        "stream (every rank tokenizes every document, data/loader.py), one core's "
+        "end-to-end rate bounds dp x tokens/s per data-parallel replica for one loader "
+        "process.",
         "",
     ]
     return "\n".join(lines)
