@@ -149,6 +149,8 @@ def build_trainer_config(
             summary_skip_steps=recipe.metrics.summary_skip_steps,
             precision=kernels.precision,
             device_name=platform.device_name,
+            flavor=recipe.model.flavor,
+            n_layers=recipe.model.layers,
             disable_color_printing=True,
         ),
         checkpoint=CheckpointManager.Config(
