@@ -121,9 +121,9 @@ class SafeFileSystemReader(FileSystemReader):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             md = load_metadata(f)
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id
+        meta = getattr(md, "storage_meta", None) or StorageMeta()
+        meta.load_id = self.load_id
+        md.storage_meta = meta
         return md
 
 

@@ -50,7 +50,7 @@ def looks_like_timeout(exc: BaseException) -> bool:
 def main_thread_location(depth: int = 4) -> tuple[str, bool]:
     """(where the main thread is, as 'file:line fn <- ...', whether it waits for peers)."""
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
-    frames = []
+    frames: list[Any] = []
     while frame is not None and len(frames) < 12:
         frames.append(frame)
         frame = frame.f_back
