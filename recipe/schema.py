@@ -35,9 +35,9 @@ class JobSection:
     collective_timeout_s: int = field(
         default=100,
         metadata=doc(
-            "Seconds a collective (or a training step, for the step watchdog) may wait "
-            "after the first step before the job stops with a message naming the rank that "
-            "stopped answering. Also bounds checkpoint-save collectives."
+            "Seconds a collective may wait after the first step before the job stops with a "
+            "message naming the rank that stopped answering (also bounds checkpoint-save "
+            "collectives). A training step may take max(this, 4 x its longest step so far)."
         ),
     )
     init_timeout_s: int = field(

@@ -86,7 +86,8 @@ def check_environment(recipe: Recipe) -> None:
     _probe_writable(out, file=f, key="job.output_dir")
     need, what = MIN_FREE_BYTES, "metrics"
     where, key = out, "job.output_dir"
-    if recipe.checkpoint.interval > 0:
+    # runtime.build enables checkpointing (a save at the last step at least) for either.
+    if recipe.checkpoint.interval > 0 or recipe.checkpoint.load_from:
         where = Path(recipe.checkpoint_dir)
         key = "checkpoint.folder" if recipe.checkpoint.folder else "job.output_dir"
         _probe_writable(where, file=f, key=key)

@@ -5,9 +5,9 @@ their errors say only "Timed out waiting 5000ms for recv operation" on the ranks
 waited, and the launcher then blames the rank that raised first. The watchdog adds who:
 
 - The training loop marks each `train_step` begin and end. A daemon thread per rank
-  notices a step running longer than the timeout (the first step of a process gets
-  `job.init_timeout_s`: compilation, first collectives) and looks at where the main
-  thread is. Its innermost frames under `torch/distributed` mean "waiting for peers";
+  notices a step running longer than max(timeout, STEP_SLACK x the longest step so far)
+  (the first step of a process gets `job.init_timeout_s`: compilation, first
+  collectives) and looks at where the main thread is. Its innermost frames under `torch/distributed` mean "waiting for peers";
   anything else means "this rank is not answering" (a hang in our code, a data read, a
   kernel that never finishes...).
 - It publishes that report in the job's c10d store, which needs no collective.
@@ -35,6 +35,11 @@ from typing import Any
 from torchtitan.tools.logging import logger
 
 EXIT_HUNG = 3
+# A step may run this many times the longest step seen so far (when that is above the
+# collective timeout): a job whose healthy steps take minutes (large gradient accumulation)
+# is not killed, and a hung rank is still named, by the others' reports, when the
+# collectives time out.
+STEP_SLACK = 4
 _COLLECTIVE_DIRS = (os.sep + os.path.join("torch", "distributed") + os.sep,)
 
 
@@ -97,6 +102,7 @@ class StepWatchdog:
         self._step: int | None = None
         self._began = 0.0
         self._completed = 0
+        self._longest = 0.0
         self._reported_step: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -109,6 +115,8 @@ class StepWatchdog:
         self._step = step
 
     def end(self) -> None:
+        if self._completed > 0:  # the first step (compilation, warmup) says nothing
+            self._longest = max(self._longest, time.monotonic() - self._began)
         self._step = None
         self._completed += 1
 
@@ -136,7 +144,9 @@ class StepWatchdog:
     # --- the thread
 
     def deadline_s(self) -> float:
-        return self.first_timeout_s if self._completed == 0 else self.timeout_s
+        if self._completed == 0:
+            return self.first_timeout_s
+        return max(self.timeout_s, STEP_SLACK * self._longest)
 
     def _run(self, poll: float) -> None:
         while not self._stop.wait(poll):

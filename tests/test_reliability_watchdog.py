@@ -8,7 +8,13 @@ from __future__ import annotations
 import json
 import time
 
-from runtime.watchdog import EXIT_HUNG, StepWatchdog, looks_like_timeout, main_thread_location
+from runtime.watchdog import (
+    EXIT_HUNG,
+    STEP_SLACK,
+    StepWatchdog,
+    looks_like_timeout,
+    main_thread_location,
+)
 
 
 class DictStore:
@@ -62,12 +68,16 @@ def test_no_false_alarm_while_steps_finish_in_time():
     assert exits == []
 
 
-def test_first_step_gets_the_init_timeout():
-    wd = StepWatchdog(rank=0, world_size=1, timeout_s=5, first_timeout_s=300)
+def test_first_step_gets_the_init_timeout_and_long_steps_stretch_the_deadline():
+    wd = StepWatchdog(rank=0, world_size=1, timeout_s=0.2, first_timeout_s=300)
     assert wd.deadline_s() == 300
     wd.begin(1)
     wd.end()
-    assert wd.deadline_s() == 5
+    assert wd.deadline_s() == 0.2
+    wd.begin(2)
+    time.sleep(0.3)  # a healthy step longer than the timeout
+    wd.end()
+    assert wd.deadline_s() >= STEP_SLACK * 0.3
 
 
 def test_diagnosis_from_the_waiting_rank():
