@@ -62,9 +62,9 @@ class Layout:
         return tuple(self.degree(a) for a in MESH_ORDER)
 
     def describe(self) -> str:
-        return " x ".join(f"{a.value}{self.degree(a)}" for a in MESH_ORDER if self.degree(a) > 1) or (
-            "single process"
-        )
+        return " x ".join(
+            f"{a.value}{self.degree(a)}" for a in MESH_ORDER if self.degree(a) > 1
+        ) or ("single process")
 
 
 def resolve_layout(
@@ -75,8 +75,7 @@ def resolve_layout(
     if dp_shard == -1:
         if world_size % fixed:
             return (
-                f"dp_replicate x cp x tp x pp = {fixed} does not divide the world size "
-                f"{world_size}"
+                f"dp_replicate x cp x tp x pp = {fixed} does not divide the world size {world_size}"
             )
         dp_shard = world_size // fixed
     elif fixed * dp_shard != world_size:

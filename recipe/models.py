@@ -8,7 +8,7 @@ dimensions without building it. `model_shape(flavor)` builds torchtitan's model 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 # torchtitan's llama3 registry keys; the recipe contract names these four (1B/3B also work).
 LLAMA3_FLAVORS = ("debugmodel", "1B", "3B", "8B", "70B", "405B")
@@ -52,12 +52,13 @@ class ModelShape:
 
     def flops_per_token(self, seq_len: int) -> float:
         """torchtitan's count: 6 x non-embedding params + 12 x layers x heads x head_dim x seq."""
-        return 6 * self.non_embedding_params + 12 * self.n_layers * self.n_heads * (
-            self.head_dim
-        ) * seq_len
+        return (
+            6 * self.non_embedding_params
+            + 12 * self.n_layers * self.n_heads * (self.head_dim) * seq_len
+        )
 
 
-@lru_cache(maxsize=None)
+@cache
 def model_shape(flavor: str) -> ModelShape:
     """Shape of torchtitan's llama3 `flavor` (KeyError for unknown flavors)."""
     from torchtitan.models.llama3 import llama3_configs

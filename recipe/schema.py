@@ -54,8 +54,17 @@ class ModelSection:
         ),
     )
 
+    layers: int = field(
+        default=0,
+        metadata=doc(
+            "Keep only the first N transformer layers of the flavor (0 = all): a model slice "
+            "with the flavor's layer shapes, for benchmarks and memory checks."
+        ),
+    )
+
     def __post_init__(self) -> None:
         _positive("vocab_size", self.vocab_size, allow_zero=True)
+        _positive("layers", self.layers, allow_zero=True)
 
 
 @dataclass
@@ -206,6 +215,9 @@ class CheckpointSection:
     def __post_init__(self) -> None:
         _positive("interval", self.interval, allow_zero=True)
         _positive("keep_latest", self.keep_latest, allow_zero=True)
+        if self.keep_latest == 1:
+            # The newest checkpoint may still be being written; the one before must survive.
+            raise ConfigError("expected 0 (keep all) or at least 2, got 1", key="keep_latest")
 
 
 @dataclass

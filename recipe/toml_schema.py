@@ -132,9 +132,7 @@ def coerce(value: Any, tp: Any, *, file: str | None, key: str) -> Any:
         choices = get_args(tp)
         if value not in choices or type(value) is not type(choices[0]):
             hint = did_you_mean(str(value), [str(c) for c in choices])
-            raise ConfigError(
-                f"expected {_type_name(tp)}, got {value!r}{hint}", file=file, key=key
-            )
+            raise ConfigError(f"expected {_type_name(tp)}, got {value!r}{hint}", file=file, key=key)
         return value
     if origin in (typing.Union, types.UnionType):
         errors = []

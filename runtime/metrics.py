@@ -1,0 +1,231 @@
+"""The throughput report: torchtitan's MetricsProcessor, with honest, unit-named metrics.
+
+Definitions (per logged interval of `n` steps lasting `dt` seconds, on the rank that sees
+the loss):
+- tokens_per_sec_per_gpu = tokens this data-parallel rank consumed / (dt x pp x cp x tp):
+  all tokens of the global batch divided by all devices, padding included (torchtitan's tps).
+- useful_tokens_per_sec_per_gpu: the same for tokens whose label is not IGNORE_INDEX.
+- tokens_per_sec_per_node = tokens_per_sec_per_gpu x processes per node.
+- tflops_per_gpu = flops_per_token (torchtitan's count: 6N + 12 L H Q T) x tokens/s/gpu.
+- mfu_pct = tflops_per_gpu / the dense peak of this GPU at the linear layers' precision
+  (parallel.hardware); null on CPU or an unknown GPU ("n/a" on the console).
+The summary's median excludes the first `summary_skip_steps` steps (compile, allocator and
+collective warmup), and reports p10 / p90 next to it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torchtitan.components.metrics import MetricsProcessor, _get_metrics_rank
+from torchtitan.tools.logging import logger
+
+from parallel.hardware import peak_flops
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]) of a non-empty list."""
+    xs = sorted(values)
+    if len(xs) == 1:
+        return xs[0]
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(
+    records: list[dict[str, Any]], skip_steps: int, start_step: int = 0
+) -> dict[str, Any]:
+    """Steady-state summary of logged step records.
+
+    The first `skip_steps` steps run by this process (after `start_step`, the step it resumed
+    from) are warmup and excluded: a resumed run warms up again.
+    """
+    steady = [r for r in records if r.get("first_step", r["step"]) > start_step + skip_steps]
+    out: dict[str, Any] = {
+        "steps_logged": len(records),
+        "steps_in_summary": len(steady),
+        "warmup_steps_excluded": skip_steps,
+    }
+    if not steady:
+        out["note"] = "no steps after warmup; run more steps than metrics.summary_skip_steps"
+        return out
+    for key in (
+        "tokens_per_sec_per_gpu",
+        "useful_tokens_per_sec_per_gpu",
+        "tokens_per_sec_per_node",
+        "tflops_per_gpu",
+        "step_time_s",
+    ):
+        vals = [r[key] for r in steady if r.get(key) is not None]
+        if vals:
+            out[f"median_{key}"] = statistics.median(vals)
+            out[f"p10_{key}"] = percentile(vals, 10)
+            out[f"p90_{key}"] = percentile(vals, 90)
+    mfus = [r["mfu_pct"] for r in steady if r.get("mfu_pct") is not None]
+    out["median_mfu_pct"] = statistics.median(mfus) if mfus else None
+    out["peak_memory_gib"] = max(r["memory_gib"] for r in records)
+    out["final_loss"] = records[-1]["loss"]
+    return out
+
+
+class TitanscaleMetrics(MetricsProcessor):
+    """MetricsProcessor with useful-token accounting, per-node figures, JSONL and a summary."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MetricsProcessor.Config):
+        jsonl: bool = True
+        """Write metrics.jsonl (one flushed JSON object per logged step)."""
+
+        summary_skip_steps: int = 2
+        """Steps excluded from the steady-state summary."""
+
+        precision: str = "bf16"
+        """Precision of the linear layers, selecting the peak for MFU (bf16/fp8/mxfp8)."""
+
+        device_name: str = "cpu"
+        """Device name for the peak-FLOPs table."""
+
+    # Re-declared from the base class: mypy cannot infer them through torchtitan's slots.
+    time_last_log: float
+    ntokens_since_last_log: int
+
+    def __init__(self, config: Config, **kwargs: Any):
+        super().__init__(config, **kwargs)
+        self.tconfig = config
+        self.useful_ntokens_since_last_log = 0
+        self.last_logged_step = 0
+        self.start_step = 0
+        self.records: list[dict[str, Any]] = []
+        self.peak = peak_flops(config.device_name, config.precision)
+        self.procs_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        dump_folder = kwargs.get("dump_folder", "./outputs")
+        self.is_metrics_rank = (
+            not torch.distributed.is_initialized()
+            or torch.distributed.get_rank()
+            == _get_metrics_rank(
+                parallel_dims=kwargs["parallel_dims"],
+                pp_schedule=kwargs.get("pp_schedule", "1F1B"),
+            )
+        )
+        self.jsonl_path = os.path.join(dump_folder, "metrics.jsonl")
+        self.summary_path = os.path.join(dump_folder, "summary.json")
+        self._jsonl = None
+        if config.jsonl and self.is_metrics_rank:
+            os.makedirs(dump_folder, exist_ok=True)
+            # Append: a restarted or requeued job continues the same file; `event` lines mark
+            # each start so a reader can drop steps that a restart replays.
+            self._jsonl = open(self.jsonl_path, "a", buffering=1)  # noqa: SIM115
+
+    def write_event(self, event: str, **fields: Any) -> None:
+        if self._jsonl is not None:
+            rec = {"event": event, "time": time.time(), **fields}
+            self._jsonl.write(json.dumps(rec) + "\n")
+            self._jsonl.flush()
+
+    def log(
+        self,
+        step: int,
+        global_avg_loss: float,
+        global_max_loss: float,
+        grad_norm: float,
+        extra_metrics: dict[str, Any] | None = None,
+    ) -> None:
+        now = time.perf_counter()
+        dt = now - self.time_last_log
+        nsteps = max(step - self.last_logged_step, 1)
+        non_dp = self.parallel_dims.non_data_parallel_size
+        tps = self.ntokens_since_last_log / (dt * non_dp)
+        useful_tps = self.useful_ntokens_since_last_log / (dt * non_dp)
+        tflops = self.num_flops_per_token * tps / 1e12
+        mfu = 100 * tflops * 1e12 / self.peak if self.peak else None
+        mem = self.device_memory_monitor.get_peak_stats()
+        data_s = sum(self.data_loading_times)
+        rec: dict[str, Any] = {
+            "step": step,
+            "first_step": self.last_logged_step + 1,
+            "loss": global_avg_loss,
+            "max_loss": global_max_loss,
+            "grad_norm": grad_norm,
+            "tokens_per_sec_per_gpu": tps,
+            "useful_tokens_per_sec_per_gpu": useful_tps,
+            "tokens_per_sec_per_node": tps * self.procs_per_node,
+            "tflops_per_gpu": tflops,
+            "mfu_pct": mfu,
+            "memory_gib": mem.max_reserved_gib,
+            "step_time_s": dt / nsteps,
+            "data_loading_pct": 100 * data_s / dt if dt > 0 else 0.0,
+            "padding_pct": (
+                100 * (1 - self.useful_ntokens_since_last_log / self.ntokens_since_last_log)
+                if self.ntokens_since_last_log
+                else 0.0
+            ),
+        }
+        if extra_metrics:
+            rec.update({k: v for k, v in extra_metrics.items() if isinstance(v, (int, float))})
+        self.records.append(rec)
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(rec) + "\n")
+        self.logger.log({k: v for k, v in rec.items() if isinstance(v, (int, float))}, step)
+        mfu_s = f"{mfu:.1f}%" if mfu is not None else "n/a"
+        if self.is_metrics_rank:
+            logger.info(
+                f"step {step:4d}  loss {global_avg_loss:8.5f}  "
+                f"tok/s/gpu {tps:,.0f} (useful {useful_tps:,.0f})  "
+                f"tok/s/node {tps * self.procs_per_node:,.0f}  "
+                f"tflops/gpu {tflops:,.3f}  mfu {mfu_s}  mem {mem.max_reserved_gib:.2f}GiB"
+            )
+        self.ntokens_since_last_log = 0
+        self.useful_ntokens_since_last_log = 0
+        self.data_loading_times.clear()
+        self.last_logged_step = step
+        self.device_memory_monitor.reset_peak_stats()
+        self.time_last_log = time.perf_counter()
+
+    def finish(self) -> dict[str, Any] | None:
+        """Write and print the steady-state summary (metrics rank only)."""
+        if not self.is_metrics_rank:
+            return None
+        summary = (
+            summarize(self.records, self.tconfig.summary_skip_steps, self.start_step)
+            if self.records
+            else {}
+        )
+        summary["device"] = self.tconfig.device_name
+        summary["precision"] = self.tconfig.precision
+        summary["peak_tflops"] = self.peak / 1e12 if self.peak else None
+        summary["world_size"] = self.parallel_dims.world_size
+        summary["processes_per_node"] = self.procs_per_node
+        with open(self.summary_path, "w") as f:
+            json.dump(summary, f, indent=2)
+        med = summary.get("median_tokens_per_sec_per_gpu")
+        if med is not None:
+            mfu = summary.get("median_mfu_pct")
+            logger.info(
+                "summary (steady state, first "
+                f"{summary['warmup_steps_excluded']} steps excluded, "
+                f"{summary['steps_in_summary']} logged steps): "
+                f"median tok/s/gpu {med:,.0f} "
+                f"[p10 {summary['p10_tokens_per_sec_per_gpu']:,.0f}, "
+                f"p90 {summary['p90_tokens_per_sec_per_gpu']:,.0f}]  "
+                f"useful {summary['median_useful_tokens_per_sec_per_gpu']:,.0f}  "
+                f"tok/s/node {summary['median_tokens_per_sec_per_node']:,.0f}  "
+                f"mfu {'n/a' if mfu is None else f'{mfu:.1f}%'}  "
+                f"peak mem {summary['peak_memory_gib']:.2f}GiB  -> {self.summary_path}"
+            )
+        else:
+            logger.info(f"summary: {summary.get('note', 'no steps logged')}")
+        return summary
+
+    def close(self) -> None:
+        super().close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None

@@ -1,0 +1,162 @@
+"""The one place where CPU and CUDA differ.
+
+`Platform.detect()` says where we run; `platform.apply()` adapts torchtitan 0.3.0 to it. On
+CUDA `apply()` changes nothing: torchtitan's own code paths run as shipped. On CPU (gloo) it
+answers, item by item, the places where torchtitan assumes CUDA (file:line in torchtitan
+0.3.0; see ../shared/notes/torchtitan-0.3.0-on-cpu.md):
+
+1. tools/utils.py:55 picks `device_type = ... or "cuda"` at import and five modules copy it
+   by name; without a GPU the Trainer calls torch.cuda.set_device and dies. -> "cpu" and
+   `torch.cpu` everywhere it was copied.
+2. components/metrics.py:39-50: DeviceMemoryMonitor calls memory_stats & co on torch.cpu,
+   which has none. -> a monitor that reports the process's peak RSS (labelled "host").
+3. distributed/utils.py:586: `barrier(device_ids=[torch.cpu.current_device()])` passes the
+   string "cpu". -> the same barrier-then-set-timeouts without device_ids.
+4. distributed/fsdp.py:41 sets gradient_divide_factor=1.0, so FSDP2 reduces with
+   ReduceOp.PREMUL_SUM, which gloo rejects. -> also force plain SUM reductions; with a divide
+   factor of 1 that is numerically the same reduction (sum of gradients, no scaling).
+5. Attention: flex has no CPU backward and varlen is CUDA-only -> kernels.dense_attention
+   (chosen by the kernels layer, `attention = "auto"` -> dense on CPU).
+
+Patches are applied once per process and only to torchtitan module attributes (no source
+edits); every patched name is checked to exist, so a torchtitan upgrade fails loudly here.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+_APPLIED: set[str] = set()
+
+
+@dataclass(frozen=True)
+class Platform:
+    device_type: str  # "cuda" or "cpu"
+    device_name: str  # e.g. "NVIDIA H100 80GB HBM3", or "cpu"
+    compute_capability: tuple[int, int] | None
+    backend: str  # "nccl" or "gloo"
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.device_type == "cpu"
+
+    @staticmethod
+    def detect() -> Platform:
+        if torch.cuda.is_available():
+            idx = int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1)
+            return Platform(
+                device_type="cuda",
+                device_name=torch.cuda.get_device_name(idx),
+                compute_capability=torch.cuda.get_device_capability(idx),
+                backend="nccl",
+            )
+        return Platform(
+            device_type="cpu", device_name="cpu", compute_capability=None, backend="gloo"
+        )
+
+    def apply(self) -> None:
+        """Adapt torchtitan to this platform (idempotent; a no-op on CUDA)."""
+        if not self.is_cpu or "cpu" in _APPLIED:
+            return
+        _APPLIED.add("cpu")
+        _patch_device_type()
+        _patch_memory_monitor()
+        _patch_pg_timeouts()
+        _patch_fsdp_reduction()
+
+
+def _set(module, name: str, value) -> None:
+    if not hasattr(module, name):
+        raise RuntimeError(
+            f"titanscale's CPU layer expected {module.__name__}.{name} (torchtitan 0.3.0); "
+            "the installed torchtitan differs"
+        )
+    setattr(module, name, value)
+
+
+def _patch_device_type() -> None:
+    import torchtitan.components.metrics as metrics
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    import torchtitan.distributed.utils as dist_utils
+    import torchtitan.models.common.token_dispatcher as token_dispatcher
+    import torchtitan.tools.profiler as profiler
+    import torchtitan.tools.utils as tt_utils
+
+    for mod in (tt_utils, metrics, parallel_dims, dist_utils, token_dispatcher):
+        _set(mod, "device_type", "cpu")
+    for mod in (tt_utils, metrics, dist_utils, token_dispatcher, profiler):
+        _set(mod, "device_module", torch.cpu)
+
+
+class HostMemoryMonitor:
+    """Stands in for torchtitan's DeviceMemoryMonitor on CPU: peak RSS of this process.
+
+    ru_maxrss never decreases, so "peak since reset" is the process peak; that is the honest
+    figure for a CPU run (there is no separate device pool).
+    """
+
+    def __init__(self, device: str = "cpu"):
+        self.device = torch.device("cpu")
+        self.device_name = "cpu"
+        self.device_index = 0
+        try:
+            pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            pages = 0
+        self.device_capacity = pages or 1
+        self.device_capacity_gib = self.device_capacity / 2**30
+
+    def _peak_bytes(self) -> int:
+        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return kb if sys.platform == "darwin" else kb * 1024
+
+    def get_peak_stats(self):
+        from torchtitan.components.metrics import DeviceMemStats
+
+        peak = self._peak_bytes()
+        gib = peak / 2**30
+        pct = 100 * peak / self.device_capacity
+        return DeviceMemStats(gib, pct, gib, pct, 0, 0)
+
+    def reset_peak_stats(self) -> None:
+        pass
+
+
+def _patch_memory_monitor() -> None:
+    import torchtitan.components.metrics as metrics
+
+    _set(metrics, "build_device_memory_monitor", lambda: HostMemoryMonitor())
+
+
+def _patch_pg_timeouts() -> None:
+    import torchtitan.distributed.utils as dist_utils
+
+    def set_pg_timeouts(timeout: timedelta, parallel_dims) -> None:
+        # Same invariant as torchtitan's: every rank reaches this barrier before any group's
+        # timeout shrinks, so no rank times out waiting for a slower rank's initialisation.
+        torch.distributed.barrier()
+        groups = [m.get_group() for m in parallel_dims.get_all_one_dimensional_meshes().values()]
+        for group in [*groups, None]:
+            torch.distributed.set_timeout(timeout, group)
+
+    _set(dist_utils, "set_pg_timeouts", set_pg_timeouts)
+
+
+def _patch_fsdp_reduction() -> None:
+    import torchtitan.distributed.fsdp as tt_fsdp
+    from torch.distributed.fsdp import FSDPModule
+
+    def disable_fsdp_gradient_division(model: torch.nn.Module) -> None:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                # gloo has no PREMUL_SUM; SUM with factor 1.0 is the same reduction.
+                module.set_force_sum_reduction_for_comms(True)
+
+    _set(tt_fsdp, "disable_fsdp_gradient_division", disable_fsdp_gradient_division)

@@ -1,0 +1,179 @@
+"""One training job, in two phases: `prepare` (no process group) and `run`.
+
+`prepare` does every check that can fail on user input or the environment (recipe keys and
+values, world size, output folder, tokenizer, data source, kernel capabilities) and builds
+torchtitan's Trainer.Config, so a typo costs seconds, not a queue wait and a crash an hour in.
+`run` starts the process group (inside torchtitan's Trainer), trains and closes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchtitan.trainer import Trainer
+
+from parallel.axes import Layout
+from recipe.errors import ConfigError
+from recipe.loader import check_recipe, load_recipe
+from recipe.models import model_shape
+from recipe.schema import Recipe
+from runtime.build import KernelChoice, build_trainer_config, choose_kernels
+from runtime.platform import Platform
+
+# Below this much free space in the output folder a checkpoint write is likely to fail
+# half-way; refuse to start instead.
+MIN_FREE_BYTES = 256 * 2**20
+
+
+@dataclass
+class Job:
+    recipe: Recipe
+    layout: Layout
+    platform: Platform
+    kernels: KernelChoice
+    tokenizer_path: str
+    config: Trainer.Config
+    world_size: int
+
+
+def _launch_env() -> int:
+    """World size from torchrun's environment; a plain `python train.py` is a 1-process job."""
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+        os.environ["WORLD_SIZE"] = "1"
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    return int(os.environ["WORLD_SIZE"])
+
+
+def check_environment(recipe: Recipe) -> None:
+    """Output folder writable with room to spare; checkpoints not silently reused."""
+    f = recipe.source
+    out = Path(recipe.output_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-probe-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"output folder {out} is not writable: {e.strerror}", file=f, key="job.output_dir"
+        ) from None
+    free = shutil.disk_usage(out).free
+    if free < MIN_FREE_BYTES:
+        raise ConfigError(
+            f"only {free / 2**20:.0f} MiB free under {out}; need at least "
+            f"{MIN_FREE_BYTES / 2**20:.0f} MiB for metrics and checkpoints",
+            file=f,
+            key="job.output_dir",
+        )
+    ckpt = Path(recipe.checkpoint_dir)
+    if not recipe.checkpoint.resume and ckpt.is_dir() and any(ckpt.glob("step-*")):
+        raise ConfigError(
+            f"{ckpt} holds checkpoints but resume = false; move them away or set resume = true "
+            "(refusing to overwrite them)",
+            file=f,
+            key="checkpoint.resume",
+        )
+    if recipe.checkpoint.load_from and not Path(recipe.checkpoint.load_from).is_dir():
+        raise ConfigError(
+            f"checkpoint to load not found: {recipe.checkpoint.load_from}",
+            file=f,
+            key="checkpoint.load_from",
+        )
+
+
+def check_data_source(recipe: Recipe) -> None:
+    src = recipe.data.source
+    if src == "stdlib":
+        return
+    raise ConfigError(
+        f"data source {src!r} is not available: this build reads 'stdlib' only",
+        file=recipe.source,
+        key="data.source",
+    )
+
+
+def prepare(recipe_path: str | None, overrides: list[str]) -> Job:
+    """Everything up to (not including) the process group. Raises ConfigError on bad input."""
+    recipe = load_recipe(recipe_path, overrides)
+    world_size = _launch_env()
+    layout = check_recipe(recipe, world_size)
+    platform = Platform.detect()
+    kernels = choose_kernels(recipe, platform)
+    check_environment(recipe)
+    check_data_source(recipe)
+    from data.tokenizer import resolve_tokenizer
+
+    vocab = recipe.model.vocab_size or model_shape(recipe.model.flavor).vocab_size
+    tokenizer_path = resolve_tokenizer(
+        recipe.model.tokenizer, vocab_size=vocab, recipe_file=recipe.source
+    )
+    config = build_trainer_config(
+        recipe, layout, platform=platform, kernels=kernels, tokenizer_path=tokenizer_path
+    )
+    return Job(recipe, layout, platform, kernels, tokenizer_path, config, world_size)
+
+
+def run(job: Job) -> dict[str, Any] | None:
+    """Train; returns the steady-state summary on the metrics rank (None elsewhere)."""
+    import torch
+    from torchtitan.tools.logging import logger
+
+    from runtime.trainer import TitanscaleTrainer
+
+    job.platform.apply()
+    for notice in job.kernels.notices:
+        logger.info(notice)
+    logger.info(
+        f"titanscale: {job.recipe.source} | {job.recipe.model.flavor} | "
+        f"{job.layout.describe()} (world {job.world_size}) | device {job.platform.device_name}"
+        f" | attention {job.kernels.attention} | linear {job.recipe.kernels.linear}"
+        f" ({job.kernels.precision})"
+    )
+    trainer = TitanscaleTrainer(job.config)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return trainer.summary
+
+
+def create_seed_checkpoint(job: Job, folder: str) -> str:
+    """Save freshly initialised weights (one process, unsharded) to `folder`/step-0.
+
+    Every layout that loads this seed starts from bit-identical weights, which is what makes
+    losses comparable across layouts (torchtitan's seed-checkpoint mechanism).
+    """
+    import torch
+
+    from runtime.trainer import TitanscaleTrainer
+
+    if job.world_size != 1:
+        raise ConfigError("a seed checkpoint is written by one process", key="WORLD_SIZE")
+    job.platform.apply()
+    cfg = job.config
+    cfg.checkpoint.enable = True
+    cfg.checkpoint.create_seed_checkpoint = True
+    cfg.checkpoint.folder = os.path.abspath(folder)
+    cfg.checkpoint.initial_load_path = None
+    trainer = TitanscaleTrainer(cfg)
+    try:
+        trainer.checkpointer.save(curr_step=0, last_step=True)
+    finally:
+        trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return os.path.join(os.path.abspath(folder), "step-0")

@@ -1,0 +1,36 @@
+"""Write a seed checkpoint (initial weights, unsharded) for a recipe.
+
+    python -m tools.seed_checkpoint --recipe R --out DIR [--set k=v ...]
+
+Then train any layout from identical weights with `--set checkpoint.load_from=DIR/step-0`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from recipe.errors import exit_on_config_error
+
+
+@exit_on_config_error
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--recipe", default=None)
+    p.add_argument("--out", required=True, help="folder to write (step-0 is created inside)")
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    args = p.parse_args(argv)
+    from torchtitan.tools.logging import init_logger
+
+    from runtime import session
+
+    init_logger()
+    # The seed is model weights only: parallel degrees of the recipe do not apply.
+    degrees = ["parallel.world_size=0", "parallel.dp_replicate=1", "parallel.dp_shard=-1"]
+    degrees += ["parallel.tp=1", "parallel.pp=1", "parallel.cp=1", "parallel.auto=false"]
+    job = session.prepare(args.recipe, [*args.overrides, *degrees])
+    path = session.create_seed_checkpoint(job, args.out)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

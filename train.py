@@ -1,0 +1,44 @@
+"""Train a titanscale recipe with torchtitan.
+
+    python train.py [--recipe recipes/debug.toml] [--set section.key=value ...]
+    torchrun --nproc_per_node=N train.py --recipe R
+
+Bad input (recipe, overrides, environment) ends with one line and exit code 2, before any
+process group starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from recipe.errors import exit_on_config_error
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--recipe", default=None, help="recipe TOML (default: recipes/debug.toml)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a recipe key (repeatable), typed by the recipe schema",
+    )
+    return p.parse_args(argv)
+
+
+@exit_on_config_error
+def main(argv: list[str] | None = None) -> None:
+    from torchtitan.tools.logging import init_logger
+
+    from runtime import session
+
+    args = parse_args(argv)
+    init_logger()
+    job = session.prepare(args.recipe, args.overrides)
+    session.run(job)
+
+
+if __name__ == "__main__":
+    main()
