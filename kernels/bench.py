@@ -135,7 +135,7 @@ def bench_linear(
     row = {"kind": "gemm", **asdict(shape), "backend": backend, "flops": shape.flops}
     try:
         choice = select_kernels(
-            KernelsSection(linear=backend, attention="dense"),
+            KernelsSection(linear=backend, attention="dense"),  # type: ignore[arg-type]
             caps,
             compile=compile and not caps.is_cpu,
         )
@@ -214,9 +214,9 @@ def bench_attention(
         return {**row, "status": f"unsupported: {problem}"}
     q, k, v, pos = _document_inputs(shape, device, dtype)
     enable_gqa = shape.kv_heads != shape.heads
-    ref = F.scaled_dot_product_attention(
-        *(t.float().transpose(1, 2) for t in (q, k, v)), is_causal=True, enable_gqa=enable_gqa
-    ).transpose(1, 2)
+    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, enable_gqa=enable_gqa)
+    ref = ref.transpose(1, 2)
     mod = ATTENTION_BACKENDS[backend].make_config().build()
     if backend == "varlen":
         masks = create_varlen_metadata_for_document(pos)

@@ -91,9 +91,8 @@ class DeviceCaps:
             name = torch.cuda.get_device_name(idx)
             if torch.version.hip is not None:
                 return DeviceCaps("rocm", name, None, detect_features())
-            return DeviceCaps(
-                "cuda", name, tuple(torch.cuda.get_device_capability(idx)), detect_features()
-            )
+            major, minor = torch.cuda.get_device_capability(idx)
+            return DeviceCaps("cuda", name, (major, minor), detect_features())
         return DeviceCaps.cpu(features=detect_features())
 
     @staticmethod

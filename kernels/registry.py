@@ -17,6 +17,7 @@ nothing here is a kernel.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention
@@ -115,7 +116,7 @@ class AttentionBackend:
     cpu_problem: str  # why it cannot train on CPU ("" = it can)
     supports_cp: bool
     summary: str
-    make_config: Callable[[], object]
+    make_config: Callable[[], Any]
     # Extra CUDA requirement (e.g. a FlashAttention package for this SM): caps -> problem.
     extra_check: Callable[[DeviceCaps], str] | None = None
 
@@ -186,6 +187,7 @@ class KernelChoice:
     emulated: bool = False
     compile: bool = False
     notices: list[str] = field(default_factory=list)
+    report: KernelReport | None = None  # set by apply_kernels
 
     @property
     def linear_backend(self) -> LinearBackend:
@@ -232,6 +234,12 @@ class KernelChoice:
     def describe(self) -> str:
         lin = self.linear + (" (emulated)" if self.emulated else "")
         return f"attention={self.attention} linear={lin} on {self.caps.describe()}"
+
+    def log_lines(self) -> list[str]:
+        """What to log once, first: the choice, the notices, then (after `apply_kernels`)
+        which linears were converted and which skipped."""
+        lines = [f"kernels: {self.describe()}", *self.notices]
+        return lines + (self.report.lines() if self.report is not None else [])
 
 
 def _error(msg: str, key: str, file: str | None) -> ConfigError:
@@ -427,11 +435,12 @@ def apply_kernels(model_config, choice: KernelChoice, *, tp: int = 1) -> KernelR
     be = choice.linear_backend
     if not be.quantized:
         plan = plan_linear_conversion(model_config, align=1, tp=1)
-        return KernelReport(
+        choice.report = KernelReport(
             model_config,
             [],
             ConversionReport("bf16", [], [(d.fqn, "bf16") for d in plan]),
         )
+        return choice.report
     plan = plan_linear_conversion(model_config, align=be.align, tp=tp, kernel=be.name)
     converters = choice._converters(plan)
     for c in converters:
@@ -444,13 +453,14 @@ def apply_kernels(model_config, choice: KernelChoice, *, tp: int = 1) -> KernelR
         raise RuntimeError(
             f"{choice.linear}: converted {sorted(set(done) ^ set(want))} differently from the plan"
         )
-    report = ConversionReport(
+    conversion = ConversionReport(
         choice.linear,
         converted=done,
         skipped=[(d.fqn, d.reason) for d in plan if not d.convert],
         emulated=choice.emulated,
     )
-    return KernelReport(model_config, converters, report)
+    choice.report = KernelReport(model_config, converters, conversion)
+    return choice.report
 
 
 def build_linear(choice: KernelChoice, in_features: int, out_features: int, *, bias: bool = False):
