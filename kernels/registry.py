@@ -17,8 +17,8 @@ nothing here is a kernel.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 
