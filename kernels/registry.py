@@ -1,8 +1,8 @@
 """The kernels registry: `[kernels] attention` and `[kernels] linear` -> torchtitan configs.
 
     choice = check_kernels(recipe, DeviceCaps.detect(), cp=layout.cp)  # validation, exit 2
-    report = apply_kernels(spec.model, choice, tp=layout.tp)             # at model build
-    for line in choice.notices + report.lines(): logger.info(line)
+    spec.model = apply_kernels(spec.model, choice, tp=layout.tp).model_config  # model build
+    for line in choice.log_lines(): logger.info(line)  # once, first
 
 Each backend declares what it needs (device type, compute capability, optional packages,
 dimension alignment); `select_kernels` checks those against a `DeviceCaps` and raises
