@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import statistics
 import time
@@ -260,6 +261,22 @@ def bench_attention(
     }
 
 
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
+    except OSError:
+        pass
+    load = f", load avg {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    return (
+        f"{platform.node()} {platform.machine()}: {cpu}, {os.cpu_count()} cores, "
+        f"{torch.get_num_threads()} torch threads{load}"
+    )
+
+
 def versions() -> dict:
     import torchao
     import torchtitan
@@ -328,7 +345,7 @@ def run(
         "warmup": warmup,
         "iters": iters,
         "compile": compile and caps.is_cuda,
-        "machine": f"{platform.node()} {platform.machine()} ({torch.get_num_threads()} threads)",
+        "machine": machine(),
         "versions": versions(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "rows": rows,
