@@ -215,9 +215,15 @@ def bench_attention(
         return {**row, "status": f"unsupported: {problem}"}
     q, k, v, pos = _document_inputs(shape, device, dtype)
     enable_gqa = shape.kv_heads != shape.heads
-    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
-    ref = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, enable_gqa=enable_gqa)
-    ref = ref.transpose(1, 2)
+    # Reference: fp32 causal SDPA with K/V repeated to the query heads (no GQA flag, no mask),
+    # so on CUDA it stays on a fused kernel instead of materialising the L x L scores.
+    rep = shape.heads // shape.kv_heads
+    qf, kf, vf = (
+        t.float().repeat_interleave(r, dim=2).transpose(1, 2)
+        for t, r in ((q, 1), (k, rep), (v, rep))
+    )
+    ref = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True).transpose(1, 2)
+    del qf, kf, vf
     mod = ATTENTION_BACKENDS[backend].make_config().build()
     if backend == "varlen":
         masks = create_varlen_metadata_for_document(pos)

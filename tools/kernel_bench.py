@@ -4,9 +4,10 @@
                                  [--out benchmarks/kernel_bench_cpu]
 
 On CPU the defaults are small (tp 8, 32 tokens per GEMM, attention seq 256) so it runs in
-about a minute and checks every backend end to end; its timings are correctness-only. On a
-GPU the defaults are the real shapes (8192 tokens per GEMM, seq 8192) with warmup, CUDA
-events and torch.compile. See docs/kernels.md.
+a few minutes and checks every backend end to end; its timings are correctness-only. On a
+GPU the defaults are the real shapes (tp 1,2,4,8, 8192 tokens per GEMM, seq 8192) with
+warmup, CUDA events and torch.compile; attention flex and varlen (dense is opt-in there).
+See docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -53,7 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attn-batch", type=int, default=1)
     ap.add_argument("--attn-seq", type=int, default=8192 if gpu else 256)
     ap.add_argument("--linear", type=_csv(str, LINEAR_NAMES), default=list(LINEAR_NAMES))
-    ap.add_argument("--attention", type=_csv(str, ATTENTION_NAMES), default=list(ATTENTION_NAMES))
+    ap.add_argument(
+        "--attention",
+        type=_csv(str, ATTENTION_NAMES),
+        # dense materialises seq^2 masks: a CPU/test backend, opt-in on GPU
+        default=["flex", "varlen"] if gpu else list(ATTENTION_NAMES),
+    )
     ap.add_argument("--warmup", type=int, default=5 if gpu else 0)
     ap.add_argument("--iters", type=int, default=20 if gpu else 1)
     ap.add_argument(
