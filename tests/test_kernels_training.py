@@ -54,3 +54,18 @@ def test_loss_curve_tracks_bf16(tmp_path_factory, bf16_curve, linear):
     assert diffs[-1] <= 0.02, diffs
     assert max(diffs) > 1e-6  # the backend changed the numerics: conversion happened
     print(f"{linear}: max |dloss| {max(diffs):.2e}, step {STEPS} |dloss| {diffs[-1]:.2e}")
+
+
+@pytest.mark.multiproc
+def test_emulated_mxfp8_under_tensor_parallel(tmp_path):
+    """torchtitan's TP plan over the converted (emulated MX) linears: 2 processes, gloo."""
+    proc = run_train(
+        tmp_path,
+        ["kernels.linear=mxfp8", "parallel.tp=2", "training.steps=3", *COMMON[1:]],
+        nproc=2,
+    )
+    log = proc.stdout + proc.stderr
+    assert "linear mxfp8 (emulated): converted 30 of 31 linears" in log
+    losses = read_losses(tmp_path)
+    assert sorted(losses) == [1, 2, 3]
+    assert all(7.0 < v < 8.5 for v in losses.values()), losses
