@@ -3,6 +3,8 @@
 - `batch_generator`: also counts useful tokens (labels != IGNORE_INDEX) for the report.
 - `init_distributed`: builds the device mesh from a planned rank order when one is given
   (`rank_order`, see parallel.mesh), else torchtitan's plain order.
+- `should_continue_training` (launch.stop_request.StopOnRequest): checkpoints and stops when
+  the Slurm job script asks (time limit near), so the requeued job resumes there.
 - `train`: writes a `start` event (resumed step, restart count) and, at the end, the
   steady-state summary.
 """
@@ -19,10 +21,11 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import ParallelDims
 from torchtitan.trainer import Trainer
 
+from launch.stop_request import StopOnRequest
 from runtime.metrics import TitanscaleMetrics
 
 
-class TitanscaleTrainer(Trainer):
+class TitanscaleTrainer(StopOnRequest, Trainer):
     # Set before construction by runtime.session when a placement is planned; a list mapping
     # mesh position (row-major over MESH_ORDER) -> global rank. None = plain rank order.
     rank_order: list[int] | None = None

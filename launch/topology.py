@@ -1,0 +1,148 @@
+"""Node order for a Slurm job: nodes sorted by their switch path (spine.leaf.node).
+
+torchrun's c10d rendezvous numbers nodes in arrival order, and SLURM_NODEID follows the
+node names; neither knows the switches. Sorting nodes by `SLURM_TOPOLOGY_ADDR` (Slurm's
+topology/tree path, e.g. ``spine1.leaf07.gpu-042``) puts nodes under the same leaf switch
+next to each other, so consecutive node ranks (and therefore consecutive global ranks under
+torchrun's static rendezvous) share a leaf: the mesh's inner axes (tp, cp, dp_shard) then stay
+under as few switches as the allocation allows.
+
+Pure functions (no Slurm calls): the job script gathers ``<node> <address>`` lines with one
+``srun`` task per node and runs ``python -m launch.node_order`` on them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def natural_key(text: str) -> tuple[tuple[int, int | str], ...]:
+    """'leaf10' after 'leaf9': digit runs compare as numbers, the rest as text."""
+    parts = _DIGITS.split(text)
+    return tuple((1, int(p)) if p.isdigit() else (0, p) for p in parts if p != "")
+
+
+def address_key(address: str) -> tuple[tuple[tuple[int, int | str], ...], ...]:
+    """Sort key of a topology address: its dot-separated levels, outermost first."""
+    return tuple(natural_key(level) for level in address.split("."))
+
+
+def expand_hostlist(expr: str) -> list[str]:
+    """Slurm hostlist expression -> names: 'gpu[01-03,7],cpu1' -> gpu01 gpu02 gpu03 gpu7 cpu1.
+
+    Keeps zero padding ('01-03'). Handles one bracket group per name, which is what
+    `scontrol show topology` and SLURM_JOB_NODELIST print.
+    """
+    names: list[str] = []
+    for item in _split_top_level(expr.strip()):
+        m = re.fullmatch(r"([^\[\]]*)\[([^\]]+)\]([^\[\]]*)", item)
+        if not m:
+            if item:
+                names.append(item)
+            continue
+        prefix, body, suffix = m.groups()
+        for part in body.split(","):
+            if "-" in part:
+                lo, hi = part.split("-", 1)
+                width = len(lo)
+                for i in range(int(lo), int(hi) + 1):
+                    names.append(f"{prefix}{i:0{width}d}{suffix}")
+            else:
+                names.append(f"{prefix}{part}{suffix}")
+    return names
+
+
+def _split_top_level(expr: str) -> list[str]:
+    """Split on commas that are not inside brackets."""
+    out, depth, cur = [], 0, []
+    for ch in expr:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    out.append("".join(cur))
+    return [s.strip() for s in out if s.strip()]
+
+
+def addresses_from_scontrol_topology(text: str, nodes: Iterable[str]) -> dict[str, str]:
+    """Rebuild each node's SLURM_TOPOLOGY_ADDR-style path from `scontrol show topology`.
+
+    Each node's leaf is the lowest-level switch that lists it; the path climbs through the
+    switches whose ``Switches=`` contain the one below. Nodes no switch lists are left out.
+    """
+    level: dict[str, int] = {}
+    node_switch: dict[str, tuple[int, str]] = {}
+    parent: dict[str, str] = {}
+    for line in text.splitlines():
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        name = fields.get("SwitchName")
+        if not name:
+            continue
+        lvl = int(fields.get("Level", "0") or 0)
+        level[name] = lvl
+        for child in expand_hostlist(fields.get("Switches", "")):
+            parent[child] = name
+        for node in expand_hostlist(fields.get("Nodes", "")):
+            prev = node_switch.get(node)
+            if prev is None or lvl < prev[0]:
+                node_switch[node] = (lvl, name)
+    out: dict[str, str] = {}
+    for node in nodes:
+        if node not in node_switch:
+            continue
+        path = [node]
+        sw: str | None = node_switch[node][1]
+        seen: set[str] = set()
+        while sw is not None and sw not in seen:
+            seen.add(sw)
+            path.append(sw)
+            sw = parent.get(sw)
+        out[node] = ".".join(reversed(path))
+    return out
+
+
+def topology_order(entries: Sequence[tuple[str, str]]) -> list[str]:
+    """Node names in topology order, from ``(node, SLURM_TOPOLOGY_ADDR)`` pairs.
+
+    Nodes sort by address (outermost switch first, natural order inside each level); a node
+    without an address sorts after all that have one, by name. Duplicated nodes (one line
+    per task) count once. The result is deterministic, so every node computes the same order.
+    """
+    best: dict[str, str] = {}
+    for node, addr in entries:
+        node = node.strip()
+        if not node:
+            continue
+        addr = (addr or "").strip()
+        if node not in best or (addr and not best[node]):
+            best[node] = addr
+
+    def key(node: str):
+        addr = best[node]
+        # Without topology/tree Slurm sets the address to the node name alone: no switch
+        # information, so such nodes keep name order after the ones that have it.
+        has_path = bool(addr) and "." in addr
+        return (0 if has_path else 1, address_key(addr) if has_path else (), natural_key(node))
+
+    return sorted(best, key=key)
+
+
+def leaf_of(address: str) -> str:
+    """The leaf switch in an address ('spine.leaf2.node3' -> 'leaf2'); '' without one."""
+    parts = address.split(".")
+    return parts[-2] if len(parts) >= 2 else ""
+
+
+def leaf_switches_needed(nodes: int, nodes_per_leaf: int) -> int:
+    """Fewest leaf switches that can hold `nodes` nodes (what `sbatch --switches` asks for)."""
+    if nodes < 1 or nodes_per_leaf < 1:
+        raise ValueError(f"nodes ({nodes}) and nodes_per_leaf ({nodes_per_leaf}) must be >= 1")
+    return -(-nodes // nodes_per_leaf)

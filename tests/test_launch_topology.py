@@ -1,0 +1,102 @@
+"""Node order for Slurm jobs: switch paths, hostlists, `scontrol show topology`."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from launch.node_order import main as node_order_main
+from launch.node_order import order_nodes
+from launch.topology import (
+    addresses_from_scontrol_topology,
+    expand_hostlist,
+    leaf_of,
+    leaf_switches_needed,
+    natural_key,
+    topology_order,
+)
+
+
+def _cluster(spines: int, leaves_per_spine: int, nodes_per_leaf: int) -> list[tuple[str, str]]:
+    """(node, address) in topology order; node names deliberately unrelated to cabling."""
+    out = []
+    names = [f"gpu{i:03d}" for i in range(spines * leaves_per_spine * nodes_per_leaf)]
+    random.Random(0).shuffle(names)
+    k = 0
+    for s in range(spines):
+        for j in range(leaves_per_spine):
+            leaf = f"leaf{s * leaves_per_spine + j}"
+            # Nodes under one leaf: their names sort among themselves.
+            members = sorted(names[k : k + nodes_per_leaf], key=natural_key)
+            k += nodes_per_leaf
+            out += [(n, f"spine{s}.{leaf}.{n}") for n in members]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_topology_order_undoes_any_shuffle(seed):
+    truth = _cluster(spines=2, leaves_per_spine=6, nodes_per_leaf=3)  # leaf0..leaf11
+    shuffled = truth[:]
+    random.Random(seed).shuffle(shuffled)
+    order = topology_order(shuffled)
+    assert order == [n for n, _ in truth]
+    # Every leaf's nodes are consecutive, so consecutive node ranks share a leaf.
+    leaves = [leaf_of(dict(truth)[n]) for n in order]
+    runs = [leaves[0]] + [b for a, b in zip(leaves, leaves[1:], strict=False) if a != b]
+    assert len(runs) == len(set(leaves)) == 12
+
+
+def test_natural_order_of_levels():
+    entries = [("n1", "s.leaf10.n1"), ("n2", "s.leaf9.n2"), ("n3", "s.leaf2.n3")]
+    assert topology_order(entries) == ["n3", "n2", "n1"]
+
+
+def test_nodes_without_a_switch_path_go_last_in_name_order():
+    entries = [("node10", "node10"), ("node2", ""), ("node3", "sp.l1.node3"), ("node3", "")]
+    assert topology_order(entries) == ["node3", "node2", "node10"]
+
+
+def test_expand_hostlist_keeps_padding_and_order():
+    assert expand_hostlist("gpu[008-010,3],cpu1") == ["gpu008", "gpu009", "gpu010", "gpu3", "cpu1"]
+    assert expand_hostlist("node[1,3]") == ["node1", "node3"]
+    assert expand_hostlist("") == []
+
+
+SCONTROL = """\
+SwitchName=leaf1 Level=0 LinkSpeed=1 Nodes=node[1,3]
+SwitchName=leaf2 Level=0 LinkSpeed=1 Nodes=node[2,4]
+SwitchName=spine Level=1 LinkSpeed=1 Nodes=node[1-4] Switches=leaf[1-2]
+"""
+
+
+def test_addresses_from_scontrol_topology():
+    addrs = addresses_from_scontrol_topology(SCONTROL, ["node1", "node2", "node3", "node4", "x"])
+    assert addrs == {
+        "node1": "spine.leaf1.node1",
+        "node2": "spine.leaf2.node2",
+        "node3": "spine.leaf1.node3",
+        "node4": "spine.leaf2.node4",
+    }
+
+
+def test_order_falls_back_to_scontrol_when_no_addresses():
+    gathered = "node4\nnode2 \nnode1\nnode3\n"
+    order, addrs = order_nodes(gathered, SCONTROL)
+    assert order == ["node1", "node3", "node2", "node4"]
+    assert addrs["node3"] == "spine.leaf1.node3"
+
+
+def test_node_order_cli(tmp_path, capsys):
+    f = tmp_path / "nodes.txt"
+    f.write_text("node2 spine.leaf2.node2\nnode3 spine.leaf1.node3\nnode1 spine.leaf1.node1\n")
+    assert node_order_main([str(f)]) == 0
+    assert capsys.readouterr().out.split() == ["node1", "node3", "node2"]
+
+
+def test_leaf_switches_needed():
+    assert leaf_switches_needed(8, 32) == 1
+    assert leaf_switches_needed(64, 32) == 2
+    assert leaf_switches_needed(65, 32) == 3
+    with pytest.raises(ValueError):
+        leaf_switches_needed(0, 4)
