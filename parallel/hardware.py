@@ -1,37 +1,126 @@
-"""Per-GPU, per-precision dense peak FLOP/s: the one table MFU is computed against.
+"""GPU facts in one place: dense peak FLOP/s per precision, memory, bandwidths.
 
-Vendor datasheet figures, dense (not 2:4 sparse). A device we cannot name has no peak, and
-MFU is then reported as "n/a" rather than against a guessed GPU (torchtitan falls back to
-the A100's 312 TFLOP/s, which silently inflates MFU on unknown parts).
+Everything that reports MFU (runtime metrics, the performance model, tools.reproduce)
+imports `peak_flops` from here, so one table decides what "100% of peak" means.
+
+Peaks are the vendor's dense (non-sparse) tensor-core figures for the SXM parts, in
+FLOP/s. A CPU has no tensor-core peak: `peak_flops("cpu", ...)` is None and MFU is "n/a".
 """
 
 from __future__ import annotations
 
-# TFLOP/s, dense.
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H100": {"bf16": 989.0, "fp8": 1979.0},
-    "H200": {"bf16": 989.0, "fp8": 1979.0},
-    "B200": {"bf16": 2250.0, "fp8": 4500.0, "mxfp8": 4500.0},
-    "GB200": {"bf16": 2500.0, "fp8": 5000.0, "mxfp8": 5000.0},
-    "A100": {"bf16": 312.0},
+from dataclasses import dataclass
+from functools import lru_cache
+
+# Precisions the peak table knows. Linear-backend names map onto these (`precision_of`).
+PRECISIONS = ("bf16", "fp8", "tf32")
+
+# GPU kinds a cluster profile may name (issue 3's contract) ...
+PROFILE_KINDS = ("H100", "H200", "B200", "GB200", "cpu")
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """Datasheet numbers for one GPU kind (per GPU)."""
+
+    kind: str
+    peak_tflops: dict[str, float]  # precision -> dense TFLOP/s; absent = unsupported
+    hbm_gib: float  # what torch.cuda reports as total memory, GiB
+    hbm_tbps: float  # HBM bandwidth, TB/s
+    nvlink_gbps: float  # NVLink, gigabits/s per GPU per direction (0 = none)
+    tdp_w: float  # board power the peak is quoted at
+    mxfp8: bool = False  # block-scaled FP8 tensor cores (SM100)
+
+
+# Sources: NVIDIA H100/H200/B200/GB200 datasheets (dense figures = half the "with
+# sparsity" ones); torchtitan's get_peak_flops uses the same BF16 values. H100 and H200
+# share the compute die; H200 differs in memory (141 GB HBM3e, 4.8 TB/s). GB200's BF16
+# is quoted as 2.45-2.5 PFLOP/s depending on the document; we take 2.5 like torchtitan.
+# hbm_gib: torch's total_memory (80 GB -> 79.2 GiB; 141 GB -> 139.8 GiB; B200 "180 GB"
+# -> 178.4 GiB; GB200 186 GB -> 184 GiB, unverified on hardware). nvlink_gbps: NVLink 4
+# 450 GB/s and NVLink 5 900 GB/s per direction; H100 PCIe has only PCIe Gen5 x16 (~64 GB/s).
+GPUS: dict[str, GpuSpec] = {
+    "H100": GpuSpec("H100", {"bf16": 989, "fp8": 1979, "tf32": 494.5}, 79.2, 3.35, 3600, 700),
+    "H100_PCIE": GpuSpec("H100_PCIE", {"bf16": 756, "fp8": 1513, "tf32": 378}, 79.2, 2.0, 512, 350),
+    "H100_NVL": GpuSpec("H100_NVL", {"bf16": 835, "fp8": 1671, "tf32": 418}, 87.5, 3.9, 4800, 400),
+    "H200": GpuSpec("H200", {"bf16": 989, "fp8": 1979, "tf32": 494.5}, 139.8, 4.8, 3600, 700),
+    "B200": GpuSpec(
+        "B200", {"bf16": 2250, "fp8": 4500, "tf32": 1100}, 178.4, 8.0, 7200, 1000, mxfp8=True
+    ),
+    "GB200": GpuSpec(
+        "GB200", {"bf16": 2500, "fp8": 4900, "tf32": 1250}, 184.0, 8.0, 7200, 1200, mxfp8=True
+    ),
+    "A100": GpuSpec("A100", {"bf16": 312, "tf32": 156}, 79.2, 2.0, 2400, 400),
+    "cpu": GpuSpec("cpu", {}, 0.0, 0.05, 0, 0),
 }
 
 
-def gpu_kind(device_name: str) -> str | None:
-    """Map a torch device name ("NVIDIA H100 80GB HBM3") or a kind ("h100") to a table key."""
-    name = device_name.upper()
-    # GB200 before B200: "GB200" contains "B200".
-    for kind in ("GB200", "B200", "H200", "H100", "A100"):
-        if kind in name:
-            return kind
+@lru_cache(maxsize=256)
+def gpu_kind(name: str) -> str | None:
+    """Map a kind ("H100") or a torch device name ("NVIDIA H100 80GB HBM3") to a kind.
+
+    None for names we have no numbers for. Order matters: "GB200" before "B200",
+    "H200" before "H20", PCIe/NVL H100 variants before plain H100.
+    """
+    if name in GPUS:
+        return name
+    n = name.upper()
+    if n in ("CPU", "") or n.startswith("CPU"):
+        return "cpu"
+    if "GB200" in n:
+        return "GB200"
+    if "B200" in n:
+        return "B200"
+    if "H200" in n:
+        return "H200"
+    if "H100" in n:
+        if "PCIE" in n:
+            return "H100_PCIE"
+        if "NVL" in n:
+            return "H100_NVL"
+        return "H100"
+    if "A100" in n:
+        return "A100"
     return None
 
 
-def peak_flops(device_name: str, precision: str = "bf16") -> float | None:
-    """Dense peak FLOP/s for this device and precision, or None when unknown (CPU)."""
-    kind = gpu_kind(device_name)
+def precision_of(linear: str) -> str:
+    """The peak column a linear backend (recipe `kernels.linear`) runs at."""
+    p = linear.lower()
+    if p in ("bf16", "bfloat16", "auto"):
+        return "bf16"
+    if p.startswith("fp8") or p.startswith("float8") or p == "mxfp8":
+        return "fp8"
+    if p in ("fp32", "float32", "tf32"):
+        return "tf32"
+    raise ValueError(f"unknown precision {linear!r}; known: {', '.join(PRECISIONS)}")
+
+
+@lru_cache(maxsize=256)
+def peak_flops(gpu_name_or_kind: str, precision: str = "bf16") -> float | None:
+    """Dense peak FLOP/s of one GPU at `precision`, or None (CPU, unknown GPU, unsupported).
+
+    `precision` is "bf16", "fp8", "tf32" or a linear-backend name ("fp8_rowwise",
+    "mxfp8", "float32" -> tf32). MXFP8 needs block-scaled tensor cores (Blackwell).
+    """
+    kind = gpu_kind(gpu_name_or_kind)
     if kind is None:
         return None
-    table = PEAK_TFLOPS[kind]
-    tf = table.get(precision) or (table.get("fp8") if precision.startswith("fp8") else None)
-    return tf * 1e12 if tf else None
+    spec = GPUS[kind]
+    if precision.lower() == "mxfp8" and not spec.mxfp8:
+        return None
+    tflops = spec.peak_tflops.get(precision_of(precision))
+    return None if tflops is None else tflops * 1e12
+
+
+def gpu_spec(gpu_name_or_kind: str) -> GpuSpec:
+    kind = gpu_kind(gpu_name_or_kind)
+    if kind is None:
+        raise KeyError(f"no hardware numbers for GPU {gpu_name_or_kind!r}")
+    return GPUS[kind]
+
+
+def mfu_pct(flops_per_sec: float, gpu_name_or_kind: str, precision: str = "bf16") -> float | None:
+    """Model FLOP/s as a percentage of the peak; None where there is no peak (CPU)."""
+    peak = peak_flops(gpu_name_or_kind, precision)
+    return None if not peak else 100.0 * flops_per_sec / peak

@@ -93,6 +93,10 @@ class TitanscaleMetrics(MetricsProcessor):
         device_name: str = "cpu"
         """Device name for the peak-FLOPs table."""
 
+    # Re-declared from the base class: mypy cannot infer them through torchtitan's slots.
+    time_last_log: float
+    ntokens_since_last_log: int
+
     def __init__(self, config: Config, **kwargs: Any):
         super().__init__(config, **kwargs)
         self.tconfig = config

@@ -1,0 +1,270 @@
+"""Peak GPU memory per rank for a Workload, as torchtitan lays it out.
+
+What is counted (bytes, per GPU, on the pipeline rank that needs the most):
+- states: FSDP2 keeps fp32 master weights, fp32 gradients and AdamW's two fp32 moments,
+  sharded over dp_shard x cp (torchtitan's `fsdp` mesh); tp and pp split the model first.
+  16 bytes per parameter / (tp x pp x dp_shard x cp). HSDP replicas hold full copies.
+- unsharded: without PP, FSDP gathers one block at a time (reshard after forward): two
+  blocks' bf16 weights in flight (current + prefetch) and one block's bf16 gradient plus
+  its fp32 reduce-scatter input. With PP, torchtitan does not reshard after forward and
+  gradients accumulate unsharded over the microbatches: the whole stage's bf16 weights
+  and fp32 gradients stay resident.
+- activations per layer and token under none/selective/full checkpointing, counted tensor
+  by tensor for torchtitan's Llama block (fused QKV, flex attention, SwiGLU) with sequence
+  parallel under TP (see `layer_activation_bytes`), times the layers and the microbatches a
+  rank holds at its peak under its pipeline schedule (`inflight_stage_microbatches`), plus
+  one layer's full activations as backward/recompute workspace.
+- logits: the last stage's (tokens x vocab/tp) bf16 logits, fp32 upcast and fp32
+  log-softmax (10 bytes per element eager; compiled cross-entropy keeps 6).
+- FP8 extras: FP8 copies of one block's weights and of the linear inputs.
+
+Reported memory is what torchtitan logs ("max reserved"): allocated peak x
+(1 + ALLOCATOR_FRAGMENTATION). Fitting needs that plus RUNTIME_OVERHEAD_GIB (CUDA context,
+NCCL and cuBLAS workspaces outside the caching allocator) to be under the GPU's memory.
+Checked against the published memory column: benchmarks/calibration.md and docs/perf_model.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from parallel.workload import Workload
+from recipe.models import pp_layer_weights
+
+GIB = 2**30
+
+# Caching-allocator slack: reserved / allocated at peak. PyTorch's allocator rounds and
+# splits blocks; with FSDP's per-block all-gather buffers torchtitan's runs typically show
+# reserved 5-15% above allocated. One constant, fitted to the published memory column.
+ALLOCATOR_FRAGMENTATION = 0.10
+
+# Memory outside the caching allocator on every GPU: CUDA context and kernels (~0.5-1 GiB),
+# NCCL channel buffers for each communicator (~0.3 GiB per group kind), cuBLAS/cuDNN
+# workspaces. Not in torchtitan's "reserved" figure, but it must fit too.
+RUNTIME_OVERHEAD_GIB = 3.0
+
+# Bytes per logit element alive at the loss: bf16 logits (2) + fp32 upcast (4) + fp32
+# log-softmax kept for backward (4). torch.compile fuses the upcast into the loss.
+LOGIT_BYTES_EAGER = 10
+LOGIT_BYTES_COMPILED = 6
+
+# AdamW with fp32 master weights: param 4 + grad 4 + exp_avg 4 + exp_avg_sq 4.
+STATE_BYTES_PER_PARAM = 16
+
+
+def layer_activation_bytes(w: Workload, mode: str | None = None) -> float:
+    """Bytes kept for backward per token (of the tp group's microbatch) in one layer.
+
+    Tensors of torchtitan's Llama block, bf16 (x2 for fp32 training):
+      sequence-sharded under SP (/tp): block input x, attention_norm output, residual h,
+        ffn_norm output (8d)
+      gathered full-sequence inputs of the column-parallel linears (only with tp > 1;
+        with tp = 1 they are the norm outputs above): wqkv input, w1/w3 input (4d)
+      head/hidden-sharded (/tp): fused qkv buffer (kept alive by the v view),
+        rope'd q and k, attention output, SwiGLU's w1 out, silu out, w3 out, product (8f)
+    selective (torchtitan's per-op policy: saves attention, every other matmul output and
+    reduce-scatter outputs; recomputes the rest): x, qkv, attention output, w1 output and
+    w2's output. full: only the block input x (sequence-sharded).
+    torch.compile's partitioner recomputes SwiGLU's pointwise outputs (silu, product).
+    """
+    s = w.shape
+    mode = mode or w.ac
+    t = w.layout.tp
+    d, qd, kv, f = s.dim, s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.ffn_hidden
+    lse = 4 * s.n_heads  # fp32 logsumexp per head
+    if mode == "full":
+        b = 2 * d / t
+    elif mode == "selective":
+        w2_out = 2 * d  # partial sums before the reduce-scatter (full sequence)
+        b = (2 * d + 2 * (qd + 2 * kv) + 2 * qd + lse + 2 * f) / t + (w2_out if t > 1 else 2 * d)
+    else:
+        seq = 8 * d / t
+        gathered = 4 * d if t > 1 else 0
+        ffn = (4 if w.compile else 8) * f
+        head = 2 * (qd + 2 * kv) + 2 * qd + 2 * kv + 2 * qd + lse + ffn
+        b = seq + gathered + head / t
+    return b * (2 if w.dtype == "float32" else 1)
+
+
+def stage_layers(n_layers: int, num_stages: int) -> list[int]:
+    """Transformer blocks per pipeline stage, as torchtitan splits them."""
+    if num_stages <= 1:
+        return [n_layers]
+    wts = pp_layer_weights(n_layers, num_stages)
+    if wts is None:  # uneven: spread the remainder over the first stages
+        base, rem = divmod(n_layers, num_stages)
+        return [base + (1 if i < rem else 0) for i in range(num_stages)]
+    first, last = wts
+    per = (n_layers + first + last) // num_stages
+    out = [per] * num_stages
+    out[0] -= first
+    out[-1] -= last
+    return out
+
+
+def rank_stages(rank: int, pp: int, schedule: str, v: int) -> list[int]:
+    """Stage indices held by pipeline rank `rank` (loop style, or V style for ZBV/DualPipeV)."""
+    if v == 1:
+        return [rank]
+    if schedule in ("ZBVZeroBubble", "DualPipeV"):
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + i * pp for i in range(v)]
+
+
+def inflight_stage_microbatches(w: Workload, rank: int) -> float:
+    """Stage-microbatches whose activations pipeline rank `rank` holds at its peak.
+
+    Units: one stage's activations for one microbatch. GPipe holds all m; 1F1B holds
+    p - rank; interleaved schedules warm up (v-1)p + 2(p-1-rank) chunks (torch's
+    Interleaved1F1B) and hold one more; V schedules (ZBV, DualPipeV) hold about 2p chunks,
+    1F1B's memory for two half-size stages.
+    """
+    p, m, v = w.layout.pp, w.microbatches, w.stages_per_rank
+    if p == 1:
+        return 1
+    sched = w.pp_schedule
+    if sched == "GPipe":
+        return m * v
+    if v == 1:
+        return min(m, p - rank)
+    if sched in ("ZBVZeroBubble", "DualPipeV"):
+        return min(m * v, 2 * p - 2 * rank)
+    return min(m * v, (v - 1) * p + 2 * (p - 1 - rank) + 1)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    states: float
+    unsharded: float
+    activations: float
+    workspace: float
+    logits: float
+    fp8: float
+    rank: int  # pipeline rank this peak is for
+
+    @property
+    def allocated(self) -> float:
+        return (
+            self.states
+            + self.unsharded
+            + self.activations
+            + self.workspace
+            + self.logits
+            + self.fp8
+        )
+
+    @property
+    def reserved(self) -> float:
+        """Bytes torchtitan would report as max reserved."""
+        return self.allocated * (1 + ALLOCATOR_FRAGMENTATION)
+
+    @property
+    def reserved_gib(self) -> float:
+        return self.reserved / GIB
+
+    @property
+    def required_gib(self) -> float:
+        """What must fit in the GPU: reserved plus memory outside the allocator."""
+        return self.reserved_gib + RUNTIME_OVERHEAD_GIB
+
+    def breakdown_gib(self) -> dict[str, float]:
+        return {
+            "states": self.states / GIB,
+            "unsharded_params_grads": self.unsharded / GIB,
+            "activations": self.activations / GIB,
+            "workspace": self.workspace / GIB,
+            "logits": self.logits / GIB,
+            "fp8": self.fp8 / GIB,
+            "allocator_fragmentation": (self.reserved - self.allocated) / GIB,
+            "runtime_overhead": RUNTIME_OVERHEAD_GIB,
+        }
+
+
+def estimate_memory(w: Workload) -> MemoryEstimate:
+    """Peak memory per GPU (the pipeline rank with the highest peak)."""
+    return memory_profile(w).at(w.layout.dp_shard * w.layout.cp)
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """Per-pipeline-rank estimates with FSDP shard count 1: only the sharded states
+    depend on dp_shard, so one profile serves every dp_replicate x dp_shard split."""
+
+    ranks: tuple[MemoryEstimate, ...]
+
+    def _peak(self, fsdp: int) -> tuple[MemoryEstimate, float]:
+        best, best_alloc = self.ranks[0], -1.0
+        for est in self.ranks:
+            alloc = est.allocated - est.states + est.states / fsdp
+            if alloc > best_alloc:
+                best, best_alloc = est, alloc
+        return best, best_alloc
+
+    def required_gib(self, fsdp: int) -> float:
+        """`at(fsdp).required_gib`, without building the estimate (the planner's hot path)."""
+        return self._peak(fsdp)[1] * (1 + ALLOCATOR_FRAGMENTATION) / GIB + RUNTIME_OVERHEAD_GIB
+
+    def at(self, fsdp: int) -> MemoryEstimate:
+        best, _ = self._peak(fsdp)
+        return replace(best, states=best.states / fsdp)
+
+
+def memory_profile(w: Workload) -> MemoryProfile:
+    p = w.layout.pp
+    ranks = sorted({0, min(1, p - 1), p - 1})
+    return MemoryProfile(tuple(_memory_for_rank(w, r) for r in ranks))
+
+
+def _memory_for_rank(w: Workload, rank: int) -> MemoryEstimate:
+    s = w.shape
+    lay = w.layout
+    t, c, p = lay.tp, lay.cp, lay.pp
+    v = w.stages_per_rank
+    n_stages = p * v
+    per_stage = stage_layers(s.n_layers, n_stages)
+    stages = rank_stages(rank, p, w.pp_schedule, v)
+    layers = sum(per_stage[i] for i in stages)
+    has_first = 0 in stages
+    has_last = (n_stages - 1) in stages
+    emb = s.vocab_size * s.dim
+    head = 0 if s.weight_tying else s.vocab_size * s.dim
+    params = layers * s.params_per_layer
+    params += emb if has_first else 0
+    params += (head + s.dim) if has_last else 0
+    params /= t
+
+    states = params * STATE_BYTES_PER_PARAM  # divided by the FSDP shard count in `at`
+    fp8 = w.linear != "bf16"
+    ag_bytes = 1 if (fp8 and w.fp8_all_gather) else w.bytes_per_param_compute
+    unit = max(s.params_per_layer, head if has_last else 0, emb if has_first else 0) / t
+    if p > 1:
+        # No reshard after forward under PP; gradients accumulate unsharded in fp32.
+        unsharded = params * (ag_bytes + 4)
+    else:
+        unsharded = unit * (2 * ag_bytes + w.bytes_per_param_compute + 4)
+
+    tokens = w.tokens_per_microbatch / c  # per GPU of a tp group (tp shares tokens)
+    per_layer_tok = layer_activation_bytes(w)
+    mean_layers_per_stage = layers / len(stages)
+    inflight = inflight_stage_microbatches(w, rank)
+    activations = inflight * mean_layers_per_stage * per_layer_tok * tokens
+    # Embedding output and the final norm's input per in-flight microbatch (seq-sharded).
+    activations += inflight * tokens * 2 * s.dim / t
+    workspace = 2 * layer_activation_bytes(w, "none") * tokens
+    logits = 0.0
+    if has_last:
+        lb = LOGIT_BYTES_COMPILED if w.compile else LOGIT_BYTES_EAGER
+        logits = tokens * (s.vocab_size / t) * lb * (2 if w.dtype == "float32" else 1)
+    fp8_bytes = 0.0
+    if fp8:
+        copies = 1 if w.linear == "fp8_tensorwise" else 2  # rowwise: both orientations
+        fp8_bytes = unit * copies + tokens * (2 * s.dim + s.ffn_hidden / t) * copies
+    return MemoryEstimate(
+        states=states,
+        unsharded=unsharded,
+        activations=activations,
+        workspace=workspace,
+        logits=logits,
+        fp8=fp8_bytes,
+        rank=rank,
+    )

@@ -1,0 +1,579 @@
+"""Analytical step-time model for Llama-family training under FSDP2/TP/PP/CP (torchtitan).
+
+Per microbatch and pipeline rank: matmul time (FLOPs per GEMM at an achievable fraction of
+the precision's peak, lower for narrow GEMMs), attention (causal or document-masked
+FLOPs at a fraction of the BF16 peak), memory-bound work (norms, residuals, RoPE, SwiGLU,
+loss, FP8 casts) at HBM bandwidth, and the collectives of every parallel axis over the
+links their groups actually span (`GroupSpan`): NVLink inside a domain, one NIC per GPU
+between domains, leaf oversubscription across leaves. Overlap: FSDP's all-gather and
+reduce-scatter hide behind the block they prefetch for; TP's collectives are exposed
+unless async TP; CP all-gather is exposed, ring rotation hides behind attention; PP adds
+its p2p transfers and its schedule's bubble.
+
+The named constants below are the whole calibration: global, few, each with its reason.
+`benchmarks/calibration.md` (from `python -m tools.predict --calibration`) shows every
+published row against the prediction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from parallel.cluster import Cluster
+from parallel.hardware import GPUS, peak_flops
+from parallel.memory import MemoryEstimate, estimate_memory, rank_stages, stage_layers
+from parallel.workload import GroupSpan, Workload, planned_spans
+
+# --- calibration constants ------------------------------------------------------------
+# Fraction of the precision's dense peak a large GEMM sustains in a training step (cuBLAS
+# / CUTLASS at realistic shapes, with clocks as the GPU sustains them at full power).
+MATMUL_EFF = {
+    "bf16": 0.65,
+    # FP8 with one scale per tensor: the fastest FP8 GEMMs (cuBLASLt).
+    "fp8_tensorwise": 0.52,
+    # FP8 with per-row scales: CUTLASS row-scaled GEMMs, slower epilogues.
+    "fp8_rowwise": 0.36,
+    # Block-scaled MXFP8 on Blackwell tensor cores.
+    "mxfp8": 0.50,
+}
+# A GEMM whose smaller weight dimension (after TP sharding) is x runs at
+# x / (x + GEMM_HALF_DIM) of the asymptote: narrow GEMMs (TP-sharded heads, small models)
+# fill fewer tiles per wave and spend relatively more time in epilogues.
+GEMM_HALF_DIM = 128
+# Flash/flex attention, forward and backward together, as a fraction of the BF16 peak.
+ATTN_EFF = 0.30
+# Memory-bound traffic per token and layer (norms, residual adds, RoPE, SwiGLU; forward,
+# backward) relative to the eager count in `pointwise_bytes`; compile fuses most of it.
+POINTWISE_SCALE = {"eager": 2.2, "compiled": 0.25}
+# Achievable fraction of HBM bandwidth for pointwise kernels and the optimizer.
+HBM_EFF = 0.80
+# Bus-bandwidth efficiency of NCCL rings: NVLink (NVSwitch) and the inter-node network.
+NVLINK_EFF = 0.85
+NET_EFF = 0.80
+# Per-step latency of a ring collective (one hop), seconds.
+ALPHA_NVLINK = 5e-6
+ALPHA_NET = 15e-6
+# Fraction of TP collective time async TP (micro-pipelined matmul + collective) hides.
+ASYNC_TP_HIDDEN = 0.7
+# Compute that runs while an overlapped collective is active slows by this fraction: NCCL
+# kernels occupy SMs (one per channel, up to 32 of H100's 132) and HBM bandwidth.
+COMM_SM_SLOWDOWN = 0.1
+# Sustained clock under a power cap: (cap / TDP) ** POWER_CLOCK_EXPONENT (dynamic power
+# ~ f * V^2 with V roughly tracking f on the DVFS curve gives an exponent near 1/3..1/2).
+POWER_CLOCK_EXPONENT = 0.8
+# AdamW (torchtitan's foreach implementation) + grad-norm clipping: bytes of HBM traffic
+# per local parameter (read param/grad/2 moments, write param/2 moments, several passes).
+OPTIMIZER_BYTES_PER_PARAM = 64
+# A CPU rank has no tensor-core peak: FLOP/s one gloo rank sustains in fp32 (rough).
+CPU_FLOPS_PER_RANK = 2.0e10
+
+# Bubble of each schedule in units of (p - 1) x one rank's microbatch time, before
+# dividing by the stages per rank v (interleaving shortens each slot to 1/v). Zero-bubble
+# schedules fill about two thirds of it with deferred weight-gradient work (ZB-H1).
+BUBBLE_FACTOR = {
+    "GPipe": 1.0,
+    "1F1B": 1.0,
+    "Interleaved1F1B": 1.0,
+    "InterleavedZeroBubble": 1.0 / 3,
+    "ZBVZeroBubble": 1.0 / 3,
+    "DualPipeV": 1.0 / 3,
+}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of the step: `count` calls of `kind` on `nbytes` (the full buffer)."""
+
+    axis: str
+    kind: str  # all_gather | reduce_scatter | all_reduce | p2p
+    nbytes: float
+    count: float
+    what: str
+
+
+@dataclass
+class Prediction:
+    step_time_s: float
+    tokens_per_sec_per_gpu: float
+    tokens_per_sec_per_node: float
+    mfu_pct: float | None  # model FLOPs against the BF16 dense peak
+    mfu_pct_precision_peak: float | None  # against the peak of the linear's precision
+    memory: MemoryEstimate
+    breakdown: dict[str, float] = field(default_factory=dict)
+    tp_total_s: float = 0.0  # TP collective time before async-TP hiding (information)
+    workload: Workload | None = None
+    layers_per_rank: int = 0
+
+    @property
+    def collectives(self) -> list[Collective]:
+        """Every collective of one step (computed on demand: the planner rarely needs it)."""
+        assert self.workload is not None
+        return _collectives(self.workload, self.layers_per_rank)
+
+    def to_json(self) -> dict:
+        return {
+            "tokens_per_sec_per_gpu": round(self.tokens_per_sec_per_gpu, 1),
+            "tokens_per_sec_per_node": round(self.tokens_per_sec_per_node, 1),
+            "mfu_pct": None if self.mfu_pct is None else round(self.mfu_pct, 2),
+            "step_time_s": round(self.step_time_s, 4),
+            "memory_gib_per_gpu": round(self.memory.reserved_gib, 2),
+            "breakdown": {k: round(v, 4) for k, v in self.breakdown.items()},
+        }
+
+
+# ----------------------------------------------------------------------------------------
+# Building blocks
+
+
+def gemm_eff(linear: str, x: float) -> float:
+    return MATMUL_EFF[linear] * x / (x + GEMM_HALF_DIM)
+
+
+def _linear_kind(w: Workload) -> tuple[str, str]:
+    """(forward/dgrad kind, wgrad kind) of the transformer-block linears."""
+    if w.linear == "fp8_rowwise_gw_hp":
+        return "fp8_rowwise", "bf16"
+    if w.linear in MATMUL_EFF:
+        return w.linear, w.linear
+    return "bf16", "bf16"
+
+
+def block_gemms(w: Workload) -> list[tuple[int, int]]:
+    """(in, out) per GPU of the block's linears under TP: wqkv, wo, w1, w3, w2."""
+    s, t = w.shape, w.layout.tp
+    qd, kv, d, f = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.dim, s.ffn_hidden
+    return [(d, (qd + 2 * kv) // t), (qd // t, d), (d, f // t), (d, f // t), (f // t, d)]
+
+
+# Which block linears per-op SAC recomputes: every second matmul in forward order
+# (wqkv saved, wo recomputed, w1 saved, w3 recomputed, w2 saved).
+SAC_RECOMPUTED = (False, True, False, True, False)
+
+
+def attention_keys(w: Workload) -> float:
+    """Mean keys each query attends to: causal over a document (or the whole sequence)."""
+    doc = w.doc_len if 0 < w.doc_len < w.seq_len else w.seq_len
+    return (doc + 1) / 2
+
+
+def pointwise_bytes(w: Workload) -> float:
+    """Eager HBM bytes per token per layer for the block's pointwise ops (fwd + bwd).
+
+    Forward: two RMSNorms with fp32 upcasts (~16 B per element each), two residual adds
+    (6 B), RoPE on q and k through fp32 complex numbers (~12 B), SwiGLU's silu and product
+    (10 B per hidden element). Backward moves about twice the forward bytes.
+    Sequence-parallel / head-sharded: everything divides by tp.
+    """
+    s, t = w.shape, w.layout.tp
+    qd, kv, d, f = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.dim, s.ffn_hidden
+    fwd = 2 * 16 * d + 2 * 6 * d + 12 * (qd + kv) + 10 * f
+    return 3 * fwd / t * (2 if w.dtype == "float32" else 1)
+
+
+def fp8_cast_bytes(w: Workload) -> float:
+    """HBM bytes per token per layer spent casting linear operands to FP8 (fwd + bwd).
+
+    Each cast reads bf16 (2 B) and writes fp8 (1 B); tensorwise also reads once for the
+    amax (fused by compile). Activation-side operands: forward inputs, backward output
+    gradients, and for the weight gradient their transposed casts (tensorwise transposes
+    the fp8 copy, 2 B; row-wise scaling must requantize along the other axis, 3 B).
+    """
+    if w.linear == "bf16":
+        return 0.0
+    s, t = w.shape, w.layout.tp
+    qd, kv, d, f = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.dim, s.ffn_hidden
+    ins = d + qd / t + d + f / t  # wqkv, wo, w1 (w3 shares w1's cast), w2 inputs
+    outs = (qd + 2 * kv) / t + d + 2 * f / t + d  # output gradients
+    if w.linear == "fp8_tensorwise":
+        return (ins + outs) * (3 + 2)
+    if w.linear == "fp8_rowwise_gw_hp":
+        return (ins + outs) * 3
+    return (ins + outs) * (3 + 3)
+
+
+# ----------------------------------------------------------------------------------------
+# Collectives
+
+
+@dataclass(frozen=True)
+class Links:
+    """The hardware numbers the time model uses (hashable, for caching)."""
+
+    gpu: str
+    clock: float  # sustained clock fraction (power cap)
+    nvlink: float  # bytes/s per GPU per direction
+    net: float  # bytes/s per GPU per direction
+    oversubscription: float
+    hbm: float  # achievable HBM bytes/s
+    gpus_per_node: int
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.gpu == "cpu"
+
+
+def links_of(cluster: Cluster) -> Links:
+    return Links(
+        gpu=cluster.gpu,
+        clock=cluster.power_fraction**POWER_CLOCK_EXPONENT,
+        nvlink=cluster.nvlink_bytes_per_s,
+        net=cluster.net_bytes_per_s,
+        oversubscription=cluster.topology.oversubscription,
+        hbm=GPUS[cluster.gpu].hbm_tbps * 1e12 * HBM_EFF,
+        gpus_per_node=cluster.gpus_per_node,
+    )
+
+
+def coll_time(kind: str, nbytes: float, span: GroupSpan, links: Links) -> float:
+    """Time of one collective on a group with this span (ring algorithm, bus bandwidth).
+
+    Inside an NVLink domain: NVLink. Across domains: each member's own NIC, so the
+    group's bandwidth grows with its members per domain (rail-optimised fabrics), capped
+    by NVLink, divided by the leaf oversubscription when it leaves a leaf.
+    """
+    n = span.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    nvl = links.nvlink * NVLINK_EFF
+    if span.in_nvlink:
+        bw, alpha = nvl, ALPHA_NVLINK
+    else:
+        net = links.net * NET_EFF * span.per_domain
+        if span.leaves > 1:
+            net /= links.oversubscription
+        bw, alpha = (min(nvl, net) if nvl > 0 else net), ALPHA_NET
+    if bw <= 0:
+        return float("inf")
+    if kind == "p2p":
+        return alpha + nbytes / bw
+    factor = 2.0 if kind == "all_reduce" else 1.0
+    return factor * ((n - 1) * alpha + nbytes * (n - 1) / n / bw)
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Seconds per transformer block per microbatch on one GPU."""
+
+    fwd_mm: float
+    bwd_mm: float
+    recompute_mm: float
+    attention: float
+    attention_fwd: float
+    pointwise: float
+    fp8_cast: float
+    tp_total: float
+    tp_exposed: float
+    cp_exposed: float
+    interference: float  # compute slowdown under overlapped TP/CP collectives
+    head: float  # output projection + loss (last stage only)
+
+    @property
+    def compute(self) -> float:
+        return (
+            self.fwd_mm
+            + self.bwd_mm
+            + self.recompute_mm
+            + self.attention
+            + self.pointwise
+            + self.fp8_cast
+        )
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp_exposed + self.cp_exposed + self.interference
+
+    @property
+    def forward(self) -> float:
+        """The forward share (what an FSDP prefetch can hide behind before backward)."""
+        return (
+            self.fwd_mm
+            + self.attention_fwd
+            + (self.pointwise + self.fp8_cast) / 3
+            + self.tp_exposed / 3
+        )
+
+
+def _peak(kind: str, w: Workload, links: Links) -> float:
+    if links.is_cpu:
+        return CPU_FLOPS_PER_RANK
+    bf16 = (peak_flops(links.gpu, "bf16") or CPU_FLOPS_PER_RANK) * links.clock
+    if kind == "bf16":
+        if w.dtype == "float32":
+            return (peak_flops(links.gpu, "tf32") or bf16) * links.clock
+        return bf16
+    return (peak_flops(links.gpu, "fp8") or bf16) * links.clock
+
+
+def layer_costs(w: Workload, links: Links, span_tp: GroupSpan, span_cp: GroupSpan) -> LayerCosts:
+    """Per-block costs; depends on tp, cp and the microbatch, not on dp or pp (cached)."""
+    s = w.shape
+    t, c = w.layout.tp, w.layout.cp
+    is_cpu = links.is_cpu
+    elt = w.bytes_per_param_compute
+    tok = w.tokens_per_microbatch / c  # tokens each GPU of a tp group works on
+    fwd_kind, wgrad_kind = ("bf16", "bf16") if is_cpu else _linear_kind(w)
+    p_fwd, p_wgrad, p_bf16 = (
+        _peak(fwd_kind, w, links),
+        _peak(wgrad_kind, w, links),
+        _peak("bf16", w, links),
+    )
+    fwd_mm = bwd_mm = recompute_mm = 0.0
+    for i, (k, n) in enumerate(block_gemms(w)):
+        fl = 2.0 * tok * k * n
+        x = min(k, n)
+        tf = fl / (p_fwd * (1.0 if is_cpu else gemm_eff(fwd_kind, x)))
+        fwd_mm += tf
+        bwd_mm += tf + fl / (p_wgrad * (1.0 if is_cpu else gemm_eff(wgrad_kind, x)))
+        if w.ac == "full" or (w.ac == "selective" and SAC_RECOMPUTED[i]):
+            recompute_mm += tf
+    qd = s.n_heads * s.head_dim
+    attn_fwd = 4.0 * tok * attention_keys(w) * qd / t / (p_bf16 * (1.0 if is_cpu else ATTN_EFF))
+    # Backward is 2.5 forwards (flash recomputes the scores); full AC reruns the forward.
+    attention = attn_fwd * (1 + 2.5 + (1 if w.ac == "full" else 0))
+    rerun = 4 / 3 if w.ac == "full" else 1.0
+    pw = pointwise_bytes(w) * POINTWISE_SCALE["compiled" if w.compile else "eager"]
+    pointwise = tok * pw / links.hbm * rerun
+    fp8_cast = tok * fp8_cast_bytes(w) / links.hbm * rerun
+
+    act = tok * s.dim  # elements of one full-sequence (SP-gathered) activation
+    tp_total = 0.0
+    if t > 1:
+        ag = 1 if w.linear == "fp8_tensorwise" else elt
+        # SP: 2 all-gathers + 2 reduce-scatters forward, the mirror image backward; the
+        # recompute repeats the forward's (selective saves reduce-scatter outputs only).
+        n_ag = 4 + (2 if w.ac in ("full", "selective") else 0)
+        n_rs = 4 + (2 if w.ac == "full" else 0)
+        tp_total = n_ag * coll_time("all_gather", act * ag, span_tp, links)
+        tp_total += n_rs * coll_time("reduce_scatter", act * elt, span_tp, links)
+    hidden = ASYNC_TP_HIDDEN if (w.async_tp and w.compile) else 0.0
+    overlapped = tp_total * hidden
+    cp_exposed = 0.0
+    if c > 1:
+        kv_bytes = tok * 2 * s.n_kv_heads * s.head_dim / t * elt  # this rank's K and V
+        if w.cp_rotate == "alltoall":
+            # Ring: K/V forward, K/V and dK/dV backward, each (c-1) hops under attention.
+            ring = 3 * (c - 1) * coll_time("p2p", kv_bytes, span_cp, links)
+            cp_exposed = max(0.0, ring - attention)
+            overlapped += min(ring, attention)
+        else:
+            n_ag = 1 + (1 if w.ac == "full" else 0)
+            cp_exposed = n_ag * coll_time("all_gather", kv_bytes * c, span_cp, links)
+            cp_exposed += coll_time("reduce_scatter", kv_bytes * c, span_cp, links)
+
+    head_flops = 2.0 * tok * s.dim * s.vocab_size / t
+    head_eff = 1.0 if is_cpu else gemm_eff("bf16", min(s.dim, s.vocab_size / t))
+    head = 3 * head_flops / (_peak("bf16", w, links) * head_eff)
+    # Loss over tok x vocab/tp logits: eager upcasts, log-softmax, grad (~20 B/elt);
+    # compiled cross-entropy fuses to about a read and a write of each (8 B).
+    loss_bytes = (8 if w.compile else 20) * (s.vocab_size / t) * (2 if w.dtype == "float32" else 1)
+    head += tok * loss_bytes / links.hbm
+    return LayerCosts(
+        fwd_mm=fwd_mm,
+        bwd_mm=bwd_mm,
+        recompute_mm=recompute_mm,
+        attention=attention,
+        attention_fwd=attn_fwd,
+        pointwise=pointwise,
+        fp8_cast=fp8_cast,
+        tp_total=tp_total,
+        tp_exposed=tp_total * (1 - hidden),
+        cp_exposed=cp_exposed,
+        interference=COMM_SM_SLOWDOWN * overlapped,
+        head=head,
+    )
+
+
+_LAYER_CACHE: dict[tuple, LayerCosts] = {}
+
+
+def cached_layer_costs(
+    w: Workload, links: Links, span_tp: GroupSpan, span_cp: GroupSpan
+) -> LayerCosts:
+    """`layer_costs` keyed on what it depends on (the planner calls it for many layouts
+    that differ only in dp and pp)."""
+    key = (
+        w.shape,
+        w.seq_len,
+        w.seqs_per_microbatch,
+        w.layout.tp,
+        w.layout.cp,
+        w.ac,
+        w.linear,
+        w.compile,
+        w.dtype,
+        w.async_tp,
+        w.cp_rotate,
+        w.doc_len,
+        links,
+        span_tp,
+        span_cp,
+    )
+    hit = _LAYER_CACHE.get(key)
+    if hit is None:
+        if len(_LAYER_CACHE) > 65536:
+            _LAYER_CACHE.clear()
+        hit = _LAYER_CACHE[key] = layer_costs(w, links, span_tp, span_cp)
+    return hit
+
+
+# ----------------------------------------------------------------------------------------
+# The model
+
+
+def predict(
+    w: Workload,
+    cluster: Cluster,
+    spans: dict[str, GroupSpan] | None = None,
+    memory: MemoryEstimate | None = None,
+) -> Prediction:
+    """Step time (with an additive breakdown), throughput, MFU and memory of `w`.
+
+    `spans` default to the planned placement's (`planned_spans`); pass measured spans
+    (`parallel.placement.group_spans`) to price another rank order.
+    """
+    spans = spans or planned_spans(w.layout, cluster)
+    links = links_of(cluster)
+    s = w.shape
+    lay = w.layout
+    t, c, p = lay.tp, lay.cp, lay.pp
+    fsdp = lay.dp_shard * c
+    elt = w.bytes_per_param_compute
+    L = cached_layer_costs(w, links, spans["tp"], spans["cp"])
+
+    # --- pipeline ranks: the slowest sets the pace ------------------------------------
+    v = w.stages_per_rank
+    n_stages = p * v
+    per_stage = stage_layers(s.n_layers, n_stages)
+    t_mb, layers_rank, with_head = -1.0, 0, False
+    for r in sorted({0, min(1, p - 1), p - 1}):
+        stages = rank_stages(r, p, w.pp_schedule, v)
+        layers = sum(per_stage[i] for i in stages)
+        last = (n_stages - 1) in stages
+        tr = layers * L.total + (L.head if last else 0.0)
+        if tr > t_mb:
+            t_mb, layers_rank, with_head = tr, layers, last
+
+    # --- FSDP / HSDP --------------------------------------------------------------------
+    lp = s.params_per_layer / t
+    fp8_ag = w.fp8_all_gather and w.linear == "fp8_tensorwise"
+    ag_bytes = lp * (1 if fp8_ag else elt)
+    rs_bytes = lp * 4  # torchtitan reduces gradients in fp32
+    fs, rep = spans["fsdp"], spans["dp_replicate"]
+    t_ag = coll_time("all_gather", ag_bytes, fs, links) if fsdp > 1 else 0.0
+    t_rs = coll_time("reduce_scatter", rs_bytes, fs, links) if fsdp > 1 else 0.0
+    t_ar = coll_time("all_reduce", rs_bytes / fsdp, rep, links) if lay.dp_replicate > 1 else 0.0
+    if p == 1:
+        # Per microstep: all-gather before forward and again before backward (resharded
+        # after forward), reduce-scatter (+ replica all-reduce) after backward; each hides
+        # behind the neighbouring block's compute; the first and the last do not, nor do
+        # the embedding's and output's.
+        emb = s.vocab_size * s.dim / t
+        t_edges = t_ag + t_rs + t_ar
+        if fsdp > 1:
+            t_edges += coll_time("all_gather", emb * elt, fs, links)
+            t_edges += coll_time("reduce_scatter", emb * 4, fs, links)
+        fwd_cover = L.forward
+        bwd_cover = L.total - fwd_cover
+        exposed = max(0.0, t_ag - fwd_cover) + max(0.0, t_ag + t_rs + t_ar - bwd_cover)
+        overlapped = min(t_ag, fwd_cover) + min(t_ag + t_rs + t_ar, bwd_cover)
+        slots = w.grad_accum
+        t_fsdp = slots * (s.n_layers * exposed + t_edges)
+        t_interf_fsdp = slots * s.n_layers * COMM_SM_SLOWDOWN * overlapped
+        t_p2p = t_bubble = 0.0
+    else:
+        # PP: gather the stage once and keep it (no reshard after forward), reduce once at
+        # the end; each hides behind half a microbatch slot at best.
+        slots = w.microbatches
+        gather, reduce = layers_rank * t_ag, layers_rank * (t_rs + t_ar)
+        t_fsdp = max(0.0, gather - t_mb / 2) + max(0.0, reduce - t_mb / 2) + t_ag + t_rs + t_ar
+        t_interf_fsdp = COMM_SM_SLOWDOWN * (min(gather, t_mb / 2) + min(reduce, t_mb / 2))
+        p2p_bytes = w.tokens_per_microbatch / c * s.dim / t * elt
+        t_p2p_slot = 2 * v * coll_time("p2p", p2p_bytes, spans["pp"], links)
+        t_p2p = slots * t_p2p_slot
+        t_bubble = (p - 1) * BUBBLE_FACTOR[w.pp_schedule] / v * (t_mb + t_p2p_slot)
+
+    local_params = s.total_params / (t * p * fsdp)
+    t_opt = local_params * OPTIMIZER_BYTES_PER_PARAM / links.hbm
+    n = slots * layers_rank
+    breakdown = {
+        "matmul_s": n * (L.fwd_mm + L.bwd_mm + L.recompute_mm),
+        "attention_s": n * L.attention,
+        "memory_bound_s": n * (L.pointwise + L.fp8_cast),
+        "output_and_loss_s": slots * L.head if with_head else 0.0,
+        "tp_exposed_s": n * L.tp_exposed,
+        "cp_exposed_s": n * L.cp_exposed,
+        "fsdp_exposed_s": t_fsdp,
+        "comm_interference_s": n * L.interference + t_interf_fsdp,
+        "pp_p2p_s": t_p2p,
+        "pp_bubble_s": t_bubble,
+        "optimizer_s": t_opt,
+    }
+    step = sum(breakdown.values())
+
+    world = lay.world_size
+    tps_gpu = w.tokens_per_step / world / step
+    flops_tok = s.flops_per_token(w.seq_len)
+    pk = peak_flops(cluster.gpu, "bf16")
+    mfu = None if not pk else 100.0 * tps_gpu * flops_tok / pk
+    pk_prec = peak_flops(cluster.gpu, "fp8" if w.linear.startswith("fp8") else w.linear)
+    mfu_prec = None if not pk_prec else 100.0 * tps_gpu * flops_tok / pk_prec
+    return Prediction(
+        step_time_s=step,
+        tokens_per_sec_per_gpu=tps_gpu,
+        tokens_per_sec_per_node=tps_gpu * cluster.gpus_per_node,
+        mfu_pct=mfu,
+        mfu_pct_precision_peak=mfu_prec,
+        memory=memory or estimate_memory(w),
+        breakdown=breakdown,
+        tp_total_s=n * L.tp_total,
+        workload=w,
+        layers_per_rank=layers_rank,
+    )
+
+
+def _collectives(w: Workload, layers_rank: int) -> list[Collective]:
+    """Every collective of one optimizer step per group (buffer size = full group buffer).
+
+    The same volumes the time model prices; `parallel.placement` turns them into bytes
+    crossing leaf and spine switches for a rank order.
+    """
+    s, lay = w.shape, w.layout
+    t, c, p = lay.tp, lay.cp, lay.pp
+    fsdp = lay.dp_shard * c
+    elt = w.bytes_per_param_compute
+    tok = w.tokens_per_microbatch / c
+    micro = w.grad_accum if p == 1 else w.microbatches
+    out: list[Collective] = []
+    stage_params = s.total_params / (t * p)
+    if t > 1:
+        act = tok * s.dim
+        ag = 1 if w.linear == "fp8_tensorwise" else elt
+        n_ag = 4 + (2 if w.ac in ("full", "selective") else 0)
+        n_rs = 4 + (2 if w.ac == "full" else 0)
+        out.append(Collective("tp", "all_gather", act * ag, n_ag * layers_rank * micro, "SP"))
+        out.append(Collective("tp", "reduce_scatter", act * elt, n_rs * layers_rank * micro, "SP"))
+    if c > 1:
+        kv = tok * 2 * s.n_kv_heads * s.head_dim / t * elt * c
+        n = 2 + (1 if w.ac == "full" else 0)
+        out.append(Collective("cp", "all_gather", kv, n * layers_rank * micro, "K/V"))
+    if fsdp > 1:
+        fp8_ag = w.fp8_all_gather and w.linear == "fp8_tensorwise"
+        gathers = 1 if p > 1 else 2 * micro
+        reduces = 1 if p > 1 else micro
+        out.append(
+            Collective(
+                "fsdp", "all_gather", stage_params * (1 if fp8_ag else elt), gathers, "params"
+            )
+        )
+        out.append(Collective("fsdp", "reduce_scatter", stage_params * 4, reduces, "grads"))
+    if lay.dp_replicate > 1:
+        reduces = 1 if p > 1 else w.grad_accum
+        out.append(
+            Collective("dp_replicate", "all_reduce", stage_params * 4 / fsdp, reduces, "grads")
+        )
+    if p > 1:
+        v = w.stages_per_rank
+        out.append(
+            Collective("pp", "p2p", tok * s.dim / t * elt, 2 * v * w.microbatches, "activations")
+        )
+    return out

@@ -1,0 +1,190 @@
+"""What the memory and performance models take: one training configuration, made concrete.
+
+`Workload` is a recipe reduced to the numbers that cost memory and time (model shape,
+tokens per microbatch, degrees, schedule, checkpointing, linear precision, compile), plus
+the few software options published benchmarks vary that a recipe does not expose
+(FP8 tensorwise scaling, async TP, FP8 all-gather, CP rotation). `GroupSpan` says how a
+parallel group lies on the hardware (NVLink domains, hosts, leaf switches): computed
+analytically for the planned placement (`planned_spans`) or measured from a concrete
+rank order (`parallel.placement.group_spans`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from parallel.axes import MESH_ORDER, Layout
+from parallel.cluster import Cluster
+from recipe.models import ModelShape, model_shape, stages_per_rank
+
+# Linear backends the models know. fp8_tensorwise is not a recipe choice (removed from
+# torchtitan) but is what torchtitan's 2024-25 FP8 benchmarks ran.
+LINEARS = ("bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_rowwise_gw_hp", "mxfp8")
+
+
+@dataclass(frozen=True)
+class Workload:
+    shape: ModelShape
+    seq_len: int
+    local_batch_size: int  # sequences per data-parallel rank per microstep
+    layout: Layout = Layout()
+    grad_accum: int = 1  # microsteps per optimizer step (without PP)
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int = 0  # 0 = one sequence per microbatch
+    ac: str = "none"  # none | selective | full
+    linear: str = "bf16"
+    compile: bool = False
+    dtype: str = "bfloat16"
+    async_tp: bool = False
+    fp8_all_gather: bool = False  # FSDP all-gather in FP8 (tensorwise scaling only)
+    cp_rotate: str = "allgather"  # torch CP: allgather (exposed) | alltoall (ring, overlapped)
+    doc_len: int = 0  # mean document length under document masking; 0 = causal over seq
+    virtual_stages: int = 0  # stages per pipeline rank; 0 = the schedule's default
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches per pipeline step (1 without PP)."""
+        if self.layout.pp == 1:
+            return 1
+        return self.pp_microbatches or self.local_batch_size
+
+    @property
+    def seqs_per_microbatch(self) -> int:
+        return self.local_batch_size // self.microbatches
+
+    @property
+    def tokens_per_microbatch(self) -> int:
+        """Tokens one tp x cp group processes in one microbatch (whole sequences)."""
+        return self.seqs_per_microbatch * self.seq_len
+
+    @property
+    def stages_per_rank(self) -> int:
+        if self.layout.pp == 1:
+            return 1
+        return self.virtual_stages or stages_per_rank(self.pp_schedule)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens in one optimizer step over the whole job."""
+        return self.local_batch_size * self.seq_len * self.layout.dp * self.grad_accum
+
+    @property
+    def bytes_per_param_compute(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
+    def with_(self, **kw) -> Workload:
+        return replace(self, **kw)
+
+
+def linear_for(recipe_linear: str, gpu: str) -> str:
+    """Resolve `kernels.linear = "auto"`: the fastest linear the GPU supports."""
+    if recipe_linear != "auto":
+        return recipe_linear
+    if gpu in ("B200", "GB200"):
+        return "mxfp8"
+    if gpu in ("H100", "H200"):
+        return "fp8_rowwise"
+    return "bf16"
+
+
+def workload_from_recipe(recipe, layout: Layout, cluster: Cluster | None = None) -> Workload:
+    """The recipe's training configuration on `layout` (the recipe's own or a plan's)."""
+    tr = recipe.training
+    par = recipe.parallel
+    gbs = tr.global_batch_size
+    per_micro = tr.local_batch_size * layout.dp
+    accum = 1 if gbs == -1 else max(1, gbs // per_micro)
+    gpu = cluster.gpu if cluster else "H100"
+    return Workload(
+        shape=model_shape(recipe.model.flavor),
+        seq_len=tr.seq_len,
+        local_batch_size=tr.local_batch_size,
+        layout=layout,
+        grad_accum=accum if layout.pp == 1 else 1,
+        pp_schedule=par.pp_schedule,
+        pp_microbatches=par.pp_microbatches if layout.pp > 1 else 0,
+        ac=tr.activation_checkpoint,
+        linear=linear_for(recipe.kernels.linear, gpu),
+        compile=tr.compile,
+        dtype=tr.dtype,
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Where a group lies on the hardware
+
+
+@dataclass(frozen=True)
+class GroupSpan:
+    """How one parallel group (e.g. a dp_shard group) lies on the fabric.
+
+    size: ranks; domains: NVLink domains it touches; per_domain: the most ranks it has in
+    one domain (each uses its own NIC); leaves: leaf switches; ring_leaf_hops: leaf
+    changes walking the ring in communicator order (cyclic; 0 inside one leaf);
+    ring_node_hops: host changes likewise.
+    """
+
+    size: int
+    domains: int = 1
+    per_domain: int = 1
+    nodes: int = 1
+    leaves: int = 1
+    ring_node_hops: int = 0
+    ring_leaf_hops: int = 0
+
+    @property
+    def in_nvlink(self) -> bool:
+        return self.domains <= 1
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _span(d: int, inner: int, cluster: Cluster) -> GroupSpan:
+    g = cluster.gpus_per_node
+    dom = cluster.nvlink_domain_gpus
+    npl = cluster.topology.nodes_per_leaf or cluster.nodes
+    per_node = 1 if inner >= g else max(1, min(d, g // inner))
+    nodes = _ceil_div(d, per_node)
+    per_domain = 1 if inner >= dom else max(1, min(d, dom // inner))
+    domains = _ceil_div(d, per_domain)
+    stretch_nodes = max(1, _ceil_div(d * inner, g))
+    leaves = max(1, _ceil_div(stretch_nodes, npl)) if nodes > 1 else 1
+    return GroupSpan(
+        size=d,
+        domains=domains,
+        per_domain=per_domain,
+        nodes=nodes,
+        leaves=leaves,
+        ring_node_hops=nodes if nodes > 1 else 0,
+        ring_leaf_hops=leaves if leaves > 1 else 0,
+    )
+
+
+# Span keys: the five mesh axes plus "fsdp" (torchtitan shards parameters over dp_shard x
+# cp) and "dp" (dp_replicate x dp_shard; no collective of its own, reported only).
+_AXIS_NAMES = tuple(a.value for a in MESH_ORDER)
+SPAN_KEYS = _AXIS_NAMES + ("fsdp",)
+
+
+def planned_spans(layout: Layout, cluster: Cluster) -> dict[str, GroupSpan]:
+    """Spans of each axis's groups under the planned placement (hosts sorted by switch,
+    mesh filled row-major with tp innermost), assuming every leaf is full.
+
+    A group of axis a with degree d has its ranks `inner` apart (inner = product of the
+    degrees inside a), over a stretch of d x inner consecutive GPUs.
+    """
+    out: dict[str, GroupSpan] = {}
+    inner = 1
+    for name in reversed(_AXIS_NAMES):
+        d = getattr(layout, name)
+        out[name] = _span(d, inner, cluster)
+        inner *= d
+    out["fsdp"] = _span(layout.dp_shard * layout.cp, layout.tp, cluster)
+    return out
+
+
+def log2i(n: int) -> int:
+    return max(0, math.ceil(math.log2(max(1, n))))

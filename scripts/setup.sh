@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create (or reuse) .venv and install titanscale's pinned dependencies.
+# torch==2.14.1 comes from this machine's local disk through pip (about a minute on a fresh
+# machine); nothing else is needed from the network beyond the package registry.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+# A stamp of pyproject.toml's hash skips the install when nothing changed (fast re-runs).
+stamp=.venv/.titanscale-deps
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e '.[dev]'
+  echo "$want" > "$stamp"
+fi
