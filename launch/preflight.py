@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from launch.topology import address_key, leaf_of, natural_key
-from parallel.axes import MESH_ORDER, Layout
+from parallel.axes import MESH_ORDER, Layout, resolve_layout
+from recipe.errors import ConfigError
 
 # Which collective each axis carries in training.
 AXIS_COLLECTIVES: dict[str, tuple[str, ...]] = {
@@ -37,6 +38,36 @@ AXIS_COLLECTIVES: dict[str, tuple[str, ...]] = {
 # A measured bus bandwidth below this fraction of the prediction is worth a warning: NCCL
 # usually reaches 70-90% of link speed at large messages, so half means something is off.
 SLOW_FRACTION = 0.5
+
+
+def recipe_layout(recipe: Any, world_size: int) -> Layout:
+    """The recipe's degrees for `world_size`, without the model checks.
+
+    recipe.loader.check_recipe also checks the degrees against the model (heads, layers),
+    which imports torchtitan's model registry: ~5 s of CPU per process, paid by every rank
+    of a pre-flight that only needs the degrees. tools.launch runs the full check before
+    submitting and train.py runs it again; a layout that fails here fails there too.
+    """
+    par = recipe.parallel
+    if par.world_size and par.world_size != world_size:
+        raise ConfigError(
+            f"the recipe declares {par.world_size} processes but the launch has {world_size}",
+            file=recipe.source,
+            key="parallel.world_size",
+        )
+    if par.auto:
+        return Layout(dp_shard=world_size)
+    layout = resolve_layout(
+        world_size=world_size,
+        dp_replicate=par.dp_replicate,
+        dp_shard=par.dp_shard,
+        cp=par.cp,
+        tp=par.tp,
+        pp=par.pp,
+    )
+    if isinstance(layout, str):
+        raise ConfigError(layout, file=recipe.source, key="parallel.dp_shard")
+    return layout
 
 
 def bus_factor(op: str, n: int) -> float:

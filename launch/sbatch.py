@@ -89,6 +89,15 @@ def slurm_time_seconds(text: str) -> int | None:
     return int(a) * 3600 + int(b) * 60 + int(c)  # H:M:S
 
 
+def node_path(path: Path, workdir: str) -> str:
+    """`path` as the nodes see it: inside this checkout -> under `workdir`, else absolute."""
+    p = path.resolve()
+    try:
+        return str(Path(workdir) / p.relative_to(REPO_ROOT))
+    except ValueError:
+        return str(p)
+
+
 def procs_per_node(cluster: Cluster) -> int:
     """torchrun processes per node: one per GPU (a CPU profile's gpus_per_node = processes)."""
     return cluster.gpus_per_node
@@ -132,6 +141,12 @@ def check_launch(recipe: Recipe, cluster: Cluster, opts: LaunchOptions) -> tuple
             "checkpoint.interval = 0: a requeued job restarts from step 0 unless the run "
             "saves on the stop request (set checkpoint.interval)"
         )
+    npd = cluster.nodes_per_domain
+    if npd > 1 and opts.nodes % npd:
+        warnings.append(
+            f"{opts.nodes} nodes is not a multiple of the {npd}-node NVLink domain: one domain "
+            "is shared with other jobs (no --segment)"
+        )
     if not recipe.checkpoint.resume:
         warnings.append("checkpoint.resume = false: a requeued job will not resume")
     return layout, warnings
@@ -155,6 +170,12 @@ def switches_needed(cluster: Cluster, nodes: int) -> int:
             need += 1
         return max(need, 1)
     return leaf_switches_needed(nodes, t.nodes_per_leaf or max(cluster.nodes, nodes))
+
+
+def segment_size(cluster: Cluster, nodes: int) -> int:
+    """`sbatch --segment` for profiles whose NVLink domain spans nodes (0 = none)."""
+    npd = cluster.nodes_per_domain
+    return npd if npd > 1 and nodes % npd == 0 else 0
 
 
 def _q(s: str) -> str:
@@ -224,6 +245,11 @@ def render_sbatch(recipe: Recipe, cluster: Cluster, layout: Layout, opts: Launch
     if opts.time:
         a(f"#SBATCH --time={opts.time}")
     a(f"#SBATCH --switches={switches}@{opts.switch_wait}")
+    seg = segment_size(cluster, opts.nodes)
+    if seg:
+        # Multi-node NVLink domains (NVL72): whole domains per segment (topology/block,
+        # Slurm >= 23.11; older sbatch rejects the option).
+        a(f"#SBATCH --segment={seg}")
     a(f"#SBATCH --signal=B:USR1@{opts.signal_seconds}")
     a("#SBATCH --requeue")
     a("#SBATCH --open-mode=append")

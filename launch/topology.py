@@ -16,6 +16,19 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
+from parallel.cluster import expand_hostlist, parse_scontrol_topology
+from recipe.errors import ConfigError
+
+__all__ = [
+    "address_key",
+    "addresses_from_scontrol_topology",
+    "expand_hostlist",
+    "leaf_of",
+    "leaf_switches_needed",
+    "natural_key",
+    "topology_order",
+]
+
 _DIGITS = re.compile(r"(\d+)")
 
 
@@ -30,77 +43,29 @@ def address_key(address: str) -> tuple[tuple[tuple[int, int | str], ...], ...]:
     return tuple(natural_key(level) for level in address.split("."))
 
 
-def expand_hostlist(expr: str) -> list[str]:
-    """Slurm hostlist expression -> names: 'gpu[01-03,7],cpu1' -> gpu01 gpu02 gpu03 gpu7 cpu1.
-
-    Keeps zero padding ('01-03'). Handles one bracket group per name, which is what
-    `scontrol show topology` and SLURM_JOB_NODELIST print.
-    """
-    names: list[str] = []
-    for item in _split_top_level(expr.strip()):
-        m = re.fullmatch(r"([^\[\]]*)\[([^\]]+)\]([^\[\]]*)", item)
-        if not m:
-            if item:
-                names.append(item)
-            continue
-        prefix, body, suffix = m.groups()
-        for part in body.split(","):
-            if "-" in part:
-                lo, hi = part.split("-", 1)
-                width = len(lo)
-                for i in range(int(lo), int(hi) + 1):
-                    names.append(f"{prefix}{i:0{width}d}{suffix}")
-            else:
-                names.append(f"{prefix}{part}{suffix}")
-    return names
-
-
-def _split_top_level(expr: str) -> list[str]:
-    """Split on commas that are not inside brackets."""
-    out, depth, cur = [], 0, []
-    for ch in expr:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-        if ch == "," and depth == 0:
-            out.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    out.append("".join(cur))
-    return [s.strip() for s in out if s.strip()]
-
-
 def addresses_from_scontrol_topology(text: str, nodes: Iterable[str]) -> dict[str, str]:
     """Rebuild each node's SLURM_TOPOLOGY_ADDR-style path from `scontrol show topology`.
 
-    Each node's leaf is the lowest-level switch that lists it; the path climbs through the
-    switches whose ``Switches=`` contain the one below. Nodes no switch lists are left out.
+    Each node's leaf is the lowest-level switch (one without child switches) that lists it;
+    the path climbs through the switches whose ``Switches=`` name the one below. Nodes no
+    leaf lists are left out; text without switch lines gives {}.
     """
-    level: dict[str, int] = {}
-    node_switch: dict[str, tuple[int, str]] = {}
-    parent: dict[str, str] = {}
-    for line in text.splitlines():
-        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
-        name = fields.get("SwitchName")
-        if not name:
-            continue
-        lvl = int(fields.get("Level", "0") or 0)
-        level[name] = lvl
-        for child in expand_hostlist(fields.get("Switches", "")):
-            parent[child] = name
-        for node in expand_hostlist(fields.get("Nodes", "")):
-            prev = node_switch.get(node)
-            if prev is None or lvl < prev[0]:
-                node_switch[node] = (lvl, name)
+    try:
+        topo = parse_scontrol_topology(text)
+    except ConfigError:
+        return {}
+    parent = {child: name for name, _, children in topo.switches for child in children}
+    leaf_of_node: dict[str, str] = {}
+    for name, members, children in topo.switches:
+        if not children:
+            for node in members:
+                leaf_of_node.setdefault(node, name)
     out: dict[str, str] = {}
     for node in nodes:
-        if node not in node_switch:
+        sw = leaf_of_node.get(node)
+        if sw is None:
             continue
-        path = [node]
-        sw: str | None = node_switch[node][1]
-        seen: set[str] = set()
+        path, seen = [node], set()
         while sw is not None and sw not in seen:
             seen.add(sw)
             path.append(sw)

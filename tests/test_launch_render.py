@@ -203,3 +203,32 @@ def test_cli_dry_run_and_bad_input(capsys):
     with pytest.raises(SystemExit) as e:
         launch_main(["--recipe", str(B200), "--cluster", "hgx_b20_ib", "--nodes", "8", "--dry-run"])
     assert e.value.code == 2 and "did you mean 'hgx_b200_ib'" in capsys.readouterr().err
+
+
+def test_nvl72_asks_for_whole_nvlink_domains():
+    cluster = load_cluster("gb200_nvl72")
+    recipe = ROOT / "recipes" / "llama3_70b.toml"
+    scale = ("parallel.dp_shard=-1", "training.global_batch_size=-1")
+    text, _ = _render(recipe, cluster, 36, overrides=("parallel.world_size=144", *scale))
+    sb = _sbatch(text)
+    assert sb["segment"] == "18" and sb["switches"] == "2@00:30:00"
+    assert sb["gpus-per-node"] == "4"
+    _, warnings = _render(recipe, cluster, 32, overrides=("parallel.world_size=128", *scale))
+    assert any("not a multiple of the 18-node NVLink domain" in w for w in warnings)
+
+
+def test_docs_examples_match_the_launcher(capsys):
+    """docs/launch.md shows the real --dry-run output for 8 and 64 B200 nodes."""
+    doc = (ROOT / "docs" / "launch.md").read_text()
+    for nodes, sets in ((8, ()), (64, SCALE_64)):
+        block = doc.split(f"<!-- dry-run: {nodes} -->\n```bash\n", 1)[1].split("```", 1)[0]
+        args = [
+            "--recipe", str(B200), "--cluster", "hgx_b200_ib", "--nodes", str(nodes),
+            "--partition", "gpu", "--account", "llm", "--time", "2-00:00:00",
+            "--workdir", "/shared/titanscale", "--python", "/shared/titanscale/.venv/bin/python",
+            "--out", f"/shared/runs/llama3_70b_b200_{nodes}n", "--dry-run",
+        ]  # fmt: skip
+        for o in sets:
+            args += ["--set", o]
+        assert launch_main(args) == 0
+        assert capsys.readouterr().out == block, f"docs/launch.md {nodes}-node example is stale"

@@ -100,3 +100,25 @@ def test_leaf_switches_needed():
     assert leaf_switches_needed(65, 32) == 3
     with pytest.raises(ValueError):
         leaf_switches_needed(0, 4)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_same_host_order_as_the_planner(seed):
+    """Launching in topology order leaves the planner's placement nothing to permute."""
+    from parallel.axes import Layout
+    from parallel.cluster import Fabric, Host
+    from parallel.placement import planned_rank_order
+
+    truth = _cluster(spines=2, leaves_per_spine=4, nodes_per_leaf=3)  # leaf0..leaf7
+    shuffled = truth[:]
+    random.Random(seed).shuffle(shuffled)
+    order = topology_order(shuffled)
+    addr = dict(truth)
+    hosts = tuple(Host(n, tuple(addr[n].split(".")[:-1]), n) for n in order)
+    fabric = Fabric(hosts, gpus_per_node=4)
+    world = fabric.world_size
+    assert planned_rank_order(Layout(dp_shard=world // 4, tp=4), fabric) == list(range(world))
+    # Launched in shuffled order instead, the planner has to permute.
+    hosts = tuple(Host(n, tuple(a.split(".")[:-1]), n) for n, a in shuffled)
+    fabric = Fabric(hosts, gpus_per_node=4)
+    assert planned_rank_order(Layout(dp_shard=world // 4, tp=4), fabric) != list(range(world))

@@ -162,3 +162,17 @@ def test_preflight_under_torchrun(tmp_path):
     placement = json.loads((tmp_path / "placement.json").read_text())
     assert [r["rank"] for r in placement["ranks"]] == [0, 1, 2, 3]
     assert placement["layout"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 2}
+
+
+def test_recipe_layout_matches_the_loader():
+    from launch.preflight import recipe_layout
+    from recipe.errors import ConfigError
+    from recipe.loader import check_recipe, load_recipe
+
+    for sets, world in ([[], 8], [["parallel.tp=2", "parallel.pp=2"], 4], [["parallel.cp=2"], 8]):
+        r = load_recipe(ROOT / "recipes" / "debug.toml", sets)
+        assert recipe_layout(r, world) == check_recipe(r, world)
+    r = load_recipe(ROOT / "recipes" / "llama3_70b_b200.toml")
+    with pytest.raises(ConfigError) as e:
+        recipe_layout(r, 32)
+    assert e.value.key == "parallel.world_size"

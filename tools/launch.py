@@ -68,13 +68,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--python", default=sys.executable, help="Python on the nodes (default: this one)"
     )
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="this checkout's path as the nodes see it (default: its path here); recipe and "
+        "profile paths inside the checkout are rewritten to it",
+    )
     return p.parse_args(argv)
 
 
 @exit_on_config_error
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from launch.sbatch import LaunchOptions, check_launch, render_sbatch
+    from launch.sbatch import REPO_ROOT, LaunchOptions, check_launch, node_path, render_sbatch
     from parallel.cluster import load_cluster, resolve_cluster_path
     from recipe.loader import DEFAULT_RECIPE, load_recipe
 
@@ -82,11 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     cluster = load_cluster(args.cluster)
     cluster_path = resolve_cluster_path(args.cluster).resolve()
     out = Path(args.out or recipe.output_dir).resolve()
+    workdir = args.workdir or str(REPO_ROOT)
     opts = LaunchOptions(
         nodes=args.nodes,
         output_dir=str(out),
-        recipe_path=str(Path(args.recipe or DEFAULT_RECIPE).resolve()),
-        cluster_path=str(cluster_path),
+        recipe_path=node_path(Path(args.recipe or DEFAULT_RECIPE), workdir),
+        cluster_path=node_path(cluster_path, workdir),
+        workdir=workdir,
         overrides=tuple(args.overrides),
         partition=args.partition,
         time=args.time,

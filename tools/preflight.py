@@ -49,11 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @exit_on_config_error
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from recipe.loader import check_recipe, load_recipe
+    from launch.preflight import recipe_layout
+    from recipe.loader import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    layout = check_recipe(recipe, world)
+    layout = recipe_layout(recipe, int(os.environ.get("WORLD_SIZE", "1")))
     cluster = None
     if args.cluster:
         from parallel.cluster import load_cluster
