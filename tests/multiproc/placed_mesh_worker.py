@@ -14,6 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
@@ -46,9 +47,7 @@ def main() -> None:
     tp_ranks = sorted(int(r) for r in tp_mesh.mesh.flatten().tolist())
     x = torch.tensor([float(rank)])
     dist.all_reduce(x, group=tp_mesh.get_group())
-    shard_mesh = (
-        pd.get_mesh("dp_shard") if pd.spmd_backend != "partial_dtensor" else pd.get_mesh("fsdp")
-    )
+    shard_mesh = pd.get_mesh("dp_shard") if pd.spmd_backend != "partial_dtensor" else pd.get_mesh("fsdp")
     shard_ranks = sorted(int(r) for r in shard_mesh.mesh.flatten().tolist())
     y = torch.tensor([float(rank)])
     dist.all_reduce(y, group=shard_mesh.get_group())
