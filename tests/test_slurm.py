@@ -90,9 +90,11 @@ def _job(job_id: str) -> dict[str, str]:
 
 
 def _logs(out: Path) -> str:
+    """The job's logs and Slurm's own, for a failure message (down.sh removes Slurm's)."""
     text = []
-    for f in sorted((out / "logs").glob("*.out")):
-        text.append(f"==== {f.name}\n" + f.read_text(errors="replace")[-4000:])
+    files = sorted((out / "logs").glob("*.out")) + sorted(Path(BASE, "log").glob("*.log"))
+    for f in files:
+        text.append(f"==== {f}\n" + f.read_text(errors="replace")[-3000:])
     return "\n".join(text)
 
 
@@ -136,9 +138,18 @@ def _losses(out: Path) -> tuple[dict[int, float], list[dict]]:
     return losses, starts
 
 
+def _nodes_idle() -> bool:
+    states = _run(["sinfo", "-h", "-N", "-o", "%N %t"]).stdout.split("\n")
+    return len([ln for ln in states if ln.strip().endswith(" idle")]) == 4
+
+
 def _expedite(job_id: str, out: Path) -> None:
-    """Slurm holds a requeued job for ~2 minutes (BeginTime); start it now."""
-    _wait(job_id, out, lambda j: j.get("JobState") == "PENDING", 60, "requeued (pending)")
+    """Slurm holds a requeued job for ~2 minutes (BeginTime); start it sooner. Not at once:
+    slurmd refuses to launch a job id whose previous credential it revoked in the same
+    second ("Job credential revoked": the job FAILS), and the last incarnation must have
+    left every node. The two minutes normally cover both."""
+    _wait(job_id, out, lambda j: j.get("JobState") == "PENDING" and _nodes_idle(), 60, "pending")
+    time.sleep(2)
     r = _run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
     assert r.returncode == 0, r.stderr
 
