@@ -4,133 +4,316 @@ Built by the Trainer as `config.dataloader.build(dp_world_size=, dp_rank=, token
 seq_len=, local_batch_size=, snapshot_every_n_steps=)`; yields
 `({"input": [B, L], "positions": [B, L]}, labels [B, L])` with positions reset to 0 at each
 document (torchtitan derives the flex / varlen / dense document masks from them) and
-labels = IGNORE_INDEX (-100) where nothing is to be predicted.
+labels = IGNORE_INDEX (-100) on padding. Packing: concat | bfd | none (data.packing).
 
 Sharding invariant: packed rows form ONE global stream, identical on every rank, and
 data-parallel rank r takes rows r, r + dp, r + 2dp, ... So the union of a step's batches is
 the same set of rows for every data-parallel size: a 1-process run with local batch B x dp
 sees exactly the sequences that dp processes with local batch B see, and a checkpoint
-(the global row counter) resumes at any data-parallel size. Cost: every rank tokenizes the
-whole stream, dp times the tokenization work of document-level sharding; tokenization runs
-at >1M tokens/s/core, far above what one GPU consumes at the dp sizes we plan for.
+(the global stream position) resumes at any data-parallel size with no document repeated
+or skipped. Cost: every rank reads and tokenizes the whole stream (dp times the work of
+document-level sharding) and materializes only its own rows; benchmarks/packing.md gives
+the tokens/s one core sustains, which bounds dp x tokens/s per data-parallel replica.
+
+Checkpoint contents (one key, identical on every rank): the next source record, the epoch,
+the packer's pending pieces and the rows decided but not yet consumed, the tokens of the
+documents they reference (int32), the cumulative packing and bad-record counts, and a
+fingerprint (source, packing, seq_len, window, vocab) that must match on resume.
 """
 
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
-from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.components.tokenizer import BaseTokenizer
+from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
+from torchtitan.tools.logging import logger
 
-from data.corpus import iter_stdlib_documents
+from data.packing import PACKINGS, Piece, Row, make_packer, materialize
+from data.sources import BAD_REASONS, Source, open_source
+from recipe.errors import ConfigError
+
+BAD_RECORD_POLICIES = ("skip", "fail")
+STREAMING_MODES = ("auto", "always", "never")
+STATE_KEY = "titanscale_stream"
+STATE_VERSION = 2
+# Records read and tokenized together (one encode_batch call); only documents actually
+# pushed to the packer advance the saved position, so the chunk size never shows in state.
+_CHUNK = 64
 
 
-def iter_documents(source: str, text_field: str, start: int = 0) -> Iterator[tuple[int, str]]:
-    """(document index, text) from `source`, from document index `start`."""
-    if source == "stdlib":
-        yield from iter_stdlib_documents(start=start)
-        return
-    raise ValueError(f"unsupported data source {source!r}")
+class BadRecordError(ConfigError):
+    """A bad record under `[data] bad_records = "fail"`."""
+
+
+def encode_documents(tokenizer: BaseTokenizer, texts: Sequence[str]) -> list[np.ndarray]:
+    """BOS + tokens + EOS per text, as int32 arrays; identical to `tokenizer.encode(text,
+    add_bos=True, add_eos=True)` (torchtitan's call), batched through `tokenizers` when the
+    tokenizer is torchtitan's HuggingFaceTokenizer."""
+    if isinstance(tokenizer, HuggingFaceTokenizer):
+        encs = tokenizer.tokenizer.encode_batch(list(texts))
+        pre = (
+            [tokenizer.bos_id]
+            if (tokenizer.bos_id is not None and not tokenizer.hf_adds_bos)
+            else []
+        )
+        post = (
+            [tokenizer.eos_id]
+            if (tokenizer.eos_id is not None and not tokenizer.hf_adds_eos)
+            else []
+        )
+        return [np.array(pre + e.ids + post, dtype=np.int32) for e in encs]
+    return [
+        np.array(tokenizer.encode(t, add_bos=True, add_eos=True), dtype=np.int32) for t in texts
+    ]
 
 
 class PackedStream(IterableDataset, Stateful):
-    """Concat-then-split packing of the global document stream, this rank's rows only."""
+    """The global packed stream; this rank's rows only (row r of every group of dp rows)."""
 
     def __init__(
         self,
         *,
-        source: str,
-        text_field: str,
+        source: str | Source,
         tokenizer: BaseTokenizer,
         seq_len: int,
         dp_rank: int,
         dp_world_size: int,
+        packing: str = "concat",
+        text_field: str = "text",
+        window: int = 256,
+        bad_records: str = "skip",
+        streaming: str = "auto",
         infinite: bool = True,
     ) -> None:
-        self.source = source
-        self.text_field = text_field
+        if packing not in PACKINGS:
+            raise ConfigError(f"expected one of {PACKINGS}, got {packing!r}", key="data.packing")
+        if bad_records not in BAD_RECORD_POLICIES:
+            raise ConfigError(
+                f"expected one of {BAD_RECORD_POLICIES}, got {bad_records!r}",
+                key="data.bad_records",
+            )
+        if not 0 <= dp_rank < dp_world_size:
+            raise ValueError(f"dp_rank {dp_rank} outside 0..{dp_world_size - 1}")
+        self.source = (
+            source
+            if isinstance(source, Source)
+            else open_source(source, text_field=text_field, streaming=streaming)
+        )
         self.tokenizer = tokenizer
         self.seq_len = seq_len
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
+        self.packing = packing
+        self.window = window
+        self.bad_records = bad_records
         self.infinite = infinite
-        # Global position: the next document to read, the next global row index, the epoch,
-        # and the partial row carried between documents. Saved in checkpoints.
-        self._next_doc = 0
-        self._row = 0
+        eos = getattr(tokenizer, "eos_id", None)
+        self.pad_id = int(eos) if eos is not None else 0
+        self.fingerprint = {
+            "source": self.source.description,
+            "text_field": text_field,
+            "packing": packing,
+            "seq_len": seq_len,
+            "window": window if packing == "bfd" else None,
+            "vocab_size": tokenizer.get_vocab_size(),
+        }
+        self._reset()
+
+    def _reset(self) -> None:
+        self.packer = make_packer(self.packing, self.seq_len, window=self.window)
+        self._next_record = 0
         self._epoch = 0
-        self._buf_in: list[int] = []
-        self._buf_lab: list[int] = []
-        self._buf_pos: list[int] = []
+        self._n_records: int | None = None
+        self._doc_seq = 0  # ids for pushed documents (unique across epochs)
+        self._queue: list[Row] = []  # rows decided, not yet consumed (global order)
+        self._tokens: dict[int, np.ndarray] = {}
+        self._rows_consumed = 0
+        self._bad = dict.fromkeys(BAD_REASONS, 0)
+        self._finished = False
+        self._prune_at = 2 * self.window + 64
 
-    def _emit(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-        # Rows are consumed a whole data-parallel group (dp rows) at a time, so between two
-        # yields every rank holds the same stream state: a checkpoint taken on any rank is
-        # valid for all ranks at any data-parallel size.
-        L, dp = self.seq_len, self.dp_world_size
-        while len(self._buf_in) >= L * dp:
-            start = self.dp_rank * L
-            inp = self._buf_in[start : start + L]
-            lab = self._buf_lab[start : start + L]
-            pos = self._buf_pos[start : start + L]
-            del self._buf_in[: L * dp], self._buf_lab[: L * dp], self._buf_pos[: L * dp]
-            self._row += dp
-            # A document split across rows continues at position p > 0; restart it at 0 so
-            # the row's first token starts a (partial) document for the mask and RoPE.
-            if pos[0] != 0:
-                off = pos[0]
-                for i, p in enumerate(pos):
-                    if p == 0 and i > 0:
+    # -- the stream -------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        dp = self.dp_world_size
+        while not self._finished:
+            good_in_epoch = 0
+            pass_start = self._next_record
+            records = self.source.records(self._next_record)
+            exhausted = False
+            while not exhausted:
+                chunk = []
+                for rec in records:
+                    chunk.append(rec)
+                    if len(chunk) == _CHUNK:
                         break
-                    pos[i] = p - off
-            yield (
-                {"input": torch.tensor(inp), "positions": torch.tensor(pos)},
-                torch.tensor(lab),
+                else:
+                    exhausted = True
+                # A record has text xor a bad-record reason (data.sources contract).
+                texts = [t for _, t, _ in chunk if t is not None]
+                encoded = iter(encode_documents(self.tokenizer, texts)) if texts else iter(())
+                for idx, text, bad in chunk:
+                    ids = next(encoded) if text is not None else None
+                    if ids is not None and len(ids) < 2:
+                        bad = "empty"  # no next-token pair (a tokenizer without BOS/EOS)
+                    self._next_record = idx + 1
+                    if bad is not None:
+                        self._record_bad(idx, bad)
+                        continue
+                    good_in_epoch += 1
+                    assert ids is not None
+                    doc = self._doc_seq
+                    self._doc_seq += 1
+                    self._tokens[doc] = ids
+                    self._queue.extend(self.packer.push(doc, len(ids) - 1))
+                    while len(self._queue) >= dp:
+                        yield self._take_group()
+            # One pass over the source done.
+            if good_in_epoch == 0 and pass_start == 0:
+                raise ConfigError(
+                    f"{self.source.description}: no usable documents "
+                    f"(bad records: {self._bad_summary()})",
+                    key="data.source",
+                )
+            self._n_records = self._next_record
+            if self.infinite:
+                self._epoch += 1
+                self._next_record = 0
+                logger.info(f"data: epoch {self._epoch} of {self.source.description}")
+                continue
+            self._queue.extend(self.packer.flush())
+            while len(self._queue) % dp:
+                # Keep every rank at the same number of rows: pad the last group with rows
+                # of padding (labels all IGNORE_INDEX) instead of dropping real rows.
+                self._queue.append(self.packer.padding_row())
+            while self._queue:
+                yield self._take_group()
+            self._finished = True
+
+    def _record_bad(self, idx: int, reason: str) -> None:
+        if self.bad_records == "fail":
+            raise BadRecordError(
+                f"record {idx} of {self.source.description} is bad ({reason}); set "
+                "data.bad_records = 'skip' to skip and count bad records",
+                key="data.bad_records",
             )
+        self._bad[reason] += 1
 
-    def __iter__(self):
-        while True:
-            for idx, text in iter_documents(self.source, self.text_field, self._next_doc):
-                ids = self.tokenizer.encode(text, add_bos=True, add_eos=True)
-                self._next_doc = idx + 1
-                # Shift within the document: its last token never predicts the next
-                # document's first token (torchtitan's convention).
-                self._buf_in.extend(ids[:-1])
-                self._buf_lab.extend(ids[1:])
-                self._buf_pos.extend(range(len(ids) - 1))
-                yield from self._emit()
-            if not self.infinite:
-                return
-            self._epoch += 1
-            self._next_doc = 0
+    def _bad_summary(self) -> str:
+        return ", ".join(f"{k} {v}" for k, v in self._bad.items() if v) or "none"
 
+    def _take_group(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        dp = self.dp_world_size
+        row = self._queue[self.dp_rank]
+        del self._queue[:dp]
+        self._rows_consumed += dp
+        inp, lab, pos = materialize(row, self._tokens, self.pad_id)
+        if len(self._tokens) > self._prune_at:
+            self._prune()
+        return (
+            {"input": torch.from_numpy(inp), "positions": torch.from_numpy(pos)},
+            torch.from_numpy(lab),
+        )
+
+    def _referenced(self) -> set[int]:
+        refs = set(self.packer.pending_docs())
+        for row in self._queue:
+            refs.update(p.doc for p in row.pieces)
+        return refs
+
+    def _prune(self) -> None:
+        refs = self._referenced()
+        self._tokens = {d: t for d, t in self._tokens.items() if d in refs}
+        self._prune_at = 2 * len(self._tokens) + 2 * self.window + 64
+
+    # -- accounting -------------------------------------------------------------------------
+    def packing_stats(self) -> dict[str, Any]:
+        """Cumulative global counts (identical on every rank): packing and bad records."""
+        out: dict[str, Any] = dict(self.packer.stats.as_dict())
+        out["rows_consumed"] = self._rows_consumed
+        out["epoch"] = self._epoch
+        out["bad_records"] = dict(self._bad)
+        out["bad_records_total"] = sum(self._bad.values())
+        return out
+
+    # -- checkpoint -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        refs = sorted(self._referenced())
+        lengths = [len(self._tokens[d]) for d in refs]
+        flat = (
+            np.concatenate([self._tokens[d] for d in refs]) if refs else np.zeros(0, dtype=np.int32)
+        )
+        st = self.packer.stats
         return {
-            "next_doc": self._next_doc,
-            "row": self._row,
+            "version": STATE_VERSION,
+            "fingerprint": dict(self.fingerprint),
+            "next_record": self._next_record,
             "epoch": self._epoch,
-            "buf_in": list(self._buf_in),
-            "buf_lab": list(self._buf_lab),
-            "buf_pos": list(self._buf_pos),
+            "n_records": self._n_records,
+            "doc_seq": self._doc_seq,
+            "rows_consumed": self._rows_consumed,
+            "finished": self._finished,
+            "packer": [list(s) for s in self.packer.state()],
+            "queue": [[(p.doc, p.start, p.end) for p in r.pieces] for r in self._queue],
+            "docs": refs,
+            "doc_lengths": lengths,
+            "tokens": flat,
+            "stats": {
+                "documents": st.documents,
+                "rows": st.rows,
+                "useful_tokens": st.useful_tokens,
+                "padding_tokens": st.padding_tokens,
+                "split_documents": st.split_documents,
+            },
+            "bad": dict(self._bad),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self._next_doc = sd["next_doc"]
-        self._row = sd["row"]
+        if sd.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"data position was written by another loader version ({sd.get('version')}, "
+                f"expected {STATE_VERSION})"
+            )
+        diff = {
+            k: (sd["fingerprint"].get(k), v)
+            for k, v in self.fingerprint.items()
+            if sd["fingerprint"].get(k) != v
+        }
+        if diff:
+            detail = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            raise ValueError(
+                f"the checkpoint's data position belongs to another data setup ({detail}); "
+                "resume with the same data settings, or exclude the dataloader from loading"
+            )
+        self._reset()
+        offsets = np.cumsum([0, *sd["doc_lengths"]])
+        flat = np.asarray(sd["tokens"], dtype=np.int32)
+        self._tokens = {
+            d: flat[offsets[i] : offsets[i + 1]].copy() for i, d in enumerate(sd["docs"])
+        }
+        lengths = {d: len(t) - 1 for d, t in self._tokens.items()}
+        self.packer.restore([tuple(s) for s in sd["packer"]], lengths)
+        self._queue = [
+            Row(tuple(Piece(d, s, e, lengths[d]) for d, s, e in r), self.seq_len)
+            for r in sd["queue"]
+        ]
+        for k, v in sd["stats"].items():
+            setattr(self.packer.stats, k, v)
+        self._next_record = sd["next_record"]
         self._epoch = sd["epoch"]
-        self._buf_in, self._buf_lab, self._buf_pos = (
-            list(sd["buf_in"]),
-            list(sd["buf_lab"]),
-            list(sd["buf_pos"]),
-        )
+        self._n_records = sd["n_records"]
+        self._doc_seq = sd["doc_seq"]
+        self._rows_consumed = sd["rows_consumed"]
+        self._finished = sd["finished"]
+        self._bad = {**dict.fromkeys(BAD_REASONS, 0), **sd["bad"]}
 
 
 class TitanscaleDataLoader(ParallelAwareDataloader):
@@ -139,16 +322,39 @@ class TitanscaleDataLoader(ParallelAwareDataloader):
     @dataclass(kw_only=True, slots=True)
     class Config(ParallelAwareDataloader.Config):
         source: str = "stdlib"
-        """'stdlib' or a local file/folder (see recipe [data] source)."""
+        """'stdlib', a local .jsonl/.json/.parquet/.txt file or folder, or a hub name."""
 
         packing: str = "concat"
-        """Packing strategy (recipe [data] packing)."""
+        """concat | bfd | none (recipe [data] packing)."""
 
         text_field: str = "text"
         """Record field holding the text."""
 
+        window: int = 256
+        """bfd: documents packed together per round."""
+
+        bad_records: str = "skip"
+        """skip (and count) or fail on undecodable / textless / empty records."""
+
+        streaming: str = "auto"
+        """Read local files as a stream: auto (above 1 GiB), always, never."""
+
         infinite: bool = True
         """Loop over the source when it runs out."""
+
+        def __post_init__(self) -> None:
+            if self.packing not in PACKINGS:
+                raise ValueError(f"packing must be one of {PACKINGS}, got {self.packing!r}")
+            if self.bad_records not in BAD_RECORD_POLICIES:
+                raise ValueError(f"bad_records must be skip or fail, got {self.bad_records!r}")
+            if self.streaming not in STREAMING_MODES:
+                raise ValueError(f"streaming must be one of {STREAMING_MODES}")
+            if self.window < 1:
+                raise ValueError(f"window must be positive, got {self.window}")
+            if self.num_workers:
+                # The stream's position lives in this process's dataset object; worker
+                # processes would advance copies of it and the checkpoint would be stale.
+                raise ValueError("TitanscaleDataLoader runs in the training process: num_workers=0")
 
     def __init__(
         self,
@@ -162,38 +368,46 @@ class TitanscaleDataLoader(ParallelAwareDataloader):
         snapshot_every_n_steps: int | None = 1,
         **kwargs: Any,
     ) -> None:
-        ds = PackedStream(
+        self.stream = PackedStream(
             source=config.source,
-            text_field=config.text_field,
             tokenizer=tokenizer,
             seq_len=seq_len,
             dp_rank=dp_rank,
             dp_world_size=dp_world_size,
+            packing=config.packing,
+            text_field=config.text_field,
+            window=config.window,
+            bad_records=config.bad_records,
+            streaming=config.streaming,
             infinite=config.infinite,
         )
         super().__init__(
-            ds,
+            self.stream,
             dp_rank=dp_rank,
             dp_world_size=dp_world_size,
             batch_size=local_batch_size,
-            num_workers=config.num_workers,
-            snapshot_every_n_steps=snapshot_every_n_steps,
+            num_workers=0,
         )
 
-    # The stream state is identical on every rank (see PackedStream._emit), so it is saved
-    # under one key instead of torchtitan's per-dp-rank keys, which also lets a run resume at
-    # a different data-parallel size (torchtitan's loader refuses that).
+    # The stream state is identical on every rank (rows are consumed a whole dp group at a
+    # time), so it is saved under one key instead of torchtitan's per-dp-rank keys: DCP
+    # writes it once, every rank reads it, and a run resumes at a different data-parallel
+    # size (torchtitan's loader refuses that). StatefulDataLoader's own iterator state is not
+    # used: with num_workers=0 the dataset object is the whole position.
     def state_dict(self) -> dict[str, Any]:
-        return {"titanscale_stream": pickle.dumps(StatefulDataLoader.state_dict(self))}
+        return {STATE_KEY: pickle.dumps(self.stream.state_dict())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
-        if "titanscale_stream" not in state_dict:
+        if STATE_KEY not in state_dict:
             raise ValueError(
                 "checkpoint has no titanscale data position (written by another dataloader?)"
             )
-        StatefulDataLoader.load_state_dict(self, pickle.loads(state_dict["titanscale_stream"]))
+        self.stream.load_state_dict(pickle.loads(state_dict[STATE_KEY]))
+
+    def packing_stats(self) -> dict[str, Any]:
+        return self.stream.packing_stats()
 
     @staticmethod
     def useful_tokens(labels: torch.Tensor) -> int:

@@ -9,12 +9,13 @@ Both raise ConfigError (file + dotted key) and never touch torch.distributed.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from parallel.axes import Layout, resolve_layout
 from recipe.errors import ConfigError
-from recipe.models import model_shape, pp_layer_weights, stages_per_rank
+from recipe.models import ModelShape, model_shape, pp_layer_weights, stages_per_rank
 from recipe.schema import Recipe
 from recipe.toml_schema import apply_override, build_dataclass, read_with_bases
 
@@ -82,6 +83,13 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> Layout:
             file=f,
             key="training.global_batch_size",
         )
+    n_layers = model_shape(recipe.model.flavor).n_layers
+    if recipe.model.layers > n_layers:
+        raise ConfigError(
+            f"{recipe.model.flavor} has {n_layers} layers; cannot keep {recipe.model.layers}",
+            file=f,
+            key="model.layers",
+        )
     if recipe.model.vocab_size and recipe.model.vocab_size < 260:
         raise ConfigError(
             "a byte-level tokenizer needs at least 260 entries (256 bytes + specials)",
@@ -91,12 +99,22 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> Layout:
     return layout
 
 
+def effective_shape(recipe: Recipe) -> ModelShape:
+    """The flavor's shape with the recipe's `model.layers` / `model.vocab_size` applied."""
+    shape = model_shape(recipe.model.flavor)
+    return replace(
+        shape,
+        n_layers=recipe.model.layers or shape.n_layers,
+        vocab_size=recipe.model.vocab_size or shape.vocab_size,
+    )
+
+
 def check_layout(recipe: Recipe, layout: Layout) -> None:
     """Checks that depend on concrete degrees (also used by the planner's candidates)."""
     f = recipe.source
     tr = recipe.training
     par = recipe.parallel
-    shape = model_shape(recipe.model.flavor)
+    shape = effective_shape(recipe)
     if shape.n_heads % layout.tp or shape.n_kv_heads % layout.tp:
         raise ConfigError(
             f"tp={layout.tp} must divide the attention heads ({shape.n_heads} query, "

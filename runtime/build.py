@@ -77,6 +77,8 @@ def build_trainer_config(
         attn_backend="varlen" if kernels.attention == "varlen" else "flex",
         converters=kernels.converters or None,
     )
+    if recipe.model.layers:
+        spec.model.layers = spec.model.layers[: recipe.model.layers]
     _set_inner_attention(spec.model, kernels.attention)
     if recipe.model.vocab_size:
         spec.model.vocab_size = recipe.model.vocab_size
@@ -136,6 +138,9 @@ def build_trainer_config(
             source=recipe.data.source,
             packing=recipe.data.packing,
             text_field=recipe.data.text_field,
+            window=recipe.data.window,
+            bad_records=recipe.data.bad_records,
+            streaming=recipe.data.streaming,
         ),
         metrics=TitanscaleMetrics.Config(
             log_freq=recipe.metrics.log_every,
@@ -144,6 +149,8 @@ def build_trainer_config(
             summary_skip_steps=recipe.metrics.summary_skip_steps,
             precision=kernels.precision,
             device_name=platform.device_name,
+            flavor=recipe.model.flavor,
+            n_layers=recipe.model.layers,
             disable_color_printing=True,
         ),
         checkpoint=CheckpointManager.Config(

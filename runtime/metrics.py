@@ -7,6 +7,8 @@ the loss):
 - useful_tokens_per_sec_per_gpu: the same for tokens whose label is not IGNORE_INDEX.
 - tokens_per_sec_per_node = tokens_per_sec_per_gpu x processes per node.
 - tflops_per_gpu = flops_per_token (torchtitan's count: 6N + 12 L H Q T) x tokens/s/gpu.
+- mfu_doc_masked_pct: the same with attention FLOPs counted only for the (query, key) pairs
+  the document mask keeps (labelled; torchtitan's count charges every row's full L x L).
 - mfu_pct = tflops_per_gpu / the dense peak of this GPU at the linear layers' precision
   (parallel.hardware); null on CPU or an unknown GPU ("n/a" on the console).
 The summary's median excludes the first `summary_skip_steps` steps (compile, allocator and
@@ -20,14 +22,16 @@ import math
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torchtitan.components.metrics import MetricsProcessor, _get_metrics_rank
 from torchtitan.tools.logging import logger
 
+from data.accounting import doc_masked_flops
 from parallel.hardware import peak_flops
+from recipe.models import model_shape
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -69,8 +73,9 @@ def summarize(
             out[f"median_{key}"] = statistics.median(vals)
             out[f"p10_{key}"] = percentile(vals, 10)
             out[f"p90_{key}"] = percentile(vals, 90)
-    mfus = [r["mfu_pct"] for r in steady if r.get("mfu_pct") is not None]
-    out["median_mfu_pct"] = statistics.median(mfus) if mfus else None
+    for key in ("mfu_pct", "mfu_doc_masked_pct"):
+        vals = [r[key] for r in steady if r.get(key) is not None]
+        out[f"median_{key}"] = statistics.median(vals) if vals else None
     out["peak_memory_gib"] = max(r["memory_gib"] for r in records)
     out["final_loss"] = records[-1]["loss"]
     return out
@@ -93,6 +98,12 @@ class TitanscaleMetrics(MetricsProcessor):
         device_name: str = "cpu"
         """Device name for the peak-FLOPs table."""
 
+        flavor: str = "debugmodel"
+        """Model flavor, for the document-masked FLOP count."""
+
+        n_layers: int = 0
+        """Layers actually built (model.layers); 0 = the flavor's."""
+
     # Re-declared from the base class: mypy cannot infer them through torchtitan's slots.
     time_last_log: float
     ntokens_since_last_log: int
@@ -101,6 +112,11 @@ class TitanscaleMetrics(MetricsProcessor):
         super().__init__(config, **kwargs)
         self.tconfig = config
         self.useful_ntokens_since_last_log = 0
+        # (query, key) pairs the document mask keeps, summed over this interval's batches.
+        self.doc_attn_pairs_since_last_log = 0
+        shape = model_shape(config.flavor)
+        self.shape = replace(shape, n_layers=config.n_layers or shape.n_layers)
+        self.data_stats: dict[str, Any] | None = None
         self.last_logged_step = 0
         self.start_step = 0
         self.records: list[dict[str, Any]] = []
@@ -146,6 +162,16 @@ class TitanscaleMetrics(MetricsProcessor):
         useful_tps = self.useful_ntokens_since_last_log / (dt * non_dp)
         tflops = self.num_flops_per_token * tps / 1e12
         mfu = 100 * tflops * 1e12 / self.peak if self.peak else None
+        # Second, clearly labelled variant: attention FLOPs only for the pairs the document
+        # mask keeps (torchtitan's count charges the full L x L score matrix per row).
+        tflops_doc = (
+            doc_masked_flops(
+                self.shape, self.ntokens_since_last_log, self.doc_attn_pairs_since_last_log
+            )
+            / (dt * non_dp)
+            / 1e12
+        )
+        mfu_doc = 100 * tflops_doc * 1e12 / self.peak if self.peak else None
         mem = self.device_memory_monitor.get_peak_stats()
         data_s = sum(self.data_loading_times)
         rec: dict[str, Any] = {
@@ -159,6 +185,8 @@ class TitanscaleMetrics(MetricsProcessor):
             "tokens_per_sec_per_node": tps * self.procs_per_node,
             "tflops_per_gpu": tflops,
             "mfu_pct": mfu,
+            "tflops_doc_masked_per_gpu": tflops_doc,
+            "mfu_doc_masked_pct": mfu_doc,
             "memory_gib": mem.max_reserved_gib,
             "step_time_s": dt / nsteps,
             "data_loading_pct": 100 * data_s / dt if dt > 0 else 0.0,
@@ -184,6 +212,7 @@ class TitanscaleMetrics(MetricsProcessor):
             )
         self.ntokens_since_last_log = 0
         self.useful_ntokens_since_last_log = 0
+        self.doc_attn_pairs_since_last_log = 0
         self.data_loading_times.clear()
         self.last_logged_step = step
         self.device_memory_monitor.reset_peak_stats()
@@ -203,6 +232,8 @@ class TitanscaleMetrics(MetricsProcessor):
         summary["peak_tflops"] = self.peak / 1e12 if self.peak else None
         summary["world_size"] = self.parallel_dims.world_size
         summary["processes_per_node"] = self.procs_per_node
+        if self.data_stats is not None:
+            summary["data"] = self.data_stats
         with open(self.summary_path, "w") as f:
             json.dump(summary, f, indent=2)
         med = summary.get("median_tokens_per_sec_per_gpu")

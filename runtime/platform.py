@@ -18,6 +18,11 @@ answers, item by item, the places where torchtitan assumes CUDA (file:line in to
 5. Attention: flex has no CPU backward and varlen is CUDA-only -> kernels.dense_attention
    (chosen by the kernels layer, `attention = "auto"` -> dense on CPU).
 
+On any device, one version bridge (the lent H200 runs an older torch than our pin, 2.11):
+6. distributed/utils.py:595 calls `torch.distributed.set_timeout`, which torch < 2.14 lacks.
+   -> the same barrier-then-timeouts through c10d's private `_set_pg_timeout`, or keep the
+   initial timeout with a warning when that is missing too.
+
 Patches are applied once per process and only to torchtitan module attributes (no source
 edits); every patched name is checked to exist, so a torchtitan upgrade fails loudly here.
 """
@@ -61,13 +66,18 @@ class Platform:
         )
 
     def apply(self) -> None:
-        """Adapt torchtitan to this platform (idempotent; a no-op on CUDA)."""
+        """Adapt torchtitan to this platform (idempotent; a no-op on CUDA with our torch)."""
+        if not hasattr(torch.distributed, "set_timeout") and "timeout" not in _APPLIED:
+            _APPLIED.add("timeout")
+            _patch_pg_timeouts(device_barrier=not self.is_cpu)
         if not self.is_cpu or "cpu" in _APPLIED:
             return
         _APPLIED.add("cpu")
         _patch_device_type()
         _patch_memory_monitor()
-        _patch_pg_timeouts()
+        if "timeout" not in _APPLIED:
+            _APPLIED.add("timeout")
+            _patch_pg_timeouts(device_barrier=False)
         _patch_fsdp_reduction()
 
 
@@ -134,16 +144,35 @@ def _patch_memory_monitor() -> None:
     _set(metrics, "build_device_memory_monitor", lambda: HostMemoryMonitor())
 
 
-def _patch_pg_timeouts() -> None:
+def _set_group_timeout(timeout: timedelta, group) -> None:
+    if hasattr(torch.distributed, "set_timeout"):
+        torch.distributed.set_timeout(timeout, group)
+        return
+    private = getattr(torch.distributed.distributed_c10d, "_set_pg_timeout", None)
+    if private is None:
+        from torchtitan.tools.logging import logger
+
+        logger.warning(
+            "this torch cannot change a process group's timeout; keeping the initial one"
+        )
+        return
+    private(timeout, group)
+
+
+def _patch_pg_timeouts(*, device_barrier: bool) -> None:
     import torchtitan.distributed.utils as dist_utils
 
     def set_pg_timeouts(timeout: timedelta, parallel_dims) -> None:
         # Same invariant as torchtitan's: every rank reaches this barrier before any group's
         # timeout shrinks, so no rank times out waiting for a slower rank's initialisation.
-        torch.distributed.barrier()
+        if device_barrier:
+            torch.distributed.barrier(device_ids=[torch.cuda.current_device()])
+            torch.cuda.synchronize()
+        else:
+            torch.distributed.barrier()
         groups = [m.get_group() for m in parallel_dims.get_all_one_dimensional_meshes().values()]
         for group in [*groups, None]:
-            torch.distributed.set_timeout(timeout, group)
+            _set_group_timeout(timeout, group)
 
     _set(dist_utils, "set_pg_timeouts", set_pg_timeouts)
 

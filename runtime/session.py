@@ -94,14 +94,10 @@ def check_environment(recipe: Recipe) -> None:
 
 
 def check_data_source(recipe: Recipe) -> None:
-    src = recipe.data.source
-    if src == "stdlib":
-        return
-    raise ConfigError(
-        f"data source {src!r} is not available: this build reads 'stdlib' only",
-        file=recipe.source,
-        key="data.source",
-    )
+    """The data source exists and is readable in kind (no data read, no process group)."""
+    from data.sources import check_source
+
+    check_source(recipe.data.source, file=recipe.source)
 
 
 def prepare(recipe_path: str | None, overrides: list[str]) -> Job:

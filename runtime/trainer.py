@@ -21,6 +21,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import ParallelDims
 from torchtitan.trainer import Trainer
 
+from data.accounting import attention_pairs
 from launch.stop_request import StopOnRequest
 from runtime.metrics import TitanscaleMetrics
 
@@ -71,10 +72,16 @@ class TitanscaleTrainer(StopOnRequest, Trainer):
         for input_dict, labels in super().batch_generator(data_iterable):
             # labels stay on CPU here; counting them costs no device sync.
             metrics.useful_ntokens_since_last_log += int((labels != IGNORE_INDEX).sum())
+            if "positions" in input_dict:
+                metrics.doc_attn_pairs_since_last_log += attention_pairs(
+                    input_dict["positions"]
+                ).doc_causal
             yield input_dict, labels
 
     def train(self) -> None:
         super().train()
         metrics = self.metrics_processor
         assert isinstance(metrics, TitanscaleMetrics)
+        stats = getattr(self.dataloader, "packing_stats", None)
+        metrics.data_stats = stats() if stats else None
         self.summary = metrics.finish()

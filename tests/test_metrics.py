@@ -72,9 +72,13 @@ def test_single_process_run_writes_report(tmp_path):
         assert x["tokens_per_sec_per_gpu"] > 0
         assert x["useful_tokens_per_sec_per_gpu"] <= x["tokens_per_sec_per_gpu"]
         assert x["mfu_pct"] is None  # CPU: no peak to compare with
+        assert x["mfu_doc_masked_pct"] is None
+        # the document mask keeps at most the causal half of the L x L scores
+        assert 0 < x["tflops_doc_masked_per_gpu"] < x["tflops_per_gpu"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps_in_summary"] == 3
     assert summary["median_tokens_per_sec_per_gpu"] > 0
+    assert summary["data"]["rows_consumed"] >= 4 * 2  # 4 steps x local batch 2
     assert any((tmp_path / "tb").rglob("events.out.tfevents*"))
     out = proc.stdout + proc.stderr
     assert "mfu n/a" in out and "summary (steady state" in out

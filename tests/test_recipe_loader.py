@@ -149,3 +149,13 @@ def test_train_py_bad_input_exits_2_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr + proc.stdout
     assert "parallel.tp" in proc.stderr and str(p) in proc.stderr
+
+
+def test_model_slice_layers():
+    from recipe.loader import effective_shape
+
+    r = load_recipe(None, ["model.flavor=70B", "model.layers=4", "parallel.tp=8"])
+    assert effective_shape(r).n_layers == 4 and effective_shape(r).dim == 8192
+    check_recipe(r, 8)
+    e = error(check_recipe, load_recipe(None, ["model.layers=7"]), 1)
+    assert e.key == "model.layers" and "6 layers" in str(e)

@@ -1,0 +1,292 @@
+"""Document sources: the embedded standard-library corpus, local files through `datasets`, hub.
+
+Every source yields `(record index, text or None, bad-record reason or None)` in a fixed
+order from any start index, so the packing stream can resume at a record. Bad records are
+classified here and skipped or refused by the caller (`[data] bad_records`):
+
+- undecodable: bytes that are not UTF-8 (text/jsonl lines are decoded with errors="replace"
+  and a line holding U+FFFD is counted as undecodable; a literal U+FFFD in a source is
+  counted too: it marks an earlier lossy decode).
+- invalid_json: a JSON Lines line that does not parse to an object (blank lines are not
+  records and are skipped silently).
+- missing_field / not_text: the record lacks `text_field`, or it is not a string.
+- empty: nothing but whitespace.
+
+Local kinds: .jsonl/.json (JSON Lines, one object per line), .parquet, .txt (one document
+per file), or a folder of one of these kinds (files in sorted path order). Files are read
+through `datasets` ("text" and "parquet" builders): in memory-mapped Arrow form, or
+streamed when `streaming` says so ("auto": above 1 GiB), which avoids the Arrow cache copy
+but makes resuming at record n read n records again. Hub names are only tried when the
+hub is not offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE); nothing is downloaded otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from recipe.errors import ConfigError
+
+BAD_REASONS = ("undecodable", "invalid_json", "missing_field", "not_text", "empty")
+KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "text"}
+STREAM_ABOVE_BYTES = 1 << 30
+_BATCH = 256
+
+Record = tuple[int, "str | None", "str | None"]
+
+
+def _classify_text(text: Any, *, check_replacement: bool) -> tuple[str | None, str | None]:
+    if not isinstance(text, str):
+        return None, "not_text" if text is not None else "missing_field"
+    if check_replacement and "\ufffd" in text:
+        return None, "undecodable"
+    if not text.strip():
+        return None, "empty"
+    return text, None
+
+
+def classify_jsonl_line(line: str, text_field: str) -> tuple[str | None, str | None]:
+    if "\ufffd" in line:
+        return None, "undecodable"
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None, "invalid_json"
+    if not isinstance(obj, dict):
+        return None, "invalid_json"
+    if text_field not in obj:
+        return None, "missing_field"
+    return _classify_text(obj[text_field], check_replacement=False)
+
+
+@dataclass
+class Source:
+    """A fixed, ordered sequence of records (one pass = one epoch)."""
+
+    description: str
+
+    def records(self, start: int = 0) -> Iterator[Record]:
+        raise NotImplementedError
+
+    def __len__(self) -> int:  # pragma: no cover - overridden where known
+        raise TypeError("length unknown (streaming source)")
+
+    @property
+    def known_length(self) -> int | None:
+        try:
+            return len(self)
+        except TypeError:
+            return None
+
+
+class StdlibSource(Source):
+    """This Python's standard-library sources, one document per .py file (data.corpus)."""
+
+    def __init__(self) -> None:
+        from data.corpus import stdlib_files, stdlib_root
+
+        super().__init__(description=f"stdlib:{stdlib_root()}")
+        self.files = stdlib_files()
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def records(self, start: int = 0) -> Iterator[Record]:
+        for i in range(start, len(self.files)):
+            try:
+                raw = self.files[i].read_bytes()
+            except OSError:
+                yield i, None, "undecodable"
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield i, None, "undecodable"
+                continue
+            t, bad = _classify_text(text, check_replacement=False)
+            yield i, t, bad
+
+
+class DatasetsSource(Source):
+    """Records from a `datasets` Dataset (random access) or IterableDataset (streaming)."""
+
+    def __init__(self, ds: Any, *, kind: str, text_field: str, description: str) -> None:
+        super().__init__(description=description)
+        self.ds = ds
+        self.kind = kind
+        self.text_field = text_field
+
+    def __len__(self) -> int:
+        import datasets
+
+        if isinstance(self.ds, datasets.Dataset):
+            return len(self.ds)
+        raise TypeError("length unknown (streaming source)")
+
+    def _classify(self, value: Any) -> tuple[str | None, str | None]:
+        if self.kind == "jsonl":
+            return classify_jsonl_line(value, self.text_field)
+        return _classify_text(value, check_replacement=self.kind == "text")
+
+    def _column(self, batch: dict[str, list], n: int) -> list[Any]:
+        col = "text" if self.kind in ("jsonl", "text") else self.text_field
+        return batch[col] if col in batch else [None] * n
+
+    def records(self, start: int = 0) -> Iterator[Record]:
+        import datasets
+
+        i = start
+        if isinstance(self.ds, datasets.Dataset):
+            n = len(self.ds)
+            ds = self.ds
+            col = "text" if self.kind in ("jsonl", "text") else self.text_field
+            if col in ds.column_names:
+                ds = ds.select_columns([col])
+            for a in range(start, n, _BATCH):
+                batch = ds[a : min(a + _BATCH, n)]
+                m = min(a + _BATCH, n) - a
+                for value in self._column(batch, m):
+                    if self.kind == "jsonl" and not value.strip():
+                        i += 1  # a blank line: not a record; keeps indices = line numbers
+                        continue
+                    yield (i, *self._classify(value))
+                    i += 1
+            return
+        it = self.ds.skip(start) if start else self.ds
+        for batch in it.iter(batch_size=_BATCH):
+            m = len(next(iter(batch.values()))) if batch else 0
+            for value in self._column(batch, m):
+                if self.kind == "jsonl" and not value.strip():
+                    i += 1
+                    continue
+                yield (i, *self._classify(value))
+                i += 1
+
+
+def _offline() -> bool:
+    truthy = {"1", "ON", "YES", "TRUE"}
+    return any(
+        os.environ.get(v, "").upper() in truthy for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
+
+
+def local_files(path: Path, *, file: str | None, key: str) -> tuple[str, list[Path]]:
+    """(kind, files) for a local file or folder; ConfigError for anything else."""
+    want = ", ".join(sorted(KINDS))
+    if path.is_file():
+        kind = KINDS.get(path.suffix.lower())
+        if kind is None:
+            raise ConfigError(
+                f"{str(path)!r}: unsupported file type {path.suffix or '(none)'!r}; expected "
+                f"{want}, a folder of them, 'stdlib' or a hub dataset name",
+                file=file,
+                key=key,
+            )
+        return kind, [path]
+    files = sorted(
+        (
+            p
+            for p in path.rglob("*")
+            if p.is_file()
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            and p.suffix.lower() in KINDS
+        ),
+        key=lambda p: p.relative_to(path).as_posix(),
+    )
+    kinds = sorted({KINDS[p.suffix.lower()] for p in files})
+    if not kinds:
+        raise ConfigError(f"folder {str(path)!r} holds no {want} files", file=file, key=key)
+    if len(kinds) > 1:
+        raise ConfigError(
+            f"folder {str(path)!r} mixes {' and '.join(kinds)} files; use one kind per source",
+            file=file,
+            key=key,
+        )
+    return kinds[0], files
+
+
+def check_source(spec: str, *, file: str | None = None, key: str = "data.source") -> str:
+    """Cheap validation of `[data] source` (no `datasets` import, nothing read): returns
+    'stdlib', 'local' or 'hub', or raises ConfigError naming the key."""
+    if spec == "stdlib":
+        return "stdlib"
+    path = Path(spec)
+    if path.exists():
+        local_files(path, file=file, key=key)
+        return "local"
+    looks_local = spec.startswith((".", "/", "~")) or path.suffix.lower() in KINDS
+    if looks_local or spec.count("/") > 1 or not spec.strip():
+        raise ConfigError(f"{spec!r} does not exist", file=file, key=key)
+    if _offline():
+        raise ConfigError(
+            f"{spec!r} is not a local file or folder, and the Hugging Face hub is offline "
+            "(HF_HUB_OFFLINE / HF_DATASETS_OFFLINE): download the dataset and point "
+            "data.source at the local copy",
+            file=file,
+            key=key,
+        )
+    return "hub"
+
+
+def open_source(
+    spec: str,
+    *,
+    text_field: str = "text",
+    streaming: str = "auto",
+    file: str | None = None,
+    key: str = "data.source",
+) -> Source:
+    """Resolve `[data] source`: 'stdlib', a local file/folder, or a hub dataset name."""
+    if streaming not in ("auto", "always", "never"):
+        raise ConfigError(
+            f"expected 'auto', 'always' or 'never', got {streaming!r}",
+            file=file,
+            key="data.streaming",
+        )
+    where = check_source(spec, file=file, key=key)
+    if where == "stdlib":
+        return StdlibSource()
+    import datasets
+
+    datasets.disable_progress_bars()
+    if where == "local":
+        kind, files = local_files(Path(spec), file=file, key=key)
+        size = sum(p.stat().st_size for p in files)
+        stream = streaming == "always" or (streaming == "auto" and size > STREAM_ABOVE_BYTES)
+        names = [str(p) for p in files]
+        try:
+            if kind == "parquet":
+                ds = datasets.load_dataset(
+                    "parquet", data_files=names, split="train", streaming=stream
+                )
+            else:
+                ds = datasets.load_dataset(
+                    "text",
+                    data_files=names,
+                    split="train",
+                    streaming=stream,
+                    sample_by="line" if kind == "jsonl" else "document",
+                    encoding_errors="replace",
+                    keep_linebreaks=kind == "text",
+                )
+        except Exception as e:  # datasets raises many types for unreadable files
+            raise ConfigError(
+                f"cannot read {spec!r} with datasets: {type(e).__name__}: {e}", file=file, key=key
+            ) from None
+        desc = f"{kind}:{spec} ({len(files)} file{'s' if len(files) != 1 else ''}"
+        desc += ", streaming)" if stream else ")"
+        return DatasetsSource(ds, kind=kind, text_field=text_field, description=desc)
+    try:
+        ds = datasets.load_dataset(spec, split="train", streaming=True)
+    except Exception as e:
+        raise ConfigError(
+            f"cannot open hub dataset {spec!r}: {type(e).__name__}: {e} (no network? "
+            "download it and point data.source at the local copy)",
+            file=file,
+            key=key,
+        ) from None
+    return DatasetsSource(ds, kind="hub", text_field=text_field, description=f"hub:{spec}")
