@@ -283,9 +283,26 @@ class Fabric:
 def _fabric_of(c: Cluster) -> Fabric:
     t = c.topology
     if t.switches:
+
+        def hl(expr: str, key: str) -> list[str]:
+            try:
+                return expand_hostlist(expr)
+            except ValueError as e:
+                raise ConfigError(str(e), file=c.source, key=key) from None
+
         hosts = _hosts_from_switches(
-            [(s.name, expand_hostlist(s.nodes), expand_hostlist(s.switches)) for s in t.switches],
-            blocks={b.name: expand_hostlist(b.nodes) for b in t.nvlink_blocks},
+            [
+                (
+                    s.name,
+                    hl(s.nodes, f"topology.switches[{i}].nodes"),
+                    hl(s.switches, f"topology.switches[{i}].switches"),
+                )
+                for i, s in enumerate(t.switches)
+            ],
+            blocks={
+                b.name: hl(b.nodes, f"topology.nvlink_blocks[{i}].nodes")
+                for i, b in enumerate(t.nvlink_blocks)
+            },
             nodes_per_domain=c.nodes_per_domain,
             file=c.source,
         )

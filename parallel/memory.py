@@ -42,6 +42,13 @@ ALLOCATOR_FRAGMENTATION = 0.10
 # NCCL channel buffers for each communicator (~0.3 GiB per group kind), cuBLAS/cuDNN
 # workspaces. Not in torchtitan's "reserved" figure, but it must fit too.
 RUNTIME_OVERHEAD_GIB = 3.0
+# A CPU rank (gloo): the Python process with torch imported, ~0.8 GiB resident.
+CPU_RUNTIME_OVERHEAD_GIB = 0.8
+
+
+def runtime_overhead_gib(gpu: str) -> float:
+    return CPU_RUNTIME_OVERHEAD_GIB if gpu == "cpu" else RUNTIME_OVERHEAD_GIB
+
 
 # Bytes per logit element alive at the loss: bf16 logits (2) + fp32 upcast (4) + fp32
 # log-softmax kept for backward (4). torch.compile fuses the upcast into the loss.
@@ -164,8 +171,11 @@ class MemoryEstimate:
 
     @property
     def required_gib(self) -> float:
-        """What must fit in the GPU: reserved plus memory outside the allocator."""
+        """What must fit in a GPU: reserved plus memory outside the allocator."""
         return self.reserved_gib + RUNTIME_OVERHEAD_GIB
+
+    def required_gib_on(self, gpu: str) -> float:
+        return self.reserved_gib + runtime_overhead_gib(gpu)
 
     def breakdown_gib(self) -> dict[str, float]:
         return {
@@ -200,9 +210,9 @@ class MemoryProfile:
                 best, best_alloc = est, alloc
         return best, best_alloc
 
-    def required_gib(self, fsdp: int) -> float:
+    def required_gib(self, fsdp: int, overhead_gib: float = RUNTIME_OVERHEAD_GIB) -> float:
         """`at(fsdp).required_gib`, without building the estimate (the planner's hot path)."""
-        return self._peak(fsdp)[1] * (1 + ALLOCATOR_FRAGMENTATION) / GIB + RUNTIME_OVERHEAD_GIB
+        return self._peak(fsdp)[1] * (1 + ALLOCATOR_FRAGMENTATION) / GIB + overhead_gib
 
     def at(self, fsdp: int) -> MemoryEstimate:
         best, _ = self._peak(fsdp)

@@ -9,6 +9,13 @@ of the [pp, dp_replicate, dp_shard, cp, tp] mesh is global rank `rank_order[i]` 
 `parallel.placement.planned_rank_order`). Every unflattened mesh, and so every process
 group torchtitan's parallelize functions use, follows the placement.
 
+Only orders whose groups all increase along the mesh are accepted: DeviceMesh sorts each
+group's ranks, so in a decreasing group a rank's group rank (used by collectives and
+FSDP2's shard index) differs from its mesh coordinate (used by DTensor, DCP and the data
+loader) and sharded weights would be silently misplaced (seen with torch 2.14: a [1, 0]
+FSDP order loaded the seed checkpoint's shards swapped). Orders that need reordering are
+applied at launch instead: node ranks in `parallel.placement.node_order`.
+
 The Trainer picks it up by overriding `init_distributed`:
 
     def init_distributed(self):
@@ -28,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.distributed.parallel_dims import ParallelDims
 
 from parallel.axes import Layout
+from parallel.placement import monotone_violation
 
 # build_mesh looks `init_device_mesh` up in its module at call time; we swap it for the
 # duration of one build_mesh call. The lock keeps two concurrent builds from interleaving.
@@ -49,6 +57,15 @@ class PlacedParallelDims(ParallelDims):
                 raise ValueError(
                     f"rank_order must be a permutation of 0..{self.world_size - 1}, got "
                     f"{list(self.rank_order)[:16]}{' ...' if len(self.rank_order) > 16 else ''}"
+                )
+            bad = monotone_violation(self.layout, list(self.rank_order))
+            if bad:
+                raise ValueError(
+                    f"rank_order puts {bad} out of increasing rank order: torch's DeviceMesh "
+                    "would give those ranks group ranks that differ from their mesh "
+                    "coordinates (FSDP shards and checkpoints would be misplaced). Apply this "
+                    "placement at launch instead: node ranks in "
+                    "parallel.placement.node_order(layout, fabric) order"
                 )
 
     @property

@@ -145,6 +145,36 @@ def block_gemms(w: Workload) -> list[tuple[int, int]]:
     return [(d, (qd + 2 * kv) // t), (qd // t, d), (d, f // t), (d, f // t), (f // t, d)]
 
 
+def model_flops_per_token(shape, seq_len: int) -> int:
+    """Model FLOPs per token as torchtitan counts them (MFU's numerator), built from this
+    model's own GEMM list: 6 x (block GEMM weights + norm weights + output projection) +
+    12 x layers x heads x head_dim x seq (attention without the causal discount). With
+    tied embeddings the output projection is the embedding matrix, counted once."""
+    s = shape
+    qd, kv, d, f = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.dim, s.ffn_hidden
+    per_layer = d * (qd + 2 * kv) + qd * d + 3 * d * f + 2 * d
+    params = s.n_layers * per_layer + d + s.vocab_size * d
+    return 6 * params + 12 * s.n_layers * s.n_heads * s.head_dim * seq_len
+
+
+def hardware_flops_per_token(w: Workload) -> float:
+    """FLOPs the GPUs execute per token: causal (or document) attention work only, flash
+    attention's backward recompute, and activation-checkpointing recompute."""
+    s = w.shape
+    qd, kv, d, f = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.dim, s.ffn_hidden
+    gemms = [d * (qd + 2 * kv), qd * d, d * f, d * f, f * d]
+    fwd = sum(2 * g for g in gemms)
+    recompute = 0.0
+    if w.ac == "full":
+        recompute = fwd
+    elif w.ac == "selective":
+        recompute = sum(2 * g for g, r in zip(gemms, SAC_RECOMPUTED, strict=True) if r)
+    attn_fwd = 4.0 * attention_keys(w) * qd
+    attn = attn_fwd * (1 + 2.5 + (1 if w.ac == "full" else 0))
+    head = 6.0 * d * s.vocab_size
+    return s.n_layers * (3 * fwd + recompute + attn) + head
+
+
 # Which block linears per-op SAC recomputes: every second matmul in forward order
 # (wqkv saved, wo recomputed, w1 saved, w3 recomputed, w2 saved).
 SAC_RECOMPUTED = (False, True, False, True, False)

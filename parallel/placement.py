@@ -10,8 +10,16 @@ domain, then name, and fills the mesh row-major with tp innermost:
   few leaf switches as its size allows (with full leaves);
 - dp_replicate and pp, outermost, are the groups that cross the spine.
 
-`rank_order[i]` is the global rank at mesh position i (row-major over the mesh shape),
-the tensor `parallel.mesh` hands to DeviceMesh.
+`rank_order[i]` is the global rank at mesh position i (row-major over the mesh shape).
+
+How a placement takes effect. torch's DeviceMesh builds each group with `new_group`,
+which sorts the ranks: a rank's group rank (what collectives and FSDP2's shard index use)
+is its position among the *sorted* ranks, while DTensor, DCP and the data loader use its
+mesh coordinate. They agree only when every group's ranks increase along the mesh
+(`monotone_violation` finds a group where they do not). So the placement is applied at
+launch: node ranks follow `node_order` (torchrun `--node_rank`), which makes plain rank
+order the planned order. A permuted world mesh (`parallel.mesh.PlacedParallelDims`) is
+for orders that are monotone in every group, e.g. hosts regrouped without reordering.
 
 Traffic: NCCL rings visit the hosts of a group in the order their first rank appears in
 the communicator (ranks in mesh order) and walk each host's GPUs over NVLink. So an
@@ -59,6 +67,27 @@ def planned_rank_order(layout: Layout, fabric: Fabric) -> list[int]:
     order = [h * g + k for h in order_hosts for k in range(g)]
     check_nvlink(layout, order, fabric)
     return order
+
+
+def node_order(layout: Layout, fabric: Fabric) -> list[str]:
+    """Hosts in planned order: give host i node rank i at launch (torchrun --node_rank)."""
+    order = planned_rank_order(layout, fabric)
+    g = fabric.gpus_per_node
+    return [fabric.hosts[order[i] // g].name for i in range(0, len(order), g)]
+
+
+def monotone_violation(layout: Layout, rank_order: list[int]) -> str | None:
+    """The first group whose ranks do not increase along the mesh, or None.
+
+    DeviceMesh sorts each group's ranks (group rank = position among the sorted ranks),
+    while DTensor/FSDP/DCP place shards by mesh coordinate: a decreasing pair makes them
+    disagree, and sharded weights land in the wrong places.
+    """
+    for axis, grps in groups(layout, rank_order).items():
+        for grp in grps:
+            if any(a > b for a, b in zip(grp, grp[1:], strict=False)):
+                return f"{axis} group {grp}"
+    return None
 
 
 def _natural(name: str) -> tuple:

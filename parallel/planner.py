@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from parallel.axes import Layout
 from parallel.cluster import Cluster
-from parallel.memory import MemoryProfile, memory_profile
+from parallel.memory import MemoryProfile, memory_profile, runtime_overhead_gib
 from parallel.perf import Prediction, predict
 from parallel.placement import planned_traffic
 from parallel.workload import Workload, linear_for, planned_spans
@@ -152,6 +152,7 @@ def search(recipe: Recipe, cluster: Cluster, nodes: int | None = None) -> Search
     tr = recipe.training
     linear = linear_for(recipe.kernels.linear, cluster.gpu)
     hbm_gib = cluster.hbm_bytes / 2**30
+    overhead = runtime_overhead_gib(cluster.gpu)
     dom = cluster.nvlink_domain_gpus
     gbs = tr.global_batch_size
     plans: list[Plan] = []
@@ -246,7 +247,7 @@ def search(recipe: Recipe, cluster: Cluster, nodes: int | None = None) -> Search
                                             ac=ac,
                                         )
                                     )
-                                need = prof.required_gib((dp // rep) * cp)
+                                need = prof.required_gib((dp // rep) * cp, overhead)
                                 if need <= hbm_gib:
                                     fit = (local, accum, prof.at((dp // rep) * cp))
                                     break

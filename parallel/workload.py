@@ -151,7 +151,9 @@ def _span(d: int, inner: int, cluster: Cluster) -> GroupSpan:
     per_domain = 1 if inner >= dom else max(1, min(d, dom // inner))
     domains = _ceil_div(d, per_domain)
     stretch_nodes = max(1, _ceil_div(d * inner, g))
-    leaves = max(1, _ceil_div(stretch_nodes, npl)) if nodes > 1 else 1
+    # The group's hosts spread evenly over its stretch: it touches every leaf of the
+    # stretch, but never more leaves than it has hosts.
+    leaves = min(nodes, max(1, _ceil_div(stretch_nodes, npl))) if nodes > 1 else 1
     return GroupSpan(
         size=d,
         domains=domains,

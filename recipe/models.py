@@ -51,11 +51,13 @@ class ModelShape:
         return self.total_params - self.embedding_params
 
     def flops_per_token(self, seq_len: int) -> float:
-        """torchtitan's count: 6 x non-embedding params + 12 x layers x heads x head_dim x seq."""
-        return (
-            6 * self.non_embedding_params
-            + 12 * self.n_layers * self.n_heads * (self.head_dim) * seq_len
-        )
+        """torchtitan's count: 6 x non-embedding params + 12 x layers x heads x head_dim x seq.
+
+        With tied embeddings (1B, 3B) the shared matrix is the output projection's weight
+        and torchtitan counts it (get_dense_model_nparams_and_flops).
+        """
+        matmul_params = self.total_params if self.weight_tying else self.non_embedding_params
+        return 6 * matmul_params + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
 
 @cache

@@ -8,6 +8,7 @@ dp_shard groups, runs the startup check (must pass), then checks the plain rank 
 """
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -21,7 +22,7 @@ import torch.distributed as dist  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--order", default="3,1,2,0")
+    ap.add_argument("--order", default="0,2,1,3")
     args = ap.parse_args()
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
@@ -32,7 +33,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     # torchtitan gives size-1 mesh axes the "fake" backend; on CPU it must be registered
     # (the runtime's CPU platform layer does the same).
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+    importlib.import_module("torch.testing._internal.distributed.fake_pg")
     from torchtitan.config.configs import ParallelismConfig
 
     from parallel.mesh import make_parallel_dims
@@ -43,11 +44,25 @@ def main() -> None:
     cfg = ParallelismConfig(data_parallel_shard_degree=2, tensor_parallel_degree=2)
     pd = make_parallel_dims(cfg, world, order, device_type="cpu")
     pd.build_mesh()
+    # The invariant PlacedParallelDims enforces: on every mesh, a rank's group rank equals
+    # its mesh coordinate (DeviceMesh sorts group ranks).
+    coords_ok = all(
+        m.get_local_rank() == m.get_coordinate()[0]
+        for m in pd.get_all_one_dimensional_meshes().values()
+        if m.get_coordinate() is not None
+    )
+    refused = ""
+    try:
+        make_parallel_dims(cfg, world, [3, 1, 2, 0], device_type="cpu")
+    except ValueError as e:
+        refused = str(e)
     tp_mesh = pd.get_mesh("tp")
     tp_ranks = sorted(int(r) for r in tp_mesh.mesh.flatten().tolist())
     x = torch.tensor([float(rank)])
     dist.all_reduce(x, group=tp_mesh.get_group())
-    shard_mesh = pd.get_mesh("dp_shard") if pd.spmd_backend != "partial_dtensor" else pd.get_mesh("fsdp")
+    shard_mesh = (
+        pd.get_mesh("dp_shard") if pd.spmd_backend != "partial_dtensor" else pd.get_mesh("fsdp")
+    )
     shard_ranks = sorted(int(r) for r in shard_mesh.mesh.flatten().tolist())
     y = torch.tensor([float(rank)])
     dist.all_reduce(y, group=shard_mesh.get_group())
@@ -69,6 +84,8 @@ def main() -> None:
                 "shard_sum": y.item(),
                 "summary": summary,
                 "plain_error": plain_error,
+                "coords_ok": coords_ok,
+                "refused": refused,
             },
             f,
         )
