@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launch.topology import address_key, leaf_of, natural_key
+from launch.topology import leaf_of, natural_key, topology_order
 from parallel.axes import MESH_ORDER, Layout, resolve_layout
 from recipe.errors import ConfigError
 
@@ -142,13 +142,10 @@ def placement_summary(infos: list[RankInfo], layout: Layout) -> dict[str, Any]:
         )
         n["ranks"].append(i.rank)
     nodes = [by_node[k] for k in sorted(by_node)]
-    addrs = [n["topology_addr"] for n in nodes]
-    have_paths = all("." in a for a in addrs)
-    if have_paths:
-        follows = addrs == sorted(addrs, key=address_key)
-    else:
-        names = [n["node"] for n in nodes]
-        follows = names == sorted(names, key=natural_key)
+    have_paths = all("." in n["topology_addr"] for n in nodes)
+    # The planner's host order for these nodes (what tools.launch gives node ranks).
+    names = [n["node"] for n in nodes]
+    follows = names == topology_order([(n["node"], n["topology_addr"]) for n in nodes])
     contiguous = all(
         sorted(n["ranks"]) == list(range(min(n["ranks"]), max(n["ranks"]) + 1)) for n in nodes
     )

@@ -5,7 +5,8 @@
 
 The script runs one Slurm task per node; each task runs torchrun with one process per GPU
 (per configured CPU process on a `gpu = "cpu"` profile). Node ranks follow the switch tree:
-the script gathers every node's SLURM_TOPOLOGY_ADDR, sorts (launch.node_order), and starts
+the script gathers every node's SLURM_TOPOLOGY_ADDR, orders the nodes as the planner
+places them (launch.node_order -> parallel.placement.node_order), and starts
 torchrun's static rendezvous with ``--node-rank=<index in that order>`` and the first node
 in that order as master, so global ranks r*G..r*G+G-1 sit on the r-th node in topology order
 and nodes under one leaf switch hold consecutive ranks. A SIGUSR1 some minutes before the
@@ -136,6 +137,14 @@ def check_launch(recipe: Recipe, cluster: Cluster, opts: LaunchOptions) -> tuple
     except ValueError as e:
         raise ConfigError(str(e), key="--switch-wait") from None
     fabric_env(cluster.nccl.fabric, cluster.nccl.env, file=cluster.source)  # raises on EFA mix
+    # The planner's placement of this layout on the profile's hosts: the job's node-order
+    # step repeats it on the real allocation; failing here costs no queue wait.
+    from parallel.placement import PlacementError, planned_rank_order
+
+    try:
+        planned_rank_order(layout, cluster.with_nodes(opts.nodes).fabric())
+    except PlacementError as e:
+        raise ConfigError(str(e), file=recipe.source, key="parallel.tp") from None
     if recipe.checkpoint.interval == 0:
         warnings.append(
             "checkpoint.interval = 0: a requeued job restarts from step 0 unless the run "
@@ -191,6 +200,15 @@ def train_args(opts: LaunchOptions) -> list[str]:
     (the same folder on every requeue is what makes the restart find its checkpoint)."""
     args = [str(Path(opts.workdir) / "train.py"), "--recipe", opts.recipe_path]
     for o in (*opts.overrides, f"job.output_dir={opts.output_dir}"):
+        args += ["--set", o]
+    return args
+
+
+def node_order_args(opts: LaunchOptions) -> list[str]:
+    """The planner places the recipe's layout on the profile (and refuses one whose tp x cp
+    groups would leave an NVLink domain)."""
+    args = ["--cluster", opts.cluster_path, "--recipe", opts.recipe_path]
+    for o in opts.overrides:
         args += ["--set", o]
     return args
 
@@ -299,7 +317,7 @@ def render_sbatch(recipe: Recipe, cluster: Cluster, layout: Layout, opts: Launch
     a('scontrol show topology >"$TOPO_FILE" 2>/dev/null || true')
     a(
         '"$PY" -m launch.node_order "$NODES_FILE" --scontrol-topology "$TOPO_FILE" '
-        '>"$ORDER_FILE" || exit 1'
+        f'{_cmd(node_order_args(opts))} >"$ORDER_FILE" || exit 1'
     )
     a('export TITANSCALE_NODE_ORDER="$ORDER_FILE"')
     a('export MASTER_ADDR=$(head -n 1 "$ORDER_FILE")')

@@ -1,11 +1,12 @@
-"""Node order for a Slurm job: nodes sorted by their switch path (spine.leaf.node).
+"""Node order for a Slurm job: the planner's host order, from Slurm's switch paths.
 
 torchrun's c10d rendezvous numbers nodes in arrival order, and SLURM_NODEID follows the
-node names; neither knows the switches. Sorting nodes by `SLURM_TOPOLOGY_ADDR` (Slurm's
-topology/tree path, e.g. ``spine1.leaf07.gpu-042``) puts nodes under the same leaf switch
-next to each other, so consecutive node ranks (and therefore consecutive global ranks under
-torchrun's static rendezvous) share a leaf: the mesh's inner axes (tp, cp, dp_shard) then stay
-under as few switches as the allocation allows.
+node names; neither knows the switches. The launcher gives node i of
+`parallel.placement.node_order` (hosts sorted by switch path, e.g. Slurm's
+``SLURM_TOPOLOGY_ADDR`` = ``spine1.leaf07.gpu-042``, then NVLink domain, then name) node rank
+i, so consecutive node ranks, and therefore consecutive global ranks under torchrun's
+static rendezvous, share a leaf: the mesh's inner axes (tp, cp, dp_shard) stay under as few
+switches as the allocation allows, and plain rank order is the planned placement.
 
 Pure functions (no Slurm calls): the job script gathers ``<node> <address>`` lines with one
 ``srun`` task per node and runs ``python -m launch.node_order`` on them.
@@ -16,13 +17,16 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
-from parallel.cluster import expand_hostlist, parse_scontrol_topology
+from parallel.axes import Layout
+from parallel.cluster import Fabric, Host, expand_hostlist, parse_scontrol_topology
+from parallel.placement import node_order
 from recipe.errors import ConfigError
 
 __all__ = [
     "address_key",
     "addresses_from_scontrol_topology",
     "expand_hostlist",
+    "host_from_address",
     "leaf_of",
     "leaf_switches_needed",
     "natural_key",
@@ -74,12 +78,23 @@ def addresses_from_scontrol_topology(text: str, nodes: Iterable[str]) -> dict[st
     return out
 
 
-def topology_order(entries: Sequence[tuple[str, str]]) -> list[str]:
-    """Node names in topology order, from ``(node, SLURM_TOPOLOGY_ADDR)`` pairs.
+def host_from_address(node: str, address: str) -> Host:
+    """A planner Host from SLURM_TOPOLOGY_ADDR ('spine.leaf1.node1' -> path (spine, leaf1)).
 
-    Nodes sort by address (outermost switch first, natural order inside each level); a node
-    without an address sorts after all that have one, by name. Duplicated nodes (one line
-    per task) count once. The result is deterministic, so every node computes the same order.
+    Without topology/tree Slurm sets the address to the node name alone: no switch path.
+    """
+    parts = address.split(".") if address else []
+    path = tuple(parts[:-1]) if len(parts) > 1 else ()
+    return Host(name=node, switch_path=path, nvlink_domain=node)
+
+
+def topology_order(entries: Sequence[tuple[str, str]]) -> list[str]:
+    """Node names in the planner's order, from ``(node, SLURM_TOPOLOGY_ADDR)`` pairs.
+
+    One ordering for the whole project: `parallel.placement.node_order` (hosts by switch
+    path, then NVLink domain, then name), here with one NVLink domain per node. Duplicated
+    nodes (one line per task) count once, the entry with a switch path winning. The
+    result is deterministic, so every node computes the same order.
     """
     best: dict[str, str] = {}
     for node, addr in entries:
@@ -87,17 +102,12 @@ def topology_order(entries: Sequence[tuple[str, str]]) -> list[str]:
         if not node:
             continue
         addr = (addr or "").strip()
-        if node not in best or (addr and not best[node]):
+        if node not in best or ("." in addr and "." not in best[node]):
             best[node] = addr
-
-    def key(node: str):
-        addr = best[node]
-        # Without topology/tree Slurm sets the address to the node name alone: no switch
-        # information, so such nodes keep name order after the ones that have it.
-        has_path = bool(addr) and "." in addr
-        return (0 if has_path else 1, address_key(addr) if has_path else (), natural_key(node))
-
-    return sorted(best, key=key)
+    if not best:
+        return []
+    hosts = tuple(host_from_address(n, a) for n, a in best.items())
+    return node_order(Layout(dp_shard=len(hosts)), Fabric(hosts, gpus_per_node=1))
 
 
 def leaf_of(address: str) -> str:

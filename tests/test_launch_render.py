@@ -232,3 +232,10 @@ def test_docs_examples_match_the_launcher(capsys):
             args += ["--set", o]
         assert launch_main(args) == 0
         assert capsys.readouterr().out == block, f"docs/launch.md {nodes}-node example is stale"
+
+
+def test_layout_that_leaves_nvlink_is_refused_before_submitting():
+    cluster = load_cluster(ROOT / "clusters" / "slurmlab_cpu.toml")
+    with pytest.raises(ConfigError) as e:  # tp 4 on 2-process nodes
+        _render(ROOT / "recipes" / "debug.toml", cluster, 4, overrides=("parallel.tp=4",))
+    assert e.value.key == "parallel.tp"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,10 @@ from launch.topology import (
     natural_key,
     topology_order,
 )
+from parallel.axes import Layout
+from parallel.cluster import load_cluster
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _cluster(spines: int, leaves_per_spine: int, nodes_per_leaf: int) -> list[tuple[str, str]]:
@@ -35,26 +40,33 @@ def _cluster(spines: int, leaves_per_spine: int, nodes_per_leaf: int) -> list[tu
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_topology_order_undoes_any_shuffle(seed):
+def test_topology_order_groups_leaves_whatever_the_arrival_order(seed):
     truth = _cluster(spines=2, leaves_per_spine=6, nodes_per_leaf=3)  # leaf0..leaf11
+    addr = dict(truth)
     shuffled = truth[:]
     random.Random(seed).shuffle(shuffled)
     order = topology_order(shuffled)
-    assert order == [n for n, _ in truth]
-    # Every leaf's nodes are consecutive, so consecutive node ranks share a leaf.
-    leaves = [leaf_of(dict(truth)[n]) for n in order]
-    runs = [leaves[0]] + [b for a, b in zip(leaves, leaves[1:], strict=False) if a != b]
-    assert len(runs) == len(set(leaves)) == 12
+    assert sorted(order) == sorted(addr)
+    # The same order whatever order the nodes reported in: every node computes it alike.
+    assert order == topology_order(sorted(truth))
+    # Every leaf's nodes are consecutive (consecutive node ranks share a leaf), and so are
+    # every spine's leaves.
+    for level in (leaf_of, lambda a: a.split(".")[0]):
+        keys = [level(addr[n]) for n in order]
+        runs = [keys[0]] + [b for a, b in zip(keys, keys[1:], strict=False) if a != b]
+        assert len(runs) == len(set(keys))
+    # Inside a leaf, names in natural order.
+    for leaf in {leaf_of(a) for a in addr.values()}:
+        members = [n for n in order if leaf_of(addr[n]) == leaf]
+        assert members == sorted(members, key=natural_key)
 
 
-def test_natural_order_of_levels():
-    entries = [("n1", "s.leaf10.n1"), ("n2", "s.leaf9.n2"), ("n3", "s.leaf2.n3")]
-    assert topology_order(entries) == ["n3", "n2", "n1"]
-
-
-def test_nodes_without_a_switch_path_go_last_in_name_order():
+def test_duplicates_and_missing_paths():
     entries = [("node10", "node10"), ("node2", ""), ("node3", "sp.l1.node3"), ("node3", "")]
-    assert topology_order(entries) == ["node3", "node2", "node10"]
+    order = topology_order(entries)
+    assert sorted(order) == ["node10", "node2", "node3"]
+    assert order == topology_order(list(reversed(entries)))
+    assert topology_order([]) == []
 
 
 def test_expand_hostlist_keeps_padding_and_order():
@@ -85,6 +97,23 @@ def test_order_falls_back_to_scontrol_when_no_addresses():
     order, addrs = order_nodes(gathered, SCONTROL)
     assert order == ["node1", "node3", "node2", "node4"]
     assert addrs["node3"] == "spine.leaf1.node3"
+    # The same through the profile (fabric_from_slurm reads the scontrol text).
+    cluster = load_cluster(ROOT / "clusters" / "slurmlab_cpu.toml")
+    order, addrs = order_nodes(gathered, SCONTROL, cluster, Layout(dp_shard=8))
+    assert order == ["node1", "node3", "node2", "node4"]
+
+
+def test_order_refuses_a_tp_group_across_nodes(tmp_path, capsys):
+    """tp 4 on 2-process nodes cannot stay inside an NVLink domain: exit 1 before training."""
+    f = tmp_path / "nodes.txt"
+    f.write_text("".join(f"{n} {a}\n" for n, a in addresses_from_scontrol_topology(
+        SCONTROL, ["node1", "node2", "node3", "node4"]).items()))  # fmt: skip
+    args = [str(f), "--cluster", str(ROOT / "clusters" / "slurmlab_cpu.toml")]
+    args += ["--recipe", str(ROOT / "recipes" / "debug.toml"), "--set", "parallel.tp=4"]
+    assert node_order_main(args) == 1
+    assert "node_order: error:" in capsys.readouterr().err
+    assert node_order_main(args[:-2]) == 0
+    assert capsys.readouterr().out.split() == ["node1", "node3", "node2", "node4"]
 
 
 def test_node_order_cli(tmp_path, capsys):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.topology import address_key
+from launch.topology import topology_order
 from parallel.axes import Layout
 from parallel.cluster import fabric_from_slurm, load_cluster
 from parallel.placement import planned_rank_order
@@ -173,7 +173,7 @@ def test_job_completes_with_topology_ordered_ranks(baseline_run):
     nodes = [n["node"] for n in placement["nodes"]]
     assert nodes == EXPECTED_ORDER
     addrs = [n["topology_addr"] for n in placement["nodes"]]
-    assert addrs == sorted(addrs, key=address_key)
+    assert nodes == topology_order(list(zip(nodes, addrs, strict=True)))
     for r in placement["ranks"]:
         assert r["node"] == EXPECTED_ORDER[r["rank"] // 2]
         assert r["node_rank"] == r["rank"] // 2
