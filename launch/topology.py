@@ -23,7 +23,6 @@ from parallel.placement import node_order
 from recipe.errors import ConfigError
 
 __all__ = [
-    "address_key",
     "addresses_from_scontrol_topology",
     "expand_hostlist",
     "host_from_address",
@@ -40,11 +39,6 @@ def natural_key(text: str) -> tuple[tuple[int, int | str], ...]:
     """'leaf10' after 'leaf9': digit runs compare as numbers, the rest as text."""
     parts = _DIGITS.split(text)
     return tuple((1, int(p)) if p.isdigit() else (0, p) for p in parts if p != "")
-
-
-def address_key(address: str) -> tuple[tuple[tuple[int, int | str], ...], ...]:
-    """Sort key of a topology address: its dot-separated levels, outermost first."""
-    return tuple(natural_key(level) for level in address.split("."))
 
 
 def addresses_from_scontrol_topology(text: str, nodes: Iterable[str]) -> dict[str, str]:
