@@ -8,6 +8,7 @@ setting out, the row says which value we assumed and why (`assumed`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from parallel.axes import Layout
 from parallel.cluster import Cluster, load_cluster
@@ -39,14 +40,16 @@ TT25 = "torchtitan async-TP report, 2025-06 (Grand Teton H100)"
 NEMO = "NVIDIA dgxc-benchmarking llama3.1 70B README v25.02 (H100 SXM)"
 
 
-def _w8(**kw) -> Workload:
-    base = dict(shape=model_shape("8B"), seq_len=8192, local_batch_size=2, ac="selective")
+def _w8(**kw: Any) -> Workload:
+    base: dict[str, Any] = dict(
+        shape=model_shape("8B"), seq_len=8192, local_batch_size=2, ac="selective"
+    )
     base.update(kw)
     return Workload(**base)
 
 
-def _w70(**kw) -> Workload:
-    base = dict(
+def _w70(**kw: Any) -> Workload:
+    base: dict[str, Any] = dict(
         shape=model_shape("70B"),
         seq_len=8192,
         local_batch_size=16,
@@ -107,7 +110,7 @@ def rows() -> list[Row]:
         Row("70B FSDP32xTP8 FP8", TT24, gt, 32, _w70(**FP8_TW), 829, 71.9),
         Row("70B FSDP32xTP8 FP8 asyncTP", TT24, gt, 32, _w70(async_tp=True, **FP8_TW), 876, 67.6),
     ]
-    w405 = dict(
+    w405: dict[str, Any] = dict(
         shape=model_shape("405B"),
         seq_len=8192,
         local_batch_size=32,

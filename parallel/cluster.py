@@ -378,11 +378,11 @@ def _hosts_from_switches(
             seen_hosts.add(h)
             hosts.append(Host(h, path(name), ""))
     out = []
-    for i, h in enumerate(hosts):
-        dom = host_domain.get(h.name) or (
-            h.name if nodes_per_domain == 1 else f"{h.leaf}/nvl{i // nodes_per_domain}"
+    for i, host in enumerate(hosts):
+        dom = host_domain.get(host.name) or (
+            host.name if nodes_per_domain == 1 else f"{host.leaf}/nvl{i // nodes_per_domain}"
         )
-        out.append(Host(h.name, h.switch_path, dom))
+        out.append(Host(host.name, host.switch_path, dom))
     return out
 
 

@@ -238,7 +238,7 @@ def _memory_for_rank(w: Workload, rank: int) -> MemoryEstimate:
     has_last = (n_stages - 1) in stages
     emb = s.vocab_size * s.dim
     head = 0 if s.weight_tying else s.vocab_size * s.dim
-    params = layers * s.params_per_layer
+    params: float = layers * s.params_per_layer
     params += emb if has_first else 0
     params += (head + s.dim) if has_last else 0
     params /= t
@@ -246,7 +246,7 @@ def _memory_for_rank(w: Workload, rank: int) -> MemoryEstimate:
     states = params * STATE_BYTES_PER_PARAM  # divided by the FSDP shard count in `at`
     fp8 = w.linear != "bf16"
     ag_bytes = 1 if (fp8 and w.fp8_all_gather) else w.bytes_per_param_compute
-    unit = max(s.params_per_layer, head if has_last else 0, emb if has_first else 0) / t
+    unit: float = max(s.params_per_layer, head if has_last else 0, emb if has_first else 0) / t
     if p > 1:
         # No reshard after forward under PP; gradients accumulate unsharded in fp32.
         unsharded = params * (ag_bytes + 4)

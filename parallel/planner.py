@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 from parallel.axes import Layout
 from parallel.cluster import Cluster
@@ -345,13 +345,13 @@ def apply_plan(recipe: Recipe, plan: Plan) -> Recipe:
         tp=lay.tp,
         pp=lay.pp,
         cp=lay.cp,
-        pp_schedule=plan.pp_schedule or r.parallel.pp_schedule,
+        pp_schedule=cast(Any, plan.pp_schedule or r.parallel.pp_schedule),
         pp_microbatches=plan.microbatches if lay.pp > 1 else 0,
         auto=False,
     )
     r.training = dataclasses.replace(
         r.training,
-        activation_checkpoint=plan.activation_checkpoint,
+        activation_checkpoint=cast(Any, plan.activation_checkpoint),
         local_batch_size=plan.local_batch_size,
         global_batch_size=(
             recipe.training.global_batch_size if recipe.training.global_batch_size != -1 else -1

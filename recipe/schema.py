@@ -142,7 +142,17 @@ class ParallelSection:
     )
     auto: bool = field(
         default=False,
-        metadata=doc("Ignore the degrees above and train with the planner's best plan."),
+        metadata=doc(
+            "Ignore the degrees, schedule, microbatches, local batch and AC above and train "
+            "with the planner's best plan for the launch's world size on `cluster`."
+        ),
+    )
+    cluster: str = field(
+        default="",
+        metadata=doc(
+            "Cluster profile (a name in clusters/ or a path) for auto planning and the "
+            "startup placement check; '' = local_cpu on CPU (auto needs one on GPUs)."
+        ),
     )
 
     def __post_init__(self) -> None:

@@ -18,6 +18,8 @@ from typing import Any
 from torchtitan.trainer import Trainer
 
 from parallel.axes import Layout
+from parallel.cluster import Cluster, load_cluster
+from parallel.planner import apply_plan, best_plan
 from recipe.errors import ConfigError
 from recipe.loader import check_recipe, load_recipe
 from recipe.models import model_shape
@@ -100,12 +102,51 @@ def check_data_source(recipe: Recipe) -> None:
     check_source(recipe.data.source, file=recipe.source)
 
 
+def cluster_for_job(recipe: Recipe, world_size: int, platform: Platform) -> Cluster | None:
+    """The recipe's cluster profile sized to this launch (None when none applies)."""
+    name = recipe.parallel.cluster or ("local_cpu" if platform.is_cpu else "")
+    if not name:
+        return None
+    cluster = load_cluster(name)
+    if world_size < cluster.gpus_per_node:
+        # A partial node (e.g. 2 CPU processes on local_cpu's 8 slots): one host of that size.
+        return load_cluster(
+            name,
+            nodes=1,
+            overrides=[f"gpus_per_node={world_size}", f"nvlink_domain_gpus={world_size}"],
+        )
+    if world_size % cluster.gpus_per_node:
+        raise ConfigError(
+            f"{world_size} processes are not whole nodes of {cluster.gpus_per_node} GPUs",
+            file=recipe.source,
+            key="parallel.cluster",
+        )
+    return load_cluster(name, nodes=world_size // cluster.gpus_per_node)
+
+
+def apply_auto_plan(recipe: Recipe, world_size: int, platform: Platform) -> Recipe:
+    """`[parallel] auto = true`: the planner's best plan for this launch, logged."""
+    cluster = cluster_for_job(recipe, world_size, platform)
+    if cluster is None:
+        raise ConfigError(
+            "auto planning needs a cluster profile on GPUs (e.g. hgx_h100_ib)",
+            file=recipe.source,
+            key="parallel.cluster",
+        )
+    plan = best_plan(recipe, cluster, nodes=cluster.nodes)
+    planned = apply_plan(recipe, plan)
+    planned.source = recipe.source
+    return planned
+
+
 def prepare(recipe_path: str | None, overrides: list[str]) -> Job:
     """Everything up to (not including) the process group. Raises ConfigError on bad input."""
     recipe = load_recipe(recipe_path, overrides)
     world_size = _launch_env()
-    layout = check_recipe(recipe, world_size)
     platform = Platform.detect()
+    if recipe.parallel.auto:
+        recipe = apply_auto_plan(recipe, world_size, platform)
+    layout = check_recipe(recipe, world_size)
     kernels = choose_kernels(recipe, platform)
     check_environment(recipe)
     check_data_source(recipe)
@@ -137,7 +178,8 @@ def run(job: Job) -> dict[str, Any] | None:
         f" | attention {job.kernels.attention} | linear {job.recipe.kernels.linear}"
         f" ({job.kernels.precision})"
     )
-    trainer = TitanscaleTrainer(job.config)
+    cluster = cluster_for_job(job.recipe, job.world_size, job.platform)
+    trainer = TitanscaleTrainer(job.config, fabric=cluster.fabric() if cluster else None)
     try:
         trainer.train()
     finally:

@@ -1,8 +1,8 @@
 """torchtitan's Trainer, extended at its seams (no copied training loop).
 
 - `batch_generator`: also counts useful tokens (labels != IGNORE_INDEX) for the report.
-- `init_distributed`: builds the device mesh from a planned rank order when one is given
-  (`rank_order`, see parallel.mesh), else torchtitan's plain order.
+- `init_distributed`: builds the device mesh (from a planned rank order when one is given,
+  see parallel.mesh) and runs the startup placement check (parallel.startup).
 - `should_continue_training` (launch.stop_request.StopOnRequest): checkpoints and stops when
   the Slurm job script asks (time limit near), so the requeued job resumes there.
 - `train`: writes a `start` event (resumed step, restart count) and, at the end, the
@@ -23,27 +23,47 @@ from torchtitan.trainer import Trainer
 
 from data.accounting import attention_pairs
 from launch.stop_request import StopOnRequest
+from parallel.cluster import Fabric
 from runtime.metrics import TitanscaleMetrics
 
 
 class TitanscaleTrainer(StopOnRequest, Trainer):
-    # Set before construction by runtime.session when a placement is planned; a list mapping
-    # mesh position (row-major over MESH_ORDER) -> global rank. None = plain rank order.
-    rank_order: list[int] | None = None
     summary: dict[str, Any] | None = None
 
+    def __init__(
+        self,
+        config: Trainer.Config,
+        *,
+        rank_order: list[int] | None = None,
+        fabric: Fabric | None = None,
+    ) -> None:
+        # rank_order: mesh position (row-major over MESH_ORDER) -> global rank; None = plain
+        # rank order, which is the planned order when the launcher assigned node ranks in
+        # topology order (tools.launch). fabric: the cluster's hosts/switches, if known.
+        self.rank_order = rank_order
+        self.fabric = fabric
+        super().__init__(config)
+
     def init_distributed(self) -> ParallelDims:
-        if self.rank_order is None:
-            return super().init_distributed()
-        from parallel.mesh import make_parallel_dims
         from torchtitan.distributed import utils as dist_utils
+        from torchtitan.tools.logging import logger
+
+        from parallel.mesh import make_parallel_dims
+        from parallel.startup import startup_check
 
         world_size = dist_utils.init_distributed(
             self.config.comm,
             enable_cpu_backend=self.config.training.enable_cpu_offload,
             base_folder=self.config.dump_folder,
         )
-        return make_parallel_dims(self.config.parallelism, world_size, self.rank_order)
+        pd = make_parallel_dims(self.config.parallelism, world_size, self.rank_order)
+        pd.build_mesh()
+        # One all_gather_object at start-up: every rank's host, NVLink domain and switch
+        # path; a tp/cp group spanning NVLink domains stops here, naming group and hosts.
+        summary = startup_check(pd, self.fabric)
+        if torch.distributed.get_rank() == 0:
+            logger.info("placement:\n" + summary)
+        return pd
 
     def batch_generator(
         self, data_iterable: Iterable[tuple[dict[str, torch.Tensor], torch.Tensor]]

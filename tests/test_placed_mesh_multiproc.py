@@ -58,7 +58,8 @@ def test_permuted_mesh_trains_to_the_unpermuted_losses(tmp_path, seed_checkpoint
     """FSDP2 x TP2 on the permuted mesh [0, 2, 1, 3] (tp groups {0,2}, {1,3}) against the
     unpermuted single-process run from the same seed checkpoint and the same global batch
     (the lead's layout tests hold every unpermuted layout to this reference within 2e-4)."""
-    common = [*FAST, f"checkpoint.load_from={seed_checkpoint}"]
+    # 3 steps (not FAST's 5): enough to see the loss move; 4-process startup dominates.
+    common = [*FAST, "training.steps=3", f"checkpoint.load_from={seed_checkpoint}"]
     losses = {}
     runs = (
         ("unpermuted", 1, ["training.local_batch_size=4"], ""),
@@ -84,7 +85,7 @@ def test_permuted_mesh_trains_to_the_unpermuted_losses(tmp_path, seed_checkpoint
         else:
             proc = _torchrun(nproc, "tests/multiproc/train_placed.py", args, env=env)
         losses[name] = read_losses(out)
-        assert sorted(losses[name]) == [1, 2, 3, 4, 5], proc.stdout[-2000:]
+        assert sorted(losses[name]) == [1, 2, 3], proc.stdout[-2000:]
     for step, ref in losses["unpermuted"].items():
         assert abs(losses["permuted"][step] - ref) <= 2e-4, (step, losses["permuted"][step], ref)
-    assert losses["permuted"][5] < losses["permuted"][1]
+    assert losses["permuted"][3] < losses["permuted"][1]

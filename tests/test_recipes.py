@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipe.loader import check_recipe, load_recipe
+from recipe.loader import check_recipe, effective_shape, load_recipe
 from recipe.models import model_shape
 
 RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.toml"))
@@ -64,5 +64,5 @@ def test_recipe_builds_on_meta_device(path):
     with torch.device("meta"):
         model = cfg.model_spec.model.build()
     n = sum(p.numel() for p in model.parameters())
-    assert n == model_shape(recipe.model.flavor).total_params
+    assert n == effective_shape(recipe).total_params
     assert all(p.is_meta for p in model.parameters())

@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         "environment": fingerprint(),
     }
     if a.cluster:
-        result["predicted"] = predict_for(a.recipe, a.overrides, a.cluster)
+        result["predicted"] = predict_for(a.recipe, overrides, a.cluster, a.nproc)
         med = summary.get("median_tokens_per_sec_per_gpu")
         pred = result["predicted"].get("tokens_per_sec_per_gpu")
         if med and pred:
@@ -190,11 +190,19 @@ def main(argv: list[str] | None = None) -> None:
     )
 
 
-def predict_for(recipe_path: str, overrides: list[str], cluster_path: str) -> dict[str, Any]:
+def predict_for(
+    recipe_path: str, overrides: list[str], cluster_path: str, world_size: int
+) -> dict[str, Any]:
     """The performance model's figures for the same recipe on `cluster_path`."""
-    from tools.predict import predict_json
+    from parallel.cluster import load_cluster
+    from tools.predict import predict_recipe
 
-    return predict_json(recipe_path, overrides, cluster_path)
+    cluster = load_cluster(cluster_path)
+    nodes = max(1, world_size // cluster.gpus_per_node)
+    if nodes != cluster.nodes:
+        cluster = load_cluster(cluster_path, nodes=nodes)
+    out, _ = predict_recipe(load_recipe(recipe_path, overrides), cluster)
+    return out
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ import json
 import sys
 from pathlib import Path
 
-from recipe.errors import ConfigError, exit_on_config_error
-from tools._common import ROOT, add_recipe_cluster_args, load
+from recipe.errors import exit_on_config_error
+from tools._common import add_recipe_cluster_args, load
 
 
 def predict_recipe(recipe, cluster) -> tuple[dict, object]:
@@ -194,8 +194,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ConfigError:  # pragma: no cover - exit_on_config_error handles it
-        raise
-    _ = ROOT
+    main()
