@@ -3,6 +3,8 @@
 - `batch_generator`: also counts useful tokens (labels != IGNORE_INDEX) for the report.
 - `init_distributed`: builds the device mesh (from a planned rank order when one is given,
   see parallel.mesh) and runs the startup placement check (parallel.startup).
+- `should_continue_training` (launch.stop_request.StopOnRequest): checkpoints and stops when
+  the Slurm job script asks (time limit near), so the requeued job resumes there.
 - `train`: writes a `start` event (resumed step, restart count) and, at the end, the
   steady-state summary.
 """
@@ -20,11 +22,12 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.trainer import Trainer
 
 from data.accounting import attention_pairs
+from launch.stop_request import StopOnRequest
 from parallel.cluster import Fabric
 from runtime.metrics import TitanscaleMetrics
 
 
-class TitanscaleTrainer(Trainer):
+class TitanscaleTrainer(StopOnRequest, Trainer):
     summary: dict[str, Any] | None = None
 
     def __init__(
