@@ -79,6 +79,7 @@ class TitanscaleTrainer(StopOnRequest, Trainer):
             "start",
             resumed_from_step=resumed_from,
             restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            slurm_restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0")),
             world_size=self.parallel_dims.world_size,
             layout={
                 "pp": self.parallel_dims.pp,
