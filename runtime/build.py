@@ -11,7 +11,6 @@ config chosen by the kernels layer.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
@@ -19,13 +18,13 @@ from torchtitan.components.validate import Validator
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import CommConfig, DebugConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
-from torchtitan.models.common.attention import FlexAttention
 from torchtitan.models.common.config_utils import decoder_vocab_size
 from torchtitan.models.llama3 import model_registry
 from torchtitan.trainer import Trainer
 
 from data.loader import TitanscaleDataLoader
-from kernels.dense_attention import DenseMaskAttention
+from kernels.caps import DeviceCaps, detect_features
+from kernels.registry import KernelChoice, apply_kernels, check_kernels
 from parallel.axes import Layout
 from recipe.models import pp_layer_weights, stages_per_rank
 from recipe.schema import Recipe
@@ -34,34 +33,16 @@ from runtime.metrics import TitanscaleMetrics
 from runtime.platform import Platform
 
 
-@dataclass
-class KernelChoice:
-    """What the kernels layer decided: attention config, linear converters, notices."""
-
-    attention: str = "dense"
-    converters: list = field(default_factory=list)
-    precision: str = "bf16"
-    notices: list[str] = field(default_factory=list)
-
-
-def choose_kernels(recipe: Recipe, platform: Platform) -> KernelChoice:
-    """Minimal selection until the kernels registry lands: flex on CUDA, dense on CPU."""
-    att = recipe.kernels.attention
-    if att == "auto":
-        att = "dense" if platform.is_cpu else "flex"
-    return KernelChoice(attention=att, precision="bf16")
-
-
-def _set_inner_attention(model_cfg, attention: str) -> None:
-    if attention != "dense":
-        return
-    for _, _cfg, parent, attr in model_cfg.traverse(FlexAttention.Config):
-        if parent is None:
-            raise ValueError("model config is itself an attention config")
-        if isinstance(parent, list):
-            parent[attr] = DenseMaskAttention.Config()
-        else:
-            setattr(parent, attr, DenseMaskAttention.Config())
+def choose_kernels(
+    recipe: Recipe, platform: Platform, layout: Layout | None = None
+) -> KernelChoice:
+    """`[kernels]` resolved against this platform (kernels.registry); ConfigError (exit 2) when
+    the device cannot run the requested backend. Optional kernel packages (FlashAttention 3/4)
+    are probed on this machine."""
+    caps = DeviceCaps(
+        platform.device_type, platform.device_name, platform.compute_capability, detect_features()
+    )
+    return check_kernels(recipe, caps, cp=layout.cp if layout is not None else None)
 
 
 def build_trainer_config(
@@ -73,18 +54,16 @@ def build_trainer_config(
     tokenizer_path: str,
 ) -> Trainer.Config:
     tr, par = recipe.training, recipe.parallel
-    spec = model_registry(
-        recipe.model.flavor,
-        attn_backend="varlen" if kernels.attention == "varlen" else "flex",
-        converters=kernels.converters or None,
-    )
+    spec = model_registry(recipe.model.flavor)
     if recipe.model.layers:
         spec.model.layers = spec.model.layers[: recipe.model.layers]
-    _set_inner_attention(spec.model, kernels.attention)
     if recipe.model.vocab_size:
         spec.model.vocab_size = recipe.model.vocab_size
         spec.model.tok_embeddings.num_embeddings = recipe.model.vocab_size
         spec.model.lm_head.out_features = recipe.model.vocab_size
+    # After every change to the model's dimensions: attention backend + linear conversion
+    # (torchtitan's converters), with the converted/skipped list kept for the log.
+    spec.model = apply_kernels(spec.model, kernels, tp=layout.tp).model_config
 
     first_less, last_less = (1, 1)
     microbatch_size = 1

@@ -207,7 +207,7 @@ def prepare(recipe_path: str | None, overrides: list[str]) -> Job:
     if recipe.parallel.auto:
         recipe = apply_auto_plan(recipe, world_size, platform)
     layout = check_recipe(recipe, world_size)
-    kernels = choose_kernels(recipe, platform)
+    kernels = choose_kernels(recipe, platform, layout)
     check_environment(recipe)
     check_data_source(recipe)
     from data.tokenizer import resolve_tokenizer
@@ -232,13 +232,13 @@ def run(job: Job) -> dict[str, Any] | None:
     from runtime.trainer import TitanscaleTrainer
 
     job.platform.apply()
-    for notice in job.kernels.notices:
-        logger.info(notice)
+    for line in job.kernels.log_lines():
+        logger.info(line)
     logger.info(
         f"titanscale: {job.recipe.source} | {job.recipe.model.flavor} | "
         f"{job.layout.describe()} (world {job.world_size}) | device {job.platform.device_name}"
-        f" | attention {job.kernels.attention} | linear {job.recipe.kernels.linear}"
-        f" ({job.kernels.precision})"
+        f" | attention {job.kernels.attention} | linear {job.kernels.linear}"
+        f"{' (emulated)' if job.kernels.emulated else ''} ({job.kernels.precision})"
     )
     cluster = cluster_for_job(job.recipe, job.world_size, job.platform)
     trainer = TitanscaleTrainer(job.config, fabric=cluster.fabric() if cluster else None)

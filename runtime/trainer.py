@@ -3,6 +3,8 @@
 - `batch_generator`: also counts useful tokens (labels != IGNORE_INDEX) for the report.
 - `init_distributed`: builds the device mesh (from a planned rank order when one is given,
   see parallel.mesh) and runs the startup placement check (parallel.startup).
+- `should_continue_training` (launch.stop_request.StopOnRequest): checkpoints and stops when
+  the Slurm job script asks (time limit near), so the requeued job resumes there.
 - `train`: writes a `start` event (resumed step, restart count) and, at the end, the
   steady-state summary; runs the step watchdog (runtime.watchdog) around the loop.
 - `train_step`: marks step begin/end for the watchdog; a collective timeout becomes a
@@ -23,13 +25,14 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.trainer import Trainer
 
 from data.accounting import attention_pairs
+from launch.stop_request import StopOnRequest
 from parallel.cluster import Fabric
 from runtime import faults
 from runtime.metrics import TitanscaleMetrics
 from runtime.watchdog import RankTimeoutError, StepWatchdog, default_store, looks_like_timeout
 
 
-class TitanscaleTrainer(Trainer):
+class TitanscaleTrainer(StopOnRequest, Trainer):
     summary: dict[str, Any] | None = None
     watchdog: StepWatchdog | None = None
 
@@ -82,6 +85,7 @@ class TitanscaleTrainer(Trainer):
             "start",
             resumed_from_step=resumed_from,
             restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            slurm_restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0")),
             world_size=self.parallel_dims.world_size,
             layout={
                 "pp": self.parallel_dims.pp,

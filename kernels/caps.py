@@ -1,0 +1,116 @@
+"""What the device can run: type, name, compute capability and optional kernel packages.
+
+`DeviceCaps.detect()` reads the local device (CUDA if torch sees one, else CPU). Tests, the
+planner and login nodes without a GPU use simulated capabilities instead:
+`DeviceCaps.gpu("H100")`, `DeviceCaps.cpu()`. The kernels registry checks every backend's
+requirements against these, so a recipe fails at validation, not an hour into a job.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+
+# Compute capability of the GPUs titanscale's users run (and of the ones the registry's
+# error messages name). Keys are matched as substrings of torch's device name.
+KNOWN_GPUS: dict[str, tuple[str, tuple[int, int]]] = {
+    # kind: (torch.cuda.get_device_name()-style name, capability)
+    "A100": ("NVIDIA A100-SXM4-80GB", (8, 0)),
+    "L40S": ("NVIDIA L40S", (8, 9)),
+    "H100": ("NVIDIA H100 80GB HBM3", (9, 0)),
+    "H200": ("NVIDIA H200", (9, 0)),
+    "B200": ("NVIDIA B200", (10, 0)),
+    "GB200": ("NVIDIA GB200", (10, 0)),
+}
+
+# Optional kernel packages, by the feature name backends declare. torch's varlen attention
+# dispatches to FlashAttention 3 on SM90 and FlashAttention 4 on SM100 (torchtitan activates
+# them in VarlenAttention.__init__); both ship outside torch.
+FEATURE_MODULES: dict[str, str] = {
+    "fa3": "flash_attn_interface",
+    "fa4": "flash_attn.cute",
+    "torchao": "torchao",
+}
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing or broken
+        return False
+
+
+def detect_features() -> frozenset[str]:
+    return frozenset(name for name, mod in FEATURE_MODULES.items() if _importable(mod))
+
+
+@dataclass(frozen=True)
+class DeviceCaps:
+    """A device as the kernel backends see it.
+
+    device_type: "cuda", "rocm" or "cpu". capability: (major, minor) for CUDA, else None.
+    features: importable optional packages (see FEATURE_MODULES).
+    """
+
+    device_type: str
+    name: str
+    capability: tuple[int, int] | None = None
+    features: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device_type == "cuda"
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.device_type == "cpu"
+
+    @property
+    def sm(self) -> str:
+        """'SM90' style label ('' when not a CUDA device)."""
+        if self.capability is None:
+            return ""
+        return f"SM{self.capability[0]}{self.capability[1]}"
+
+    def at_least(self, major: int, minor: int = 0) -> bool:
+        return self.is_cuda and self.capability is not None and self.capability >= (major, minor)
+
+    def describe(self) -> str:
+        if self.is_cuda:
+            return f"{self.name} ({self.sm})"
+        return self.name
+
+    @staticmethod
+    def detect() -> DeviceCaps:
+        """The local device: the current CUDA device (LOCAL_RANK) when torch sees one."""
+        import torch
+
+        if torch.cuda.is_available():
+            idx = int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1)
+            name = torch.cuda.get_device_name(idx)
+            if torch.version.hip is not None:
+                return DeviceCaps("rocm", name, None, detect_features())
+            major, minor = torch.cuda.get_device_capability(idx)
+            return DeviceCaps("cuda", name, (major, minor), detect_features())
+        return DeviceCaps.cpu(features=detect_features())
+
+    @staticmethod
+    def cpu(features: frozenset[str] | None = None) -> DeviceCaps:
+        return DeviceCaps(
+            "cpu", "cpu", None, frozenset({"torchao"}) if features is None else features
+        )
+
+    @staticmethod
+    def gpu(kind: str, features: frozenset[str] | set[str] | None = None) -> DeviceCaps:
+        """Simulated caps of a known GPU kind ("H100", "B200", ...).
+
+        `features` defaults to torchao only (no FlashAttention 3/4 packages), the state of a
+        plain `pip install` of the pinned dependencies.
+        """
+        key = kind.upper()
+        if key not in KNOWN_GPUS:
+            raise KeyError(f"unknown GPU kind {kind!r}; known: {', '.join(KNOWN_GPUS)}")
+        name, cap = KNOWN_GPUS[key]
+        feats = frozenset({"torchao"}) if features is None else frozenset(features)
+        return DeviceCaps("cuda", name, cap, feats)

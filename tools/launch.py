@@ -1,0 +1,151 @@
+"""Render a Slurm batch script for a recipe on a cluster and submit it.
+
+    python -m tools.launch --recipe recipes/llama3_70b_b200.toml --cluster hgx_b200_ib \\
+        --nodes 8 --partition gpu --time 04:00:00 [--dry-run] [--set k=v ...] [--out DIR]
+
+The script (written to <out>/<job name>.sbatch, next to the run's metrics and checkpoints)
+runs one torchrun per node with one process per GPU, node ranks in switch order, NCCL
+settings from the profile's [nccl] table, `--switches` for the fewest leaf switches, and a
+SIGUSR1 before the time limit that checkpoints, stops and requeues. See docs/launch.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from recipe.errors import ConfigError, exit_on_config_error
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from launch.sbatch import DEFAULT_SIGNAL_SECONDS, DEFAULT_SWITCH_WAIT
+
+    p = argparse.ArgumentParser(
+        prog="python -m tools.launch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--recipe", required=True, help="recipe TOML")
+    p.add_argument("--cluster", required=True, help="cluster profile (path or name in clusters/)")
+    p.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
+    p.add_argument("--partition", default="", help="Slurm partition")
+    p.add_argument("--time", default="", help="time limit (Slurm format, e.g. 04:00:00)")
+    p.add_argument("--account", default="", help="Slurm account")
+    p.add_argument("--job-name", default="", help="job name (default: the recipe's job.name)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a recipe key (repeatable); passed on to train.py",
+    )
+    p.add_argument("--out", default=None, help="run folder (default: the recipe's job.output_dir)")
+    p.add_argument("--dry-run", action="store_true", help="print the script; submit nothing")
+    p.add_argument("--no-preflight", action="store_true", help="skip the pre-flight step")
+    p.add_argument(
+        "--signal-seconds",
+        type=int,
+        default=DEFAULT_SIGNAL_SECONDS,
+        help=f"checkpoint-and-requeue signal this long before the limit ({DEFAULT_SIGNAL_SECONDS})",
+    )
+    p.add_argument(
+        "--switch-wait",
+        default=DEFAULT_SWITCH_WAIT,
+        help=f"longest wait for the fewest leaf switches ({DEFAULT_SWITCH_WAIT})",
+    )
+    p.add_argument(
+        "--sbatch-arg",
+        action="append",
+        default=[],
+        metavar="OPT",
+        help="extra #SBATCH option, e.g. --sbatch-arg=--qos=high (repeatable)",
+    )
+    p.add_argument(
+        "--python", default=sys.executable, help="Python on the nodes (default: this one)"
+    )
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="this checkout's path as the nodes see it (default: its path here); recipe and "
+        "profile paths inside the checkout are rewritten to it",
+    )
+    return p.parse_args(argv)
+
+
+@exit_on_config_error
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from launch.sbatch import REPO_ROOT, LaunchOptions, check_launch, node_path, render_sbatch
+    from parallel.cluster import load_cluster, resolve_cluster_path
+    from recipe.loader import DEFAULT_RECIPE, load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    cluster = load_cluster(args.cluster)
+    cluster_path = resolve_cluster_path(args.cluster).resolve()
+    out = Path(args.out or recipe.output_dir).resolve()
+    workdir = args.workdir or str(REPO_ROOT)
+    opts = LaunchOptions(
+        nodes=args.nodes,
+        output_dir=str(out),
+        recipe_path=node_path(Path(args.recipe or DEFAULT_RECIPE), workdir),
+        cluster_path=node_path(cluster_path, workdir),
+        workdir=workdir,
+        overrides=tuple(args.overrides),
+        partition=args.partition,
+        time=args.time,
+        account=args.account,
+        job_name=args.job_name,
+        python=args.python,
+        preflight=not args.no_preflight,
+        signal_seconds=args.signal_seconds,
+        switch_wait=args.switch_wait,
+        extra_sbatch=tuple(args.sbatch_arg),
+    )
+    layout, warnings = check_launch(recipe, cluster, opts)
+    text = render_sbatch(recipe, cluster, layout, opts)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    if args.dry_run:
+        sys.stdout.write(text)
+        return 0
+    if shutil.which("sbatch") is None:
+        raise ConfigError("sbatch not found on PATH (use --dry-run to only print the script)")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(exist_ok=True)
+    script = out / f"{opts.job_name or recipe.job.name}.sbatch"
+    script.write_text(text)
+    proc = subprocess.run(
+        ["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        print(f"error: sbatch failed ({proc.returncode}): {proc.stderr.strip()}", file=sys.stderr)
+        return 1
+    job_id = proc.stdout.strip().split(";")[0]
+    (out / "launch.json").write_text(
+        json.dumps(
+            {
+                "job_id": job_id,
+                "script": str(script),
+                "nodes": opts.nodes,
+                "world_size": layout.world_size,
+                "layout": layout.describe(),
+                "recipe": opts.recipe_path,
+                "overrides": list(opts.overrides),
+                "cluster": str(cluster_path),
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    print(f"submitted job {job_id}: {script}")
+    print(f"logs: {out / 'logs'}   metrics: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
