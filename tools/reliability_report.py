@@ -41,7 +41,7 @@ LABELS = {
     "runs_recovered": "jobs that restarted and finished (torchrun --max-restarts=1)",
     "steps_recomputed": "steps recomputed after restarts (work lost since the checkpoint)",
     "steps_lost": "steps missing from the final trajectories",
-    "max_loss_diff_after_restart": "largest |loss| difference, restarted vs uninterrupted",
+    "max_loss_diff_after_restart": "largest loss difference (absolute), restarted vs uninterrupted",
     "hang_detected_in_s": "hung rank: job ended after (s), timeout 5 s",
 }
 
