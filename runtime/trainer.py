@@ -128,6 +128,7 @@ class TitanscaleTrainer(StopOnRequest, Trainer):
         try:
             super().train_step(data_iterator)
         except Exception as e:
+            wd.disarm()  # e.g. DataloaderExhaustedError, which torchtitan's loop handles
             if self.parallel_dims.world_size > 1 and looks_like_timeout(e):
                 msg = wd.collective_failed(self.step, e)
                 from torchtitan.tools.logging import logger

@@ -120,6 +120,10 @@ class StepWatchdog:
         self._step = None
         self._completed += 1
 
+    def disarm(self) -> None:
+        """The step ended abnormally (an exception is on its way): stop watching it."""
+        self._step = None
+
     def collective_failed(self, step: int, exc: BaseException) -> str:
         """Main thread, on a collective timeout: publish "I was waiting", return the diagnosis."""
         self._step = None  # disarm: this thread is busy explaining, not hung
