@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from launch.topology import leaf_of, natural_key, topology_order
-from parallel.axes import MESH_ORDER, Layout, resolve_layout
-from recipe.errors import ConfigError
+from parallel.axes import MESH_ORDER, Layout
+from recipe.loader import recipe_degrees
 
 # Which collective each axis carries in training.
 AXIS_COLLECTIVES: dict[str, tuple[str, ...]] = {
@@ -48,26 +48,7 @@ def recipe_layout(recipe: Any, world_size: int) -> Layout:
     of a pre-flight that only needs the degrees. tools.launch runs the full check before
     submitting and train.py runs it again; a layout that fails here fails there too.
     """
-    par = recipe.parallel
-    if par.world_size and par.world_size != world_size:
-        raise ConfigError(
-            f"the recipe declares {par.world_size} processes but the launch has {world_size}",
-            file=recipe.source,
-            key="parallel.world_size",
-        )
-    if par.auto:
-        return Layout(dp_shard=world_size)
-    layout = resolve_layout(
-        world_size=world_size,
-        dp_replicate=par.dp_replicate,
-        dp_shard=par.dp_shard,
-        cp=par.cp,
-        tp=par.tp,
-        pp=par.pp,
-    )
-    if isinstance(layout, str):
-        raise ConfigError(layout, file=recipe.source, key="parallel.dp_shard")
-    return layout
+    return recipe_degrees(recipe, world_size)
 
 
 def bus_factor(op: str, n: int) -> float:

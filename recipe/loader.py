@@ -39,15 +39,13 @@ def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return recipe
 
 
-def check_recipe(recipe: Recipe, world_size: int | None = None) -> Layout:
-    """Cross-section checks. Returns the resolved layout for `world_size`.
-
-    `world_size` defaults to the recipe's declared `parallel.world_size`, else the product of
-    the fixed degrees (dp_shard -1 counts as 1). Raises ConfigError naming the key.
-    """
+def recipe_degrees(recipe: Recipe, world_size: int | None = None) -> Layout:
+    """The recipe's degrees resolved for `world_size`, without the model checks (cheap: no
+    torchtitan import). `world_size` defaults to the declared `parallel.world_size`, else the
+    product of the fixed degrees (dp_shard -1 counts as 1). With `auto`, the planner chooses
+    later: dp_shard takes the whole world here."""
     f = recipe.source
     par = recipe.parallel
-    tr = recipe.training
     if par.world_size and world_size is not None and world_size != par.world_size:
         raise ConfigError(
             f"the recipe declares {par.world_size} processes but the launch has {world_size} "
@@ -60,20 +58,34 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> Layout:
             par.dp_replicate * max(par.dp_shard, 1) * par.cp * par.tp * par.pp
         )
     if par.auto:
-        # The planner chooses the degrees; only checks that don't depend on them apply.
-        layout = Layout(dp_shard=world_size)
-    else:
-        resolved = resolve_layout(
-            world_size=world_size,
-            dp_replicate=par.dp_replicate,
-            dp_shard=par.dp_shard,
-            cp=par.cp,
-            tp=par.tp,
-            pp=par.pp,
+        return Layout(dp_shard=world_size)
+    resolved = resolve_layout(
+        world_size=world_size,
+        dp_replicate=par.dp_replicate,
+        dp_shard=par.dp_shard,
+        cp=par.cp,
+        tp=par.tp,
+        pp=par.pp,
+    )
+    if isinstance(resolved, str):
+        raise ConfigError(resolved, file=f, key="parallel.dp_shard")
+    return resolved
+
+
+def check_recipe(recipe: Recipe, world_size: int | None = None) -> Layout:
+    """Cross-section checks. Returns the resolved layout for `world_size` (see
+    `recipe_degrees`). Raises ConfigError naming the key."""
+    f = recipe.source
+    tr = recipe.training
+    n_layers = model_shape(recipe.model.flavor).n_layers
+    if recipe.model.layers > n_layers:
+        raise ConfigError(
+            f"{recipe.model.flavor} has {n_layers} layers; cannot keep {recipe.model.layers}",
+            file=f,
+            key="model.layers",
         )
-        if isinstance(resolved, str):
-            raise ConfigError(resolved, file=f, key="parallel.dp_shard")
-        layout = resolved
+    layout = recipe_degrees(recipe, world_size)
+    if not recipe.parallel.auto:
         check_layout(recipe, layout)
     gbs = tr.global_batch_size
     if gbs != -1 and gbs % (tr.local_batch_size * layout.dp):
@@ -82,13 +94,6 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> Layout:
             f"{tr.local_batch_size} x {layout.dp}",
             file=f,
             key="training.global_batch_size",
-        )
-    n_layers = model_shape(recipe.model.flavor).n_layers
-    if recipe.model.layers > n_layers:
-        raise ConfigError(
-            f"{recipe.model.flavor} has {n_layers} layers; cannot keep {recipe.model.layers}",
-            file=f,
-            key="model.layers",
         )
     if recipe.model.vocab_size and recipe.model.vocab_size < 260:
         raise ConfigError(
