@@ -41,6 +41,8 @@ class Job:
     tokenizer_path: str
     config: Trainer.Config
     world_size: int
+    cluster: Cluster | None = None  # sized to this launch; its fabric feeds the startup check
+    plan: str | None = None  # the planner's choice, when parallel.auto
 
 
 def _launch_env() -> int:
@@ -184,9 +186,8 @@ def cluster_for_job(recipe: Recipe, world_size: int, platform: Platform) -> Clus
     return load_cluster(name, nodes=world_size // cluster.gpus_per_node)
 
 
-def apply_auto_plan(recipe: Recipe, world_size: int, platform: Platform) -> Recipe:
-    """`[parallel] auto = true`: the planner's best plan for this launch, logged."""
-    cluster = cluster_for_job(recipe, world_size, platform)
+def apply_auto_plan(recipe: Recipe, cluster: Cluster | None) -> tuple[Recipe, str]:
+    """`[parallel] auto = true`: the planner's best plan for this launch, and its summary."""
     if cluster is None:
         raise ConfigError(
             "auto planning needs a cluster profile on GPUs (e.g. hgx_h100_ib)",
@@ -196,7 +197,12 @@ def apply_auto_plan(recipe: Recipe, world_size: int, platform: Platform) -> Reci
     plan = best_plan(recipe, cluster, nodes=cluster.nodes)
     planned = apply_plan(recipe, plan)
     planned.source = recipe.source
-    return planned
+    pred = plan.prediction
+    return planned, (
+        f"planner ({cluster.name}, {cluster.world_size} GPUs): {plan.describe()}, "
+        f"local batch {plan.local_batch_size}; predicted {pred.tokens_per_sec_per_gpu:,.0f} "
+        "tokens/s/GPU"
+    )
 
 
 def prepare(recipe_path: str | None, overrides: list[str]) -> Job:
@@ -204,8 +210,10 @@ def prepare(recipe_path: str | None, overrides: list[str]) -> Job:
     recipe = load_recipe(recipe_path, overrides)
     world_size = _launch_env()
     platform = Platform.detect()
+    cluster = cluster_for_job(recipe, world_size, platform)
+    plan = None
     if recipe.parallel.auto:
-        recipe = apply_auto_plan(recipe, world_size, platform)
+        recipe, plan = apply_auto_plan(recipe, cluster)
     layout = check_recipe(recipe, world_size)
     kernels = choose_kernels(recipe, platform, layout)
     check_environment(recipe)
@@ -221,7 +229,7 @@ def prepare(recipe_path: str | None, overrides: list[str]) -> Job:
     config = build_trainer_config(
         recipe, layout, platform=platform, kernels=kernels, tokenizer_path=tokenizer_path
     )
-    return Job(recipe, layout, platform, kernels, tokenizer_path, config, world_size)
+    return Job(recipe, layout, platform, kernels, tokenizer_path, config, world_size, cluster, plan)
 
 
 def run(job: Job) -> dict[str, Any] | None:
@@ -232,6 +240,8 @@ def run(job: Job) -> dict[str, Any] | None:
     from runtime.trainer import TitanscaleTrainer
 
     job.platform.apply()
+    if job.plan:
+        logger.info(job.plan)
     for line in job.kernels.log_lines():
         logger.info(line)
     logger.info(
@@ -240,8 +250,8 @@ def run(job: Job) -> dict[str, Any] | None:
         f" | attention {job.kernels.attention} | linear {job.kernels.linear}"
         f"{' (emulated)' if job.kernels.emulated else ''} ({job.kernels.precision})"
     )
-    cluster = cluster_for_job(job.recipe, job.world_size, job.platform)
-    trainer = TitanscaleTrainer(job.config, fabric=cluster.fabric() if cluster else None)
+    fabric = job.cluster.fabric() if job.cluster else None
+    trainer = TitanscaleTrainer(job.config, fabric=fabric)
     try:
         trainer.train()
     finally:
