@@ -11,20 +11,14 @@ from __future__ import annotations
 
 import argparse
 
+from recipe.cli import add_override_arg
 from recipe.errors import exit_on_config_error
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--recipe", default=None, help="recipe TOML (default: recipes/debug.toml)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a recipe key (repeatable), typed by the recipe schema",
-    )
+    add_override_arg(p)
     return p.parse_args(argv)
 
 

@@ -16,9 +16,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main() -> None:
+    from recipe.cli import add_override_arg
+
     p = argparse.ArgumentParser()
     p.add_argument("--recipe", default=None)
-    p.add_argument("--set", dest="overrides", action="append", default=[])
+    add_override_arg(p)
     args = p.parse_args()
     import torch
     from torchtitan.components.metrics import MetricsProcessor

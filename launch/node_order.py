@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from launch.topology import topology_order
+from recipe.cli import add_override_arg
 from recipe.errors import ConfigError, exit_on_config_error
 
 
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scontrol-topology", default="", help="saved `scontrol show topology`")
     ap.add_argument("--cluster", default=None, help="cluster profile")
     ap.add_argument("--recipe", default=None, help="recipe (the layout to place)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    add_override_arg(ap)
     args = ap.parse_args(argv)
     gathered = Path(args.gathered).read_text()
     topo = ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from recipe.cli import add_override_arg
 from recipe.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -15,14 +16,7 @@ def add_recipe_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", required=True, help="cluster profile TOML (or a name in clusters/)")
     p.add_argument("--nodes", type=int, default=None, help="nodes in the job (default: the "
                    "recipe's world size / GPUs per node, else the profile's node count)")  # fmt: skip
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a recipe key (repeatable), the same keys as train.py",
-    )
+    add_override_arg(p, "override a recipe key (repeatable), the same keys as train.py")
 
 
 def resolve_recipe_path(name: str) -> str:

@@ -24,6 +24,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from recipe.cli import add_override_arg
 from recipe.errors import ConfigError, exit_on_config_error
 from recipe.loader import load_recipe
 from runtime.metrics import summarize
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nproc", type=int, default=1, help="processes (torchrun when > 1)")
     p.add_argument("--out", default=None, help="output folder (default outputs/bench-<name>)")
     p.add_argument("--cluster", default=None, help="cluster profile: add the prediction")
-    p.add_argument("--set", dest="overrides", action="append", default=[])
+    add_override_arg(p)
     a = p.parse_args(argv)
     if a.warmup >= a.steps:
         raise ConfigError(f"--warmup {a.warmup} must be below --steps {a.steps}", key="--warmup")

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from recipe.cli import add_override_arg
 from recipe.errors import ConfigError, exit_on_config_error
 
 
@@ -36,14 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--time", default="", help="time limit (Slurm format, e.g. 04:00:00)")
     p.add_argument("--account", default="", help="Slurm account")
     p.add_argument("--job-name", default="", help="job name (default: the recipe's job.name)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a recipe key (repeatable); passed on to train.py",
-    )
+    add_override_arg(p, "override a recipe key (repeatable); passed on to train.py")
     p.add_argument("--out", default=None, help="run folder (default: the recipe's job.output_dir)")
     p.add_argument("--dry-run", action="store_true", help="print the script; submit nothing")
     p.add_argument("--no-preflight", action="store_true", help="skip the pre-flight step")

@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 
+from recipe.cli import add_override_arg
 from recipe.errors import exit_on_config_error
 
 FLAG_KEYS = {
@@ -35,7 +36,7 @@ FLAG_KEYS = {
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--recipe", default=None, help="recipe TOML (default: recipes/debug.toml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
+    add_override_arg(p)
     p.add_argument("--data", help="'stdlib' or a .jsonl/.json/.parquet/.txt file or folder")
     p.add_argument("--tokenizer", help="tokenizer folder, or 'embedded'")
     p.add_argument("--seq-len", dest="seq_len")

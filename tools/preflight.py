@@ -18,6 +18,7 @@ import argparse
 import os
 import sys
 
+from recipe.cli import add_override_arg
 from recipe.errors import exit_on_config_error
 
 
@@ -28,14 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--recipe", default=None, help="recipe TOML (default: recipes/debug.toml)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a recipe key (repeatable)",
-    )
+    add_override_arg(p)
     p.add_argument("--cluster", default=None, help="cluster profile (path or name in clusters/)")
     p.add_argument("--out", default=None, help="folder for placement.json and preflight.json")
     p.add_argument(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from recipe.cli import add_override_arg
 from recipe.errors import exit_on_config_error
 
 
@@ -17,7 +18,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--recipe", default=None)
     p.add_argument("--out", required=True, help="folder to write (step-0 is created inside)")
-    p.add_argument("--set", dest="overrides", action="append", default=[])
+    add_override_arg(p)
     args = p.parse_args(argv)
     from torchtitan.tools.logging import init_logger
 
