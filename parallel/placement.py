@@ -56,11 +56,18 @@ def planned_rank_order(layout: Layout, fabric: Fabric) -> list[int]:
             f"{fabric.world_size} ({len(fabric.hosts)} hosts x {fabric.gpus_per_node})"
         )
     g = fabric.gpus_per_node
+    # NVLink domains stay contiguous even when one spans several leaves (tp and cp groups
+    # must not leave a domain): domains in order of their first switch path, then hosts.
+    domain_path: dict[str, tuple[str, ...]] = {}
+    for h in fabric.hosts:
+        cur = domain_path.get(h.nvlink_domain)
+        domain_path[h.nvlink_domain] = h.switch_path if cur is None else min(cur, h.switch_path)
     order_hosts = sorted(
         range(len(fabric.hosts)),
         key=lambda i: (
-            fabric.hosts[i].switch_path,
+            domain_path[fabric.hosts[i].nvlink_domain],
             fabric.hosts[i].nvlink_domain,
+            fabric.hosts[i].switch_path,
             _natural(fabric.hosts[i].name),
         ),
     )
@@ -204,6 +211,18 @@ def _edge_bytes(c: Collective, n: int) -> float:
     return c.nbytes * (n - 1) / n * c.count
 
 
+def _edge_traffic(c: Collective, sp: GroupSpan) -> tuple[float, int, int]:
+    """(bytes per edge, edges leaving a node, edges leaving a leaf) of one group's collective."""
+    if c.kind == "p2p":
+        # Stage boundaries, not a ring: a chain over n ranks (n - 1 edges).
+        return (
+            c.nbytes * c.count / 2,
+            max(0, sp.ring_node_hops - 1),
+            max(0, sp.ring_leaf_hops - 1),
+        )
+    return _edge_bytes(c, sp.size), sp.ring_node_hops, sp.ring_leaf_hops
+
+
 def cross_switch_traffic(
     collectives: list[Collective],
     layout: Layout,
@@ -223,14 +242,7 @@ def cross_switch_traffic(
             n = sp.size
             if n <= 1:
                 continue
-            if c.kind == "p2p":
-                # Stage boundaries, not a ring: a chain over n ranks (n - 1 edges).
-                per_edge = c.nbytes * c.count / 2
-                node_edges = max(0, sp.ring_node_hops - 1)
-                leaf_edges = max(0, sp.ring_leaf_hops - 1)
-            else:
-                per_edge = _edge_bytes(c, n)
-                node_edges, leaf_edges = sp.ring_node_hops, sp.ring_leaf_hops
+            per_edge, node_edges, leaf_edges = _edge_traffic(c, sp)
             leaf[c.axis] = leaf.get(c.axis, 0.0) + per_edge * node_edges
             spine[c.axis] = spine.get(c.axis, 0.0) + per_edge * leaf_edges
     return Traffic(leaf, spine)
@@ -250,13 +262,7 @@ def planned_traffic(
         if n <= 1:
             continue
         n_groups = world // n
-        if c.kind == "p2p":
-            per_edge = c.nbytes * c.count / 2
-            node_edges = max(0, sp.ring_node_hops - 1)
-            leaf_edges = max(0, sp.ring_leaf_hops - 1)
-        else:
-            per_edge = _edge_bytes(c, n)
-            node_edges, leaf_edges = sp.ring_node_hops, sp.ring_leaf_hops
+        per_edge, node_edges, leaf_edges = _edge_traffic(c, sp)
         leaf[c.axis] = leaf.get(c.axis, 0.0) + per_edge * node_edges * n_groups
         spine[c.axis] = spine.get(c.axis, 0.0) + per_edge * leaf_edges * n_groups
     return Traffic(leaf, spine)
