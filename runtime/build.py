@@ -30,7 +30,7 @@ from recipe.models import pp_layer_weights, stages_per_rank
 from recipe.schema import Recipe
 from runtime.checkpoint import AtomicCheckpointManager
 from runtime.metrics import TitanscaleMetrics
-from runtime.platform import Platform
+from runtime.platform import Platform, spmd_backend
 
 
 def choose_kernels(
@@ -113,6 +113,9 @@ def build_trainer_config(
             pipeline_parallel_microbatch_size=microbatch_size,
             pipeline_parallel_first_stage_less_layers=first_less,
             pipeline_parallel_last_stage_less_layers=last_less,
+            # "spmd_types" (torchtitan's default) on torch >= 2.14, else "partial_dtensor"
+            # (runtime.platform, bridge 8).
+            spmd_backend=spmd_backend(),  # type: ignore[arg-type]
         ),
         dataloader=TitanscaleDataLoader.Config(
             source=recipe.data.source,

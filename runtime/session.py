@@ -25,7 +25,7 @@ from recipe.loader import check_recipe, load_recipe
 from recipe.models import model_shape
 from recipe.schema import Recipe
 from runtime.build import KernelChoice, build_trainer_config, choose_kernels
-from runtime.platform import Platform
+from runtime.platform import BRIDGED, Platform, check_pipeline_step
 
 # Below this much free space in the output folder a checkpoint write is likely to fail
 # half-way; refuse to start instead.
@@ -215,6 +215,7 @@ def prepare(recipe_path: str | None, overrides: list[str]) -> Job:
     if recipe.parallel.auto:
         recipe, plan = apply_auto_plan(recipe, cluster)
     layout = check_recipe(recipe, world_size)
+    check_pipeline_step(layout.pp)
     kernels = choose_kernels(recipe, platform, layout)
     check_environment(recipe)
     check_data_source(recipe)
@@ -240,6 +241,11 @@ def run(job: Job) -> dict[str, Any] | None:
     from runtime.trainer import TitanscaleTrainer
 
     job.platform.apply()
+    if BRIDGED:
+        logger.info(
+            f"torch {torch.__version__}: bridged {', '.join(BRIDGED)} (runtime.platform); "
+            f"spmd backend {job.config.parallelism.spmd_backend}"
+        )
     if job.plan:
         logger.info(job.plan)
     for line in job.kernels.log_lines():
