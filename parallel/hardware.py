@@ -50,6 +50,28 @@ GPUS: dict[str, GpuSpec] = {
     "GB200": GpuSpec(
         "GB200", {"bf16": 2500, "fp8": 4900, "tf32": 1250}, 184.0, 8.0, 7200, 1200, mxfp8=True
     ),
+    # H200 NVL (PCIe card, 2-/4-way NVLink bridge 900 GB/s bidirectional, up to 600 W): NVIDIA
+    # H200 datasheet, "H200 NVL" column: BF16 1,671 / FP8 3,341 / TF32 835 TFLOPS with
+    # sparsity -> halved. Same 141 GB HBM3e at 4.8 TB/s as the SXM part.
+    "H200_NVL": GpuSpec(
+        "H200_NVL", {"bf16": 835.5, "fp8": 1670.5, "tf32": 417.5}, 139.8, 4.8, 3600, 600
+    ),
+    # H800 SXM5: NVIDIA H800 datasheet, the same tensor-core figures as H100 SXM (BF16 1,979 /
+    # FP8 3,958 TFLOPS with sparsity), 80 GB HBM3 3.35 TB/s, NVLink cut to 400 GB/s
+    # bidirectional (200 GB/s = 1,600 Gb/s per direction), 700 W.
+    "H800": GpuSpec("H800", {"bf16": 989, "fp8": 1979, "tf32": 494.5}, 79.2, 3.35, 1600, 700),
+    # Blackwell Ultra. HGX B300: NVIDIA HGX B300 datasheet, 8 GPUs "FP8 72 PFLOPS, BF16 36
+    # PFLOPS" with sparsity -> 4.5 / 2.25 PFLOP/s dense per GPU (TF32 1.1); GB300 NVL72: NVIDIA
+    # GB300 NVL72 page, 360 PFLOPS FP8 dense per 72 GPUs -> 5 PFLOP/s FP8, 2.5 BF16, 1.25
+    # TF32 per GPU. Per-GPU dense tables: verda.com/blog/gb300-nvl72-architecture and
+    # glennklockwood.com/garden/processors/B300 (agree). Memory "270 GB" / "279 GB" HBM3e
+    # (251.5 / 259.8 GiB as torch would report; unverified on hardware), 8 TB/s, NVLink 5.
+    "B300": GpuSpec(
+        "B300", {"bf16": 2250, "fp8": 4500, "tf32": 1100}, 251.5, 8.0, 7200, 1100, mxfp8=True
+    ),
+    "GB300": GpuSpec(
+        "GB300", {"bf16": 2500, "fp8": 5000, "tf32": 1250}, 259.8, 8.0, 7200, 1400, mxfp8=True
+    ),
     "A100": GpuSpec("A100", {"bf16": 312, "tf32": 156}, 79.2, 2.0, 2400, 400),
     "cpu": GpuSpec("cpu", {}, 0.0, 0.05, 0, 0),
 }
@@ -67,12 +89,19 @@ def gpu_kind(name: str) -> str | None:
     n = name.upper()
     if n in ("CPU", "") or n.startswith("CPU"):
         return "cpu"
+    if "GB300" in n:
+        return "GB300"
+    if "B300" in n:
+        return "B300"
     if "GB200" in n:
         return "GB200"
     if "B200" in n:
         return "B200"
     if "H200" in n:
-        return "H200"
+        return "H200_NVL" if "NVL" in n else "H200"
+    if "H800" in n:
+        # H800 PCIe has H100 PCIe's tensor-core figures (756 BF16 dense, NVIDIA datasheet).
+        return "H100_PCIE" if "PCIE" in n else "H800"
     if "H100" in n:
         if "PCIE" in n:
             return "H100_PCIE"
@@ -124,3 +153,20 @@ def mfu_pct(flops_per_sec: float, gpu_name_or_kind: str, precision: str = "bf16"
     """Model FLOP/s as a percentage of the peak; None where there is no peak (CPU)."""
     peak = peak_flops(gpu_name_or_kind, precision)
     return None if not peak else 100.0 * flops_per_sec / peak
+
+
+def mfu_pair(
+    flops_per_sec: float, gpu_name_or_kind: str, precision: str
+) -> tuple[float | None, float | None]:
+    """(mfu_pct, mfu_at_precision_peak_pct) of a run whose linears run at `precision`.
+
+    `mfu_pct` is always against the dense BF16 peak, as torchtitan and Megatron quote it: an
+    FP8 run exactly as fast as BF16 shows the same MFU, and a faster one shows more.
+    `mfu_at_precision_peak_pct` divides by the peak of the linears' precision (FP8's is twice
+    BF16's on H100/H200/B200), i.e. how close the run is to what its own tensor cores allow;
+    for a BF16 run the two are equal.
+    """
+    return (
+        mfu_pct(flops_per_sec, gpu_name_or_kind, "bf16"),
+        mfu_pct(flops_per_sec, gpu_name_or_kind, precision),
+    )

@@ -18,6 +18,7 @@ REQUIRED = (
     "tokens_per_sec_per_node",
     "tflops_per_gpu",
     "mfu_pct",
+    "mfu_at_precision_peak_pct",
     "memory_gib",
 )
 
@@ -78,6 +79,7 @@ def test_single_process_run_writes_report(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps_in_summary"] == 3
     assert summary["median_tokens_per_sec_per_gpu"] > 0
+    assert summary["median_mfu_pct"] is None and summary["median_mfu_at_precision_peak_pct"] is None
     assert summary["data"]["rows_consumed"] >= 4 * 2  # 4 steps x local batch 2
     assert any((tmp_path / "tb").rglob("events.out.tfevents*"))
     out = proc.stdout + proc.stderr
