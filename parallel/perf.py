@@ -55,6 +55,15 @@ ALPHA_NVLINK = 5e-6
 ALPHA_NET = 15e-6
 # Fraction of TP collective time async TP (micro-pipelined matmul + collective) hides.
 ASYNC_TP_HIDDEN = 0.7
+# CUDA graphs (training.cuda_graphs): eager PyTorch launches every kernel from the host, at
+# about KERNEL_LAUNCH_S each (dispatcher + driver; NVIDIA's "Getting Started with CUDA Graphs"
+# measures ~2-3 us per back-to-back launch in plain CUDA, and PyTorch's "Accelerating PyTorch
+# with CUDA Graphs" (2021) ~several us of CPU overhead per op on top). A block's kernels,
+# forward + backward: ~120 eager, ~40 once inductor fuses the pointwise ops. The host only
+# shows when it is slower than the GPU work it launches (small blocks, narrow TP shards); a
+# captured graph replays the whole step from one launch, so that exposed time goes to 0.
+KERNEL_LAUNCH_S = 5e-6
+KERNELS_PER_BLOCK = {"eager": 120, "compiled": 40}
 # Compute that runs while an overlapped collective is active slows by this fraction: NCCL
 # kernels occupy SMs (one per channel, up to 32 of H100's 132) and HBM bandwidth.
 COMM_SM_SLOWDOWN = 0.1
@@ -525,6 +534,10 @@ def predict(
     local_params = s.total_params / (t * p * fsdp)
     t_opt = local_params * OPTIMIZER_BYTES_PER_PARAM / links.hbm
     n = slots * layers_rank
+    host_exposed = 0.0
+    if not (links.is_cpu or w.cuda_graphs):
+        launch = KERNELS_PER_BLOCK["compiled" if w.compile else "eager"] * KERNEL_LAUNCH_S
+        host_exposed = max(0.0, launch - L.total)
     breakdown = {
         "matmul_s": n * (L.fwd_mm + L.bwd_mm + L.recompute_mm),
         "attention_s": n * L.attention,
@@ -537,6 +550,7 @@ def predict(
         "pp_p2p_s": t_p2p,
         "pp_bubble_s": t_bubble,
         "optimizer_s": t_opt,
+        "host_launch_s": n * host_exposed,
     }
     step = sum(breakdown.values())
 

@@ -31,7 +31,7 @@ from parallel.perf import Prediction, predict
 from parallel.placement import planned_traffic
 from parallel.workload import Workload, linear_for, planned_spans
 from recipe.errors import ConfigError
-from recipe.loader import check_layout
+from recipe.loader import check_layout, uses_cuda_graphs
 from recipe.models import PP_SCHEDULES, model_shape
 from recipe.schema import Recipe
 
@@ -165,6 +165,8 @@ def search(recipe: Recipe, cluster: Cluster, nodes: int | None = None) -> Search
         linear=linear,
         compile=tr.compile,
         dtype=tr.dtype,
+        # Only tp > 1 layouts have TP collectives to overlap (perf.layer_costs).
+        async_tp=recipe.parallel.async_tp,
     )
     # Memory depends on dp only through dp_shard (the FSDP shard count); validity not on
     # dp at all. Both are cached across the dp_replicate x dp_shard factorisations.
@@ -261,6 +263,7 @@ def search(recipe: Recipe, cluster: Cluster, nodes: int | None = None) -> Search
                             local, accum, mem = fit
                             w = dataclasses.replace(
                                 base,
+                                cuda_graphs=uses_cuda_graphs(recipe, pp, recipe.kernels.attention),
                                 layout=layout,
                                 local_batch_size=local,
                                 grad_accum=accum,
@@ -347,6 +350,8 @@ def apply_plan(recipe: Recipe, plan: Plan) -> Recipe:
         cp=lay.cp,
         pp_schedule=cast(Any, plan.pp_schedule or r.parallel.pp_schedule),
         pp_microbatches=plan.microbatches if lay.pp > 1 else 0,
+        # async TP applies to the plans with tp > 1 only (it has nothing to overlap at tp 1).
+        async_tp=recipe.parallel.async_tp and lay.tp > 1,
         auto=False,
     )
     r.training = dataclasses.replace(

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from parallel.axes import MESH_ORDER, Layout
 from parallel.cluster import Cluster
+from recipe.loader import uses_cuda_graphs
 from recipe.models import ModelShape, model_shape, stages_per_rank
 
 # Linear backends the models know. fp8_tensorwise is not a recipe choice (removed from
@@ -37,6 +38,7 @@ class Workload:
     compile: bool = False
     dtype: str = "bfloat16"
     async_tp: bool = False
+    cuda_graphs: bool = False  # forward+backward replayed from a CUDA graph (pp = 1 only)
     fp8_all_gather: bool = False  # FSDP all-gather in FP8 (tensorwise scaling only)
     cp_rotate: str = "allgather"  # torch CP: allgather (exposed) | alltoall (ring, overlapped)
     doc_len: int = 0  # mean document length under document masking; 0 = causal over seq
@@ -108,6 +110,8 @@ def workload_from_recipe(recipe, layout: Layout, cluster: Cluster | None = None)
         linear=linear_for(recipe.kernels.linear, gpu),
         compile=tr.compile,
         dtype=tr.dtype,
+        async_tp=par.async_tp and layout.tp > 1,
+        cuda_graphs=uses_cuda_graphs(recipe, layout.pp, recipe.kernels.attention),
     )
 
 

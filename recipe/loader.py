@@ -95,6 +95,8 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> Layout:
             file=f,
             key="training.global_batch_size",
         )
+    if not recipe.parallel.auto:
+        check_graph_options(recipe, layout)
     if recipe.model.vocab_size and recipe.model.vocab_size < 260:
         raise ConfigError(
             "a byte-level tokenizer needs at least 260 entries (256 bytes + specials)",
@@ -102,6 +104,42 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> Layout:
             key="model.vocab_size",
         )
     return layout
+
+
+def check_graph_options(recipe: Recipe, layout: Layout) -> None:
+    """`parallel.async_tp` and `training.cuda_graphs` against the concrete degrees (the same
+    conditions torchtitan asserts later, as one line naming the key)."""
+    f = recipe.source
+    if recipe.parallel.async_tp:
+        if not recipe.training.compile:
+            raise ConfigError(
+                "async TP needs training.compile = true (torchtitan enables it through "
+                "inductor's micro-pipeline TP pass)",
+                file=f,
+                key="parallel.async_tp",
+            )
+        if layout.tp < 2:
+            raise ConfigError(
+                f"async TP needs tensor parallelism (tp > 1); this layout has tp = {layout.tp}",
+                file=f,
+                key="parallel.async_tp",
+            )
+    if recipe.training.cuda_graphs == "on" and layout.pp > 1:
+        raise ConfigError(
+            f"CUDA graphs cannot capture pipeline parallelism (pp = {layout.pp}) in torchtitan "
+            '0.3.0; use cuda_graphs = "auto" or "off"',
+            file=f,
+            key="training.cuda_graphs",
+        )
+
+
+def uses_cuda_graphs(recipe: Recipe, pp: int, attention: str = "flex") -> bool:
+    """Whether `training.cuda_graphs` turns capture on for this layout and attention backend
+    (torchtitan captures only on CUDA; on CPU it warns and runs eager)."""
+    mode = recipe.training.cuda_graphs
+    if mode == "off" or pp > 1:
+        return False
+    return mode == "on" or attention != "varlen"
 
 
 def effective_shape(recipe: Recipe) -> ModelShape:

@@ -115,6 +115,15 @@ class TrainingSection:
         default="none", metadata=doc("Activation checkpointing mode.")
     )
     compile: bool = field(default=False, metadata=doc("torch.compile the model and loss."))
+    cuda_graphs: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata=doc(
+            "Capture forward+backward in a CUDA graph (torchtitan's training.disable_cuda_graphs "
+            "inverted). auto = on where torchtitan allows it: CUDA, pp = 1 and not varlen "
+            "attention (whose host-side lengths break capture); on with pp > 1 is an error. "
+            "Saves host launch overhead; no effect on CPU."
+        ),
+    )
     seed: int = field(default=42, metadata=doc("Random seed (same on every rank)."))
 
     def __post_init__(self) -> None:
@@ -157,6 +166,15 @@ class ParallelSection:
         metadata=doc(
             "Microbatches per local batch under PP; 0 = one sequence per microbatch. Must "
             "divide training.local_batch_size."
+        ),
+    )
+    async_tp: bool = field(
+        default=False,
+        metadata=doc(
+            "torchtitan's async tensor parallelism (compile.enable_async_tensor_parallel): "
+            "micro-pipelines TP all-gathers / reduce-scatters with the matmuls through "
+            "symmetric memory. Needs training.compile = true, tp > 1 and CUDA. Under auto it "
+            "applies to the plans with tp > 1."
         ),
     )
     auto: bool = field(

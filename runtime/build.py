@@ -26,6 +26,7 @@ from data.loader import TitanscaleDataLoader
 from kernels.caps import DeviceCaps, detect_features
 from kernels.registry import KernelChoice, apply_kernels, check_kernels
 from parallel.axes import Layout
+from recipe.loader import uses_cuda_graphs
 from recipe.models import pp_layer_weights, stages_per_rank
 from recipe.schema import Recipe
 from runtime.checkpoint import AtomicCheckpointManager
@@ -100,8 +101,9 @@ def build_trainer_config(
             max_norm=tr.max_norm,
             steps=tr.steps,
             mixed_precision_param=tr.dtype,
-            # CUDA graphs need static shapes and no PP; the eager path is the measured one.
-            disable_cuda_graphs=True,
+            # training.cuda_graphs: on where torchtitan allows capture (pp = 1, not varlen);
+            # torchtitan itself falls back to eager with a warning off CUDA.
+            disable_cuda_graphs=not uses_cuda_graphs(recipe, layout.pp, kernels.attention),
         ),
         parallelism=ParallelismConfig(
             data_parallel_replicate_degree=layout.dp_replicate,
@@ -151,7 +153,11 @@ def build_trainer_config(
             checksums=recipe.checkpoint.checksums,
         ),
         activation_checkpoint=ac,
-        compile=CompileConfig(enable=tr.compile),
+        compile=CompileConfig(
+            enable=tr.compile,
+            # parallel.async_tp: checked at load (compile, tp > 1) and in session (CUDA).
+            enable_async_tensor_parallel=par.async_tp and layout.tp > 1,
+        ),
         comm=CommConfig(
             init_timeout_seconds=recipe.job.init_timeout_s,
             train_timeout_seconds=recipe.job.collective_timeout_s,

@@ -216,6 +216,12 @@ def prepare(recipe_path: str | None, overrides: list[str]) -> Job:
         recipe, plan = apply_auto_plan(recipe, cluster)
     layout = check_recipe(recipe, world_size)
     check_pipeline_step(layout.pp)
+    if recipe.parallel.async_tp and platform.is_cpu and layout.tp > 1:
+        raise ConfigError(
+            "async TP needs CUDA (symmetric-memory collectives); this machine has no GPU",
+            file=recipe.source,
+            key="parallel.async_tp",
+        )
     kernels = choose_kernels(recipe, platform, layout)
     check_environment(recipe)
     check_data_source(recipe)
