@@ -26,10 +26,12 @@ KNOWN_GPUS: dict[str, tuple[str, tuple[int, int]]] = {
 
 # Optional kernel packages, by the feature name backends declare. torch's varlen attention
 # dispatches to FlashAttention 3 on SM90 and FlashAttention 4 on SM100 (torchtitan activates
-# them in VarlenAttention.__init__); both ship outside torch.
+# them in VarlenAttention.__init__); both ship outside torch. The module names are the ones
+# torch imports: torch/nn/attention/_fa3.py "flash_attn_interface", _fa4.py
+# "flash_attn.cute.interface" (a flash_attn without its cute interface cannot serve FA4).
 FEATURE_MODULES: dict[str, str] = {
     "fa3": "flash_attn_interface",
-    "fa4": "flash_attn.cute",
+    "fa4": "flash_attn.cute.interface",
     "torchao": "torchao",
 }
 

@@ -128,7 +128,7 @@ def _varlen_problem(caps: DeviceCaps) -> str:
     if caps.at_least(10, 0) and "fa4" not in caps.features:
         return (
             "FlashAttention 4 on SM100+ (torchtitan activates it; package "
-            "'flash_attn.cute' is not installed)"
+            "'flash_attn.cute.interface' is not installed)"
         )
     if caps.at_least(9, 0) and not caps.at_least(10, 0) and "fa3" not in caps.features:
         return (

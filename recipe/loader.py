@@ -142,6 +142,19 @@ def uses_cuda_graphs(recipe: Recipe, pp: int, attention: str = "flex") -> bool:
     return mode == "on" or attention != "varlen"
 
 
+# First-step deadline when job.init_timeout_s = 0 (see docs/reliability.md, section 4).
+INIT_TIMEOUT_EAGER_S = 300
+INIT_TIMEOUT_COMPILED_S = 1800
+
+
+def first_step_timeout_s(recipe: Recipe) -> int:
+    """Seconds allowed for process-group setup and the first step (watchdog and torchtitan's
+    comm.init_timeout_seconds): the recipe's value, or the automatic one for its compile."""
+    if recipe.job.init_timeout_s:
+        return recipe.job.init_timeout_s
+    return INIT_TIMEOUT_COMPILED_S if recipe.training.compile else INIT_TIMEOUT_EAGER_S
+
+
 def effective_shape(recipe: Recipe) -> ModelShape:
     """The flavor's shape with the recipe's `model.layers` / `model.vocab_size` applied."""
     shape = model_shape(recipe.model.flavor)

@@ -41,16 +41,18 @@ class JobSection:
         ),
     )
     init_timeout_s: int = field(
-        default=300,
+        default=0,
         metadata=doc(
             "The same limit for process-group setup and the first step of each (re)start "
-            "(compilation, first collectives, checkpoint load)."
+            "(compilation, first collectives, checkpoint load). 0 = automatic: 300 s, or "
+            "1800 s with training.compile (inductor + flex-attention autotuning + CUDA graph "
+            "capture on a cold cache take minutes per graph; docs/reliability.md)."
         ),
     )
 
     def __post_init__(self) -> None:
         _positive("collective_timeout_s", self.collective_timeout_s)
-        _positive("init_timeout_s", self.init_timeout_s)
+        _positive("init_timeout_s", self.init_timeout_s, allow_zero=True)
 
 
 @dataclass

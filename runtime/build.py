@@ -26,7 +26,7 @@ from data.loader import TitanscaleDataLoader
 from kernels.caps import DeviceCaps, detect_features
 from kernels.registry import KernelChoice, apply_kernels, check_kernels
 from parallel.axes import Layout
-from recipe.loader import uses_cuda_graphs
+from recipe.loader import first_step_timeout_s, uses_cuda_graphs
 from recipe.models import pp_layer_weights, stages_per_rank
 from recipe.schema import Recipe
 from runtime.checkpoint import AtomicCheckpointManager
@@ -159,7 +159,7 @@ def build_trainer_config(
             enable_async_tensor_parallel=par.async_tp and layout.tp > 1,
         ),
         comm=CommConfig(
-            init_timeout_seconds=recipe.job.init_timeout_s,
+            init_timeout_seconds=first_step_timeout_s(recipe),
             train_timeout_seconds=recipe.job.collective_timeout_s,
         ),
         validator=Validator.Config(enable=False),

@@ -181,7 +181,7 @@ NEGATIVE = {
     "metrics.log_every": st.integers(max_value=0),
     "metrics.summary_skip_steps": st.integers(max_value=-1),
     "job.collective_timeout_s": st.integers(max_value=0),
-    "job.init_timeout_s": st.integers(max_value=0),
+    "job.init_timeout_s": st.integers(max_value=-1),  # 0 = automatic
 }
 
 
