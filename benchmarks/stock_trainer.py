@@ -22,6 +22,9 @@ def main() -> None:
     p.add_argument("--recipe", default=None)
     add_override_arg(p)
     args = p.parse_args()
+    from runtime.platform import bridge_torch
+
+    bridge_torch()  # torch-version bridges before any torchtitan import, as train.py gets them
     import torch
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.tools.logging import init_logger

@@ -46,13 +46,12 @@ def predict_recipe(recipe, cluster) -> tuple[dict, object]:
         extra = {}
     out = pred.to_json()
     hbm = cluster.hbm_bytes / 2**30
+    prec = pred.mfu_pct_precision_peak
+    prec_mfu = None if prec is None else round(prec, 2)
     out.update(
         {
-            "mfu_pct_precision_peak": (
-                None
-                if pred.mfu_pct_precision_peak is None
-                else round(pred.mfu_pct_precision_peak, 2)
-            ),
+            "mfu_pct_precision_peak": prec_mfu,
+            "mfu_at_precision_peak_pct": prec_mfu,  # the training metrics' name, same value
             "layout": {
                 "pp": layout.pp,
                 "dp_replicate": layout.dp_replicate,
