@@ -102,8 +102,9 @@ def build_trainer_config(
             steps=tr.steps,
             mixed_precision_param=tr.dtype,
             # training.cuda_graphs: on where torchtitan allows capture (pp = 1, not varlen);
-            # torchtitan itself falls back to eager with a warning off CUDA.
-            disable_cuda_graphs=not uses_cuda_graphs(recipe, layout.pp, kernels.attention),
+            # never on CPU (torchtitan would warn and run eager, but keep gradients allocated).
+            disable_cuda_graphs=platform.is_cpu
+            or not uses_cuda_graphs(recipe, layout.pp, kernels.attention),
         ),
         parallelism=ParallelismConfig(
             data_parallel_replicate_degree=layout.dp_replicate,
