@@ -214,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--budget-s", type=float, default=540.0, help="whole check, seconds")
-    p.add_argument("--run-timeout-s", type=float, default=150.0, help="per training run")
-    p.add_argument("--tests-timeout-s", type=float, default=90.0)
+    p.add_argument("--run-timeout-s", type=float, default=180.0, help="per training run")
+    p.add_argument("--tests-timeout-s", type=float, default=60.0)
     p.add_argument("--tests", nargs="+", default=["tests"], help="where the gpu-marked tests are")
     p.add_argument("--linears", nargs="+", default=None,
                    help="linear backends to run (default: bf16 fp8_rowwise, + mxfp8 on SM100)")  # fmt: skip
