@@ -221,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="linear backends to run (default: bf16 fp8_rowwise, + mxfp8 on SM100)")  # fmt: skip
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--prepare-tokenizer", default=None, metavar="DIR")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="recipe override for every run, e.g. training.cuda_graphs=off")  # fmt: skip
     a = p.parse_args(argv)
     recipe = "recipes/debug.toml" if a.cpu_smoke else "recipes/gpu_slice_70b.toml"
     sys.path.insert(0, str(ROOT))
@@ -241,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         base += ["training.seq_len=128", "training.compile=false"]
     elif (CARRIED_TOKENIZER / "tokenizer.json").exists():
         base += [f"model.tokenizer={CARRIED_TOKENIZER}"]
+    base += a.overrides
     r = load_recipe(recipe, base)
     fpt = effective_shape(r).flops_per_token(r.training.seq_len)
     report = Report(out, "python -m tools.gpu_check " + " ".join(argv or sys.argv[1:]), recipe)
