@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from recipe.errors import exit_on_config_error
+
 ROOT = Path(__file__).resolve().parent.parent
 OURS = re.compile(r"step\s+(\d+)\s+loss\s+([\d.]+)\s+tok/s/gpu ([\d,]+)")
 STOCK = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+).*?tps: ([\d,]+)")
@@ -207,6 +209,7 @@ def prepare_tokenizer(dest: Path, vocab_size: int) -> Path:
     return dest
 
 
+@exit_on_config_error
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT") or "outputs/gpu_check")
@@ -225,7 +228,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="recipe override for every run, e.g. training.cuda_graphs=off")  # fmt: skip
     a = p.parse_args(argv)
     recipe = "recipes/debug.toml" if a.cpu_smoke else "recipes/gpu_slice_70b.toml"
-    sys.path.insert(0, str(ROOT))
     from recipe.loader import effective_shape, load_recipe
 
     if a.prepare_tokenizer:
