@@ -117,7 +117,7 @@ def bridge_torch() -> None:
         import torchtitan.trainer  # noqa: F401
     except ImportError as e:
         what = f"{e.name}" if e.name else str(e).splitlines()[0]
-        if e.name and not e.name.startswith("torch"):
+        if e.name and e.name.split(".")[0] != "torch":  # torchao, torchdata, tyro, ...
             raise MissingTorchFeature(
                 f"torchtitan 0.3.0 needs the Python package '{e.name}', not installed here "
                 "(on the lent GPU carry it as a wheel: docs/gpu.md)"
