@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from recipe.errors import ConfigError
+from recipe.models import FAMILIES, check_flavor
 from recipe.toml_schema import doc
 
 
@@ -55,8 +56,19 @@ class JobSection:
 
 @dataclass
 class ModelSection:
-    flavor: Literal["debugmodel", "1B", "3B", "8B", "70B", "405B"] = field(
-        default="debugmodel", metadata=doc("torchtitan llama3 flavor.")
+    family: str = field(
+        default="llama3",
+        metadata=doc(
+            "Model family (torchtitan's registry): llama3 | qwen3. MoE families and flavors "
+            "are refused (not supported yet)."
+        ),
+    )
+    flavor: str = field(
+        default="debugmodel",
+        metadata=doc(
+            "torchtitan flavor of the family. llama3: debugmodel, 1B, 3B, 8B, 70B, 405B; "
+            "qwen3: debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B."
+        ),
     )
     tokenizer: str = field(
         default="embedded",
@@ -82,6 +94,9 @@ class ModelSection:
     )
 
     def __post_init__(self) -> None:
+        problem = check_flavor(self.family, self.flavor)
+        if problem:
+            raise ConfigError(problem, key="family" if self.family not in FAMILIES else "flavor")
         _positive("vocab_size", self.vocab_size, allow_zero=True)
         _positive("layers", self.layers, allow_zero=True)
 
@@ -274,6 +289,41 @@ class CheckpointSection:
             "(about 1 GB/s per core; each rank reads its share). Sizes are always checked."
         ),
     )
+    load_hf: str = field(
+        default="",
+        metadata=doc(
+            "A Hugging Face folder (config.json + *.safetensors) to initialise the model from "
+            "when no checkpoint of this run exists, through torchtitan's state-dict adapter. "
+            "Its config.json must describe the recipe's model (checked before start)."
+        ),
+    )
+    export_hf: bool = field(
+        default=False,
+        metadata=doc(
+            "Write a Hugging Face folder (safetensors + config.json + tokenizer files) of the "
+            "model at the end of training, under export_folder/step-N."
+        ),
+    )
+    export_hf_every_checkpoint: bool = field(
+        default=False,
+        metadata=doc("With export_hf: also export at every interval checkpoint."),
+    )
+    export_dtype: Literal["bfloat16", "float32"] = field(
+        default="bfloat16", metadata=doc("dtype of exported Hugging Face weights.")
+    )
+    export_folder: str = field(
+        default="",
+        metadata=doc("Folder for Hugging Face exports; '' = <job.output_dir>/hf."),
+    )
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = field(
+        default="disabled",
+        metadata=doc(
+            "torchtitan's checkpoint mode: disabled (save blocks training), async (a thread "
+            "writes while training goes on), async_with_pinned_mem (CUDA: staged to pinned "
+            "memory, written by a process). Async saves commit atomically (manifest, "
+            "rename) once written; the last step's save is always synchronous."
+        ),
+    )
 
     def __post_init__(self) -> None:
         _positive("interval", self.interval, allow_zero=True)
@@ -281,6 +331,18 @@ class CheckpointSection:
         if self.keep_latest == 1:
             # The newest checkpoint may still be being written; the one before must survive.
             raise ConfigError("expected 0 (keep all) or at least 2, got 1", key="keep_latest")
+        if self.load_hf and self.load_from:
+            raise ConfigError(
+                "load_from and load_hf both set; the model starts from one of them",
+                key="load_hf",
+            )
+        if self.export_hf_every_checkpoint and not self.export_hf:
+            raise ConfigError("needs export_hf = true", key="export_hf_every_checkpoint")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether torchtitan's checkpointer runs (saves at the last step at least)."""
+        return self.interval > 0 or bool(self.load_from or self.load_hf) or self.export_hf
 
 
 @dataclass
@@ -324,3 +386,9 @@ class Recipe:
         import os
 
         return self.checkpoint.folder or os.path.join(self.output_dir, "checkpoint")
+
+    @property
+    def export_dir(self) -> str:
+        import os
+
+        return self.checkpoint.export_folder or os.path.join(self.output_dir, "hf")

@@ -19,7 +19,7 @@ from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import CommConfig, DebugConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.models.common.config_utils import decoder_vocab_size
-from torchtitan.models.llama3 import model_registry
+from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.trainer import Trainer
 
 from data.loader import TitanscaleDataLoader
@@ -45,6 +45,17 @@ def choose_kernels(
     return check_kernels(recipe, caps, cp=layout.cp if layout is not None else None)
 
 
+def model_spec(family: str, flavor: str) -> ModelSpec:
+    """torchtitan's ModelSpec (config, parallelize fn, HF adapter) for a recipe's model."""
+    if family == "qwen3":
+        from torchtitan.models.qwen3 import model_registry as qwen3_registry
+
+        return qwen3_registry(flavor)
+    from torchtitan.models.llama3 import model_registry as llama3_registry
+
+    return llama3_registry(flavor)
+
+
 def build_trainer_config(
     recipe: Recipe,
     layout: Layout,
@@ -54,7 +65,7 @@ def build_trainer_config(
     tokenizer_path: str,
 ) -> Trainer.Config:
     tr, par = recipe.training, recipe.parallel
-    spec = model_registry(recipe.model.flavor)
+    spec = model_spec(recipe.model.family, recipe.model.flavor)
     if recipe.model.layers:
         spec.model.layers = spec.model.layers[: recipe.model.layers]
     if recipe.model.vocab_size:
@@ -78,7 +89,8 @@ def build_trainer_config(
     ac = {"none": None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}[
         tr.activation_checkpoint
     ]
-    ckpt_enabled = recipe.checkpoint.interval > 0 or bool(recipe.checkpoint.load_from)
+    ck = recipe.checkpoint
+    initial = ck.load_hf or ck.load_from
     return Trainer.Config(
         model_spec=spec,
         hf_assets_path=tokenizer_path,
@@ -130,22 +142,30 @@ def build_trainer_config(
             precision=kernels.precision,
             device_name=platform.device_name,
             flavor=recipe.model.flavor,
+            family=recipe.model.family,
             n_layers=recipe.model.layers,
             disable_color_printing=True,
         ),
         checkpoint=AtomicCheckpointManager.Config(
-            enable=ckpt_enabled,
+            enable=ck.enabled,
             folder=os.path.abspath(recipe.checkpoint_dir),
-            interval=recipe.checkpoint.interval or tr.steps,
-            keep_latest_k=recipe.checkpoint.keep_latest,
-            initial_load_path=(
-                os.path.abspath(recipe.checkpoint.load_from)
-                if recipe.checkpoint.load_from
-                else None
-            ),
+            interval=ck.interval or tr.steps,
+            keep_latest_k=ck.keep_latest,
+            initial_load_path=os.path.abspath(initial) if initial else None,
             initial_load_model_only=True,
+            initial_load_in_hf=bool(ck.load_hf),
+            # The last save stays a full, resumable DCP checkpoint; the Hugging Face export
+            # is written next to it (AtomicCheckpointManager.export_hf) in export_dtype.
             last_save_model_only=False,
-            checksums=recipe.checkpoint.checksums,
+            export_dtype=ck.export_dtype,
+            async_mode=ck.async_mode,
+            checksums=ck.checksums,
+            export_hf=ck.export_hf,
+            export_hf_every_checkpoint=ck.export_hf_every_checkpoint,
+            export_folder=os.path.abspath(recipe.export_dir),
+            export_family=recipe.model.family,
+            export_base_config=os.path.abspath(ck.load_hf) if ck.load_hf else "",
+            tokenizer_dir=tokenizer_path,
         ),
         activation_checkpoint=ac,
         compile=CompileConfig(enable=tr.compile),

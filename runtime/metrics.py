@@ -101,6 +101,9 @@ class TitanscaleMetrics(MetricsProcessor):
         flavor: str = "debugmodel"
         """Model flavor, for the document-masked FLOP count."""
 
+        family: str = "llama3"
+        """Model family of `flavor`."""
+
         n_layers: int = 0
         """Layers actually built (model.layers); 0 = the flavor's."""
 
@@ -114,7 +117,7 @@ class TitanscaleMetrics(MetricsProcessor):
         self.useful_ntokens_since_last_log = 0
         # (query, key) pairs the document mask keeps, summed over this interval's batches.
         self.doc_attn_pairs_since_last_log = 0
-        shape = model_shape(config.flavor)
+        shape = model_shape(config.flavor, config.family)
         self.shape = replace(shape, n_layers=config.n_layers or shape.n_layers)
         self.data_stats: dict[str, Any] | None = None
         self.last_logged_step = 0

@@ -77,7 +77,8 @@ def _probe_writable(folder: Path, *, file: str, key: str) -> None:
 
 def checkpoint_bytes(recipe: Recipe) -> int:
     """Estimated size of one full checkpoint (all ranks together)."""
-    return model_shape(recipe.model.flavor).total_params * CHECKPOINT_BYTES_PER_PARAM
+    shape = model_shape(recipe.model.flavor, recipe.model.family)
+    return shape.total_params * CHECKPOINT_BYTES_PER_PARAM
 
 
 def check_environment(recipe: Recipe) -> None:
@@ -89,7 +90,7 @@ def check_environment(recipe: Recipe) -> None:
     need, what = MIN_FREE_BYTES, "metrics"
     where, key = out, "job.output_dir"
     # runtime.build enables checkpointing (a save at the last step at least) for either.
-    if recipe.checkpoint.interval > 0 or recipe.checkpoint.load_from:
+    if recipe.checkpoint.enabled:
         where = Path(recipe.checkpoint_dir)
         key = "checkpoint.folder" if recipe.checkpoint.folder else "job.output_dir"
         _probe_writable(where, file=f, key=key)
@@ -112,6 +113,13 @@ def check_environment(recipe: Recipe) -> None:
             file=f,
             key="checkpoint.resume",
         )
+    if recipe.checkpoint.export_hf:
+        _probe_writable(Path(recipe.export_dir), file=f, key="checkpoint.export_folder")
+    if recipe.checkpoint.load_hf:
+        from recipe.loader import effective_shape
+        from runtime.hf import check_load_hf
+
+        check_load_hf(recipe.checkpoint.load_hf, effective_shape(recipe), file=f)
     if recipe.checkpoint.load_from:
         if not Path(recipe.checkpoint.load_from).is_dir():
             raise ConfigError(
@@ -220,7 +228,9 @@ def prepare(recipe_path: str | None, overrides: list[str]) -> Job:
     check_data_source(recipe)
     from data.tokenizer import resolve_tokenizer
 
-    vocab = recipe.model.vocab_size or model_shape(recipe.model.flavor).vocab_size
+    vocab = (
+        recipe.model.vocab_size or model_shape(recipe.model.flavor, recipe.model.family).vocab_size
+    )
     tokenizer_path = resolve_tokenizer(
         recipe.model.tokenizer, vocab_size=vocab, recipe_file=recipe.source
     )
@@ -245,7 +255,8 @@ def run(job: Job) -> dict[str, Any] | None:
     for line in job.kernels.log_lines():
         logger.info(line)
     logger.info(
-        f"titanscale: {job.recipe.source} | {job.recipe.model.flavor} | "
+        f"titanscale: {job.recipe.source} | {job.recipe.model.family} "
+        f"{job.recipe.model.flavor} | "
         f"{job.layout.describe()} (world {job.world_size}) | device {job.platform.device_name}"
         f" | attention {job.kernels.attention} | linear {job.kernels.linear}"
         f"{' (emulated)' if job.kernels.emulated else ''} ({job.kernels.precision})"
@@ -279,6 +290,7 @@ def create_seed_checkpoint(job: Job, folder: str) -> str:
     cfg.checkpoint.create_seed_checkpoint = True
     cfg.checkpoint.folder = os.path.abspath(folder)
     cfg.checkpoint.initial_load_path = None
+    cfg.checkpoint.initial_load_in_hf = False
     trainer = TitanscaleTrainer(cfg)
     try:
         trainer.checkpointer.save(curr_step=0, last_step=True)
