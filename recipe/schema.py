@@ -117,6 +117,26 @@ class TrainingSection:
     steps: int = field(default=10, metadata=doc("Optimizer steps to train."))
     lr: float = field(default=8e-4, metadata=doc("Peak learning rate (AdamW)."))
     warmup_steps: int = field(default=2, metadata=doc("Linear learning-rate warmup steps."))
+    lr_schedule: Literal["linear", "cosine", "wsd"] = field(
+        default="linear",
+        metadata=doc(
+            "Decay after warmup (torchtitan's scheduler): linear, cosine, or wsd "
+            "(warmup-stable-decay: the peak LR held, then a 1 - sqrt cooldown over the "
+            "last decay_ratio of the steps). Formula in docs/schedules.md."
+        ),
+    )
+    min_lr_ratio: float = field(
+        default=0.0,
+        metadata=doc("The LR decays to lr x min_lr_ratio (0 = to zero); in [0, 1]."),
+    )
+    decay_ratio: float = field(
+        default=-1.0,
+        metadata=doc(
+            "Fraction of training.steps spent decaying, at the end (the steps between "
+            "warmup and decay hold the peak LR); -1 = the schedule's default: every step "
+            "after warmup for linear and cosine, the last 20% for wsd. In (0, 1] otherwise."
+        ),
+    )
     weight_decay: float = field(default=0.1, metadata=doc("AdamW weight decay."))
     max_norm: float = field(default=1.0, metadata=doc("Gradient clipping norm."))
     dtype: Literal["bfloat16", "float32"] = field(
@@ -141,6 +161,15 @@ class TrainingSection:
         _positive("warmup_steps", self.warmup_steps, allow_zero=True)
         _positive("weight_decay", self.weight_decay, allow_zero=True)
         _positive("max_norm", self.max_norm)
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(
+                f"expected a value in [0, 1], got {self.min_lr_ratio}", key="min_lr_ratio"
+            )
+        if self.decay_ratio != -1.0 and not 0.0 < self.decay_ratio <= 1.0:
+            raise ConfigError(
+                f"expected -1 (the schedule's default) or a value in (0, 1], got {self.decay_ratio}",
+                key="decay_ratio",
+            )
         if self.warmup_steps > self.steps:
             raise ConfigError(
                 f"warmup_steps ({self.warmup_steps}) exceeds steps ({self.steps})",

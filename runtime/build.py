@@ -56,6 +56,28 @@ def model_spec(family: str, flavor: str) -> ModelSpec:
     return llama3_registry(flavor)
 
 
+# lr_schedule -> torchtitan's decay_type; wsd's cooldown is 1 - sqrt (Hägele et al. 2024,
+# "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations").
+_DECAY_TYPE = {"linear": "linear", "cosine": "cosine", "wsd": "sqrt"}
+WSD_DEFAULT_DECAY_RATIO = 0.2
+
+
+def lr_scheduler_config(recipe: Recipe) -> LRSchedulersContainer.Config:
+    """`[training]` lr_schedule / min_lr_ratio / decay_ratio as torchtitan's scheduler config."""
+    tr = recipe.training
+    ratio: float | None = tr.decay_ratio
+    if ratio == -1.0:
+        ratio = WSD_DEFAULT_DECAY_RATIO if tr.lr_schedule == "wsd" else None
+    if ratio is not None and ratio >= 1.0:
+        ratio = None  # every step after warmup (torchtitan would clip 1.0 with a warning)
+    return LRSchedulersContainer.Config(
+        warmup_steps=tr.warmup_steps,
+        decay_ratio=ratio,
+        decay_type=_DECAY_TYPE[tr.lr_schedule],  # type: ignore[arg-type]
+        min_lr_factor=tr.min_lr_ratio,
+    )
+
+
 def build_trainer_config(
     recipe: Recipe,
     layout: Layout,
@@ -99,12 +121,7 @@ def build_trainer_config(
             loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))
         ),
         optimizer=default_adamw(lr=tr.lr, weight_decay=tr.weight_decay),
-        lr_scheduler=LRSchedulersContainer.Config(
-            warmup_steps=tr.warmup_steps,
-            decay_ratio=0.8,
-            decay_type="linear",
-            min_lr_factor=0.0,
-        ),
+        lr_scheduler=lr_scheduler_config(recipe),
         training=TrainingConfig(
             local_batch_size=tr.local_batch_size,
             global_batch_size=tr.global_batch_size,
