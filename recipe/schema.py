@@ -1,6 +1,7 @@
 """The recipe contract: one dataclass per TOML section, every field documented.
 
-Sections: [job] [model] [training] [parallel] [kernels] [data] [checkpoint] [metrics].
+Sections: [job] [model] [training] [parallel] [kernels] [data] [checkpoint] [metrics]
+[validation].
 Field-local checks (ranges, choices) run in `__post_init__` and raise ConfigError with the
 key; checks that need several sections or the world size live in `recipe.validate`.
 Extend this contract by adding fields; never rename one (users' recipes depend on them).
@@ -393,6 +394,33 @@ class MetricsSection:
 
 
 @dataclass
+class ValidationSection:
+    enable: bool = field(default=False, metadata=doc("Run torchtitan's validator."))
+    source: str = field(
+        default="",
+        metadata=doc(
+            "Held-out data, in the forms [data] source takes; '' = data.source read from its "
+            "start (measures fit to seen data, not generalisation)."
+        ),
+    )
+    text_field: str = field(default="text", metadata=doc("Record field holding the text."))
+    every: int = field(
+        default=100, metadata=doc("Validate at step 1 and every N steps (torchtitan's freq).")
+    )
+    steps: int = field(
+        default=10,
+        metadata=doc(
+            "Batches (of training.local_batch_size sequences per data-parallel rank) per "
+            "validation; the same rows every time."
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        _positive("every", self.every)
+        _positive("steps", self.steps)
+
+
+@dataclass
 class Recipe:
     """A whole recipe. `source` is the file it came from (for error messages)."""
 
@@ -404,6 +432,7 @@ class Recipe:
     data: DataSection = field(default_factory=DataSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    validation: ValidationSection = field(default_factory=ValidationSection)
     source: str = field(default="<defaults>", init=False, compare=False)
 
     @property

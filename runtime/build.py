@@ -14,7 +14,6 @@ import os
 
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-from torchtitan.components.validate import Validator
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import CommConfig, DebugConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
@@ -31,6 +30,7 @@ from recipe.schema import Recipe
 from runtime.checkpoint import AtomicCheckpointManager
 from runtime.metrics import TitanscaleMetrics
 from runtime.platform import Platform
+from runtime.validation import TitanscaleValidator
 
 
 def choose_kernels(
@@ -75,6 +75,26 @@ def lr_scheduler_config(recipe: Recipe) -> LRSchedulersContainer.Config:
         decay_ratio=ratio,
         decay_type=_DECAY_TYPE[tr.lr_schedule],  # type: ignore[arg-type]
         min_lr_factor=tr.min_lr_ratio,
+    )
+
+
+def validator_config(recipe: Recipe) -> TitanscaleValidator.Config:
+    """`[validation]` as torchtitan's validator, reading through titanscale's loader (same
+    tokenizer, packing and seq_len as training; a finite pass over its source)."""
+    v, d = recipe.validation, recipe.data
+    return TitanscaleValidator.Config(
+        enable=v.enable,
+        freq=v.every,
+        steps=v.steps,
+        dataloader=TitanscaleDataLoader.Config(
+            source=v.source or d.source,
+            packing=d.packing,
+            text_field=v.text_field if v.source else d.text_field,
+            window=d.window,
+            bad_records=d.bad_records,
+            streaming=d.streaming,
+            infinite=False,
+        ),
     )
 
 
@@ -190,6 +210,6 @@ def build_trainer_config(
             init_timeout_seconds=recipe.job.init_timeout_s,
             train_timeout_seconds=recipe.job.collective_timeout_s,
         ),
-        validator=Validator.Config(enable=False),
+        validator=validator_config(recipe),
         debug=DebugConfig(seed=tr.seed),
     )

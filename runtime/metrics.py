@@ -228,6 +228,18 @@ class TitanscaleMetrics(MetricsProcessor):
         self.device_memory_monitor.reset_peak_stats()
         self.time_last_log = time.perf_counter()
 
+    def log_validation(
+        self, loss: float, step: int, extra_metrics: dict[str, Any] | None = None
+    ) -> None:
+        """torchtitan's validator result (mean loss per valid token over all data-parallel
+        ranks): a `validation` event in metrics.jsonl and validation/* in TensorBoard/W&B."""
+        ppl = math.exp(loss) if loss < 700 else math.inf
+        rec = {"step": step, "val_loss": loss, "val_perplexity": ppl}
+        self.write_event("validation", **rec)
+        self.logger.log({"validation/loss": loss, "validation/perplexity": ppl}, step)
+        if self.is_metrics_rank:
+            logger.info(f"validation step {step:4d}  loss {loss:8.5f}  perplexity {ppl:,.3f}")
+
     def finish(self) -> dict[str, Any] | None:
         """Write and print the steady-state summary (metrics rank only)."""
         if not self.is_metrics_rank:

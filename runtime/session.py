@@ -170,6 +170,8 @@ def check_data_source(recipe: Recipe) -> None:
     from data.sources import check_source
 
     check_source(recipe.data.source, file=recipe.source)
+    if recipe.validation.enable and recipe.validation.source:
+        check_source(recipe.validation.source, file=recipe.source, key="validation.source")
 
 
 def cluster_for_job(recipe: Recipe, world_size: int, platform: Platform) -> Cluster | None:
