@@ -388,6 +388,21 @@ class MetricsSection:
         ),
     )
 
+    wandb: bool = field(
+        default=False,
+        metadata=doc(
+            "Log to Weights & Biases (torchtitan's logger) from the metrics rank. "
+            "WANDB_MODE=offline writes the run under <output_dir>/tb/ for `wandb sync`. "
+            "A restarted or requeued job continues the same run (id kept in "
+            "<output_dir>/wandb_run_id)."
+        ),
+    )
+    wandb_project: str = field(default="titanscale", metadata=doc("W&B project."))
+    wandb_entity: str = field(
+        default="", metadata=doc("W&B entity (team or user); '' = the account's default.")
+    )
+    wandb_run_name: str = field(default="", metadata=doc("W&B run name; '' = job.name."))
+
     def __post_init__(self) -> None:
         _positive("log_every", self.log_every)
         _positive("summary_skip_steps", self.summary_skip_steps, allow_zero=True)

@@ -156,6 +156,20 @@ def check_tokenizer(path: str, recipe: Recipe) -> None:
         ) from None
 
 
+def check_wandb(recipe: Recipe) -> None:
+    """W&B importable (torchtitan would log an error and train without it)."""
+    if not recipe.metrics.wandb:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            "the wandb package is not installed (pip install wandb, or metrics.wandb = false)",
+            file=recipe.source,
+            key="metrics.wandb",
+        )
+
+
 def check_faults() -> None:
     from runtime import faults
 
@@ -238,6 +252,7 @@ def prepare(recipe_path: str | None, overrides: list[str]) -> Job:
     )
     check_tokenizer(tokenizer_path, recipe)
     check_faults()
+    check_wandb(recipe)
     config = build_trainer_config(
         recipe, layout, platform=platform, kernels=kernels, tokenizer_path=tokenizer_path
     )
