@@ -1,7 +1,7 @@
 """The recipe contract: one dataclass per TOML section, every field documented.
 
 Sections: [job] [model] [training] [parallel] [kernels] [data] [checkpoint] [metrics]
-[validation].
+[validation] [profiling].
 Field-local checks (ranges, choices) run in `__post_init__` and raise ConfigError with the
 key; checks that need several sections or the world size live in `recipe.validate`.
 Extend this contract by adding fields; never rename one (users' recipes depend on them).
@@ -436,6 +436,44 @@ class ValidationSection:
 
 
 @dataclass
+class ProfilingSection:
+    trace: bool = field(
+        default=False,
+        metadata=doc(
+            "torch.profiler traces (torchtitan's profiler): one active step every `every` "
+            "steps after `warmup` profiled-but-discarded steps, written to "
+            "<output_dir>/profiling/traces/iteration_N/rankR_trace.json.gz (chrome://tracing, "
+            "Perfetto)."
+        ),
+    )
+    every: int = field(default=100, metadata=doc("Steps between traces (and snapshots)."))
+    warmup: int = field(
+        default=3, metadata=doc("Profiler warmup steps before each traced step; < every.")
+    )
+    memory_snapshot: bool = field(
+        default=False,
+        metadata=doc(
+            "CUDA allocator snapshots every `memory_snapshot_every` steps and at an out-of-"
+            "memory error, to <output_dir>/profiling/memory_snapshot "
+            "(https://pytorch.org/memory_viz). CUDA only."
+        ),
+    )
+    memory_snapshot_every: int = field(
+        default=0, metadata=doc("Steps between memory snapshots; 0 = `every`.")
+    )
+
+    def __post_init__(self) -> None:
+        _positive("every", self.every)
+        _positive("warmup", self.warmup, allow_zero=True)
+        _positive("memory_snapshot_every", self.memory_snapshot_every, allow_zero=True)
+        if self.trace and self.warmup + 1 > self.every:
+            raise ConfigError(
+                f"a trace needs warmup ({self.warmup}) + 1 traced step <= every ({self.every})",
+                key="warmup",
+            )
+
+
+@dataclass
 class Recipe:
     """A whole recipe. `source` is the file it came from (for error messages)."""
 
@@ -448,6 +486,7 @@ class Recipe:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
     validation: ValidationSection = field(default_factory=ValidationSection)
+    profiling: ProfilingSection = field(default_factory=ProfilingSection)
     source: str = field(default="<defaults>", init=False, compare=False)
 
     @property

@@ -19,6 +19,7 @@ from torchtitan.config.configs import CommConfig, DebugConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.models.common.config_utils import decoder_vocab_size
 from torchtitan.protocols.model_spec import ModelSpec
+from torchtitan.tools.profiler import Profiler
 from torchtitan.trainer import Trainer
 
 from data.loader import TitanscaleDataLoader
@@ -215,5 +216,13 @@ def build_trainer_config(
             train_timeout_seconds=recipe.job.collective_timeout_s,
         ),
         validator=validator_config(recipe),
+        profiler=Profiler.Config(
+            enable_profiling=recipe.profiling.trace,
+            profile_freq=recipe.profiling.every,
+            profiler_warmup=recipe.profiling.warmup,
+            profiler_active=1,
+            enable_memory_snapshot=recipe.profiling.memory_snapshot,
+            memory_snapshot_freq=recipe.profiling.memory_snapshot_every or None,
+        ),
         debug=DebugConfig(seed=tr.seed),
     )

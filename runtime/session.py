@@ -239,6 +239,18 @@ def prepare(recipe_path: str | None, overrides: list[str]) -> Job:
     if recipe.parallel.auto:
         recipe, plan = apply_auto_plan(recipe, cluster)
     layout = check_recipe(recipe, world_size)
+    if recipe.profiling.memory_snapshot and platform.is_cpu:
+        raise ConfigError(
+            "memory snapshots record the CUDA caching allocator; this run is on CPU",
+            file=recipe.source,
+            key="profiling.memory_snapshot",
+        )
+    if recipe.checkpoint.async_mode == "async_with_pinned_mem" and platform.is_cpu:
+        raise ConfigError(
+            "async_with_pinned_mem stages to pinned host memory from a GPU; use 'async' on CPU",
+            file=recipe.source,
+            key="checkpoint.async_mode",
+        )
     kernels = choose_kernels(recipe, platform, layout)
     check_environment(recipe)
     check_data_source(recipe)
