@@ -1,7 +1,7 @@
 """The recipe contract: one dataclass per TOML section, every field documented.
 
 Sections: [job] [model] [training] [parallel] [kernels] [data] [checkpoint] [metrics]
-[validation] [profiling].
+[validation] [profiling] [torchtitan].
 Field-local checks (ranges, choices) run in `__post_init__` and raise ConfigError with the
 key; checks that need several sections or the world size live in `recipe.validate`.
 Extend this contract by adding fields; never rename one (users' recipes depend on them).
@@ -10,7 +10,7 @@ Extend this contract by adding fields; never rename one (users' recipes depend o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from recipe.errors import ConfigError
 from recipe.models import FAMILIES, check_flavor
@@ -487,6 +487,15 @@ class Recipe:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     validation: ValidationSection = field(default_factory=ValidationSection)
     profiling: ProfilingSection = field(default_factory=ProfilingSection)
+    torchtitan: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=doc(
+            "Escape hatch: dotted keys into torchtitan's Trainer.Config (e.g. "
+            "'training.gc_freq' = 50), applied last, over what the sections above set; "
+            "each checked against torchtitan's dataclasses before start (unknown key or "
+            "wrong type: exit 2). For options without a titanscale key."
+        ),
+    )
     source: str = field(default="<defaults>", init=False, compare=False)
 
     @property

@@ -134,7 +134,7 @@ def build_trainer_config(
     ]
     ck = recipe.checkpoint
     initial = ck.load_hf or ck.load_from
-    return Trainer.Config(
+    config = Trainer.Config(
         model_spec=spec,
         hf_assets_path=tokenizer_path,
         dump_folder=recipe.output_dir,
@@ -226,3 +226,11 @@ def build_trainer_config(
         ),
         debug=DebugConfig(seed=tr.seed),
     )
+    if recipe.torchtitan:
+        from torchtitan.tools.logging import logger
+
+        from runtime.torchtitan_overrides import apply_overrides
+
+        for line in apply_overrides(config, recipe.torchtitan, file=recipe.source):
+            logger.info(f"[torchtitan] override: {line}")
+    return config
