@@ -6,12 +6,9 @@ and config.json files written by `transformers`.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-import train
 from recipe.errors import ConfigError
 from recipe.loader import load_recipe
 from recipe.models import (
@@ -22,6 +19,7 @@ from recipe.models import (
     model_shape,
 )
 from runtime.hf import hf_config, shape_mismatch
+from tests.conftest import train_main_error
 
 
 def test_flavor_lists_are_torchtitans_registries():
@@ -114,19 +112,11 @@ def test_load_hf_shape_mismatch_exits_2_before_any_process_group(tmp_path, capsy
         num_key_value_heads=8, head_dim=128, vocab_size=2048,
     ).save_pretrained(folder)  # fmt: skip
     (folder / "model.safetensors").write_bytes(b"")  # never read: the shape check comes first
-    saved = dict(os.environ)
-    try:
-        with pytest.raises(SystemExit) as e:
-            train.main(
-                ["--set", f"job.output_dir={tmp_path / 'out'}", "--set",
-                 f"checkpoint.load_hf={folder}"]
-            )  # fmt: skip
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    assert e.value.code == 2
-    # (torch's own import-time warnings may precede it when torch is first imported here)
-    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error")]
+    code, err = train_main_error(
+        ["--set", f"job.output_dir={tmp_path / 'out'}", "--set", f"checkpoint.load_hf={folder}"],
+        capsys,
+    )
+    assert code == 2
     assert len(err) == 1 and "checkpoint.load_hf" in err[0] and "llama, 6 layers" in err[0]
     assert not torch.distributed.is_initialized()
     assert not (tmp_path / "out" / "metrics.jsonl").exists()

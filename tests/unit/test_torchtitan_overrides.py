@@ -4,16 +4,14 @@ line, exit 2, before any process group)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-import train
 from recipe.errors import ConfigError
 from recipe.loader import check_recipe, load_recipe
 from runtime.build import build_trainer_config, choose_kernels
 from runtime.platform import Platform
+from tests.conftest import train_main_error
 
 CPU = Platform(device_type="cpu", device_name="cpu", compute_capability=None, backend="gloo")
 
@@ -65,16 +63,9 @@ def test_bad_overrides_are_config_errors(override, needle):
 
 
 def test_unknown_key_exits_2_before_any_process_group(tmp_path, capsys):
-    saved = dict(os.environ)
-    try:
-        with pytest.raises(SystemExit) as e:
-            train.main(
-                ["--set", f"job.output_dir={tmp_path}", "--set", "torchtitan.training.gc_frq=7"]
-            )
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    assert e.value.code == 2
-    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error")]
+    code, err = train_main_error(
+        ["--set", f"job.output_dir={tmp_path}", "--set", "torchtitan.training.gc_frq=7"], capsys
+    )
+    assert code == 2
     assert len(err) == 1 and "torchtitan.training.gc_frq" in err[0] and "gc_freq" in err[0]
     assert not torch.distributed.is_initialized()
