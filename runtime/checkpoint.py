@@ -392,7 +392,7 @@ class AtomicCheckpointManager(CheckpointManager):
 
     def export_hf(self, step: int) -> str:
         """Write the model as a Hugging Face folder `<export_folder>/step-N` (atomic)."""
-        from runtime.hf import finish_export, hf_config
+        from runtime.hf import finish_export, hf_config, special_token_ids
 
         cfg = self.xconfig
         assert self.sd_adapter is not None, "this model family has no Hugging Face adapter"
@@ -423,7 +423,13 @@ class AtomicCheckpointManager(CheckpointManager):
                 with open(os.path.join(cfg.export_base_config, "config.json")) as f:
                     base = json.load(f)
             dtype = str(self.export_dtype).removeprefix("torch.")
-            config = hf_config(self.sd_adapter.model_config, cfg.export_family, dtype, base=base)
+            config = hf_config(
+                self.sd_adapter.model_config,
+                cfg.export_family,
+                dtype,
+                base=base,
+                token_ids=special_token_ids(cfg.tokenizer_dir),
+            )
             finish_export(tmp, config, cfg.tokenizer_dir, step=step)
             self._commit(tmp, final, step, self._all_crcs(tmp))
             logger.info(

@@ -123,8 +123,7 @@ def hf_config(
     dtype: str,
     *,
     base: dict[str, Any] | None = None,
-    bos_id: int | None = None,
-    eos_id: int | None = None,
+    token_ids: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """config.json for torchtitan `model_config` of `family`, weights stored in `dtype`.
 
@@ -169,10 +168,32 @@ def hf_config(
     }
     if family == "llama3":
         out["mlp_bias"] = False
-    if bos_id is not None:
-        out["bos_token_id"] = bos_id
-    if eos_id is not None:
-        out["eos_token_id"] = eos_id
+    out.update(token_ids or {})
+    return out
+
+
+def special_token_ids(tokenizer_dir: str | None) -> dict[str, int]:
+    """bos/eos/pad token ids named by the tokenizer folder's tokenizer_config.json (for a
+    generated config.json: inference stacks stop generating at eos_token_id)."""
+    if not tokenizer_dir:
+        return {}
+    cfg_path = os.path.join(tokenizer_dir, "tokenizer_config.json")
+    tok_path = os.path.join(tokenizer_dir, "tokenizer.json")
+    if not (os.path.isfile(cfg_path) and os.path.isfile(tok_path)):
+        return {}
+    from tokenizers import Tokenizer
+
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    tok = Tokenizer.from_file(tok_path)
+    out = {}
+    for name in ("bos", "eos", "pad"):
+        value = cfg.get(f"{name}_token")
+        if isinstance(value, dict):  # {"content": "<|...|>", ...}
+            value = value.get("content")
+        token_id = tok.token_to_id(value) if isinstance(value, str) else None
+        if token_id is not None:
+            out[f"{name}_token_id"] = token_id
     return out
 
 

@@ -97,6 +97,12 @@ def check_environment(recipe: Recipe) -> None:
         # One checkpoint is written in full before the oldest is pruned.
         need += checkpoint_bytes(recipe)
         what = f"metrics and one {checkpoint_bytes(recipe) / 2**30:.1f} GiB checkpoint"
+        if recipe.checkpoint.export_hf:
+            # The export's weights (2 or 4 bytes/parameter); assumed on the same disk.
+            per_param = 2 if recipe.checkpoint.export_dtype == "bfloat16" else 4
+            export = model_shape(recipe.model.flavor, recipe.model.family).total_params
+            need += export * per_param
+            what += f" and a {export * per_param / 2**30:.1f} GiB Hugging Face export"
     free = shutil.disk_usage(where).free
     if free < need:
         raise ConfigError(

@@ -134,6 +134,10 @@ def main() -> None:
         exported = hf_logits(str(export), tokens)
         diff_export = (trained - exported).abs().max().item()
         moved = (trained - loaded).abs().max().item()
+        import transformers
+
+        config_eos = json.loads((export / "config.json").read_text()).get("eos_token_id")
+        tokenizer_eos = transformers.AutoTokenizer.from_pretrained(str(export)).eos_token_id
     finally:
         trainer.close()
         if torch.distributed.is_initialized():
@@ -148,6 +152,8 @@ def main() -> None:
                 "trained_moved": moved,
                 "export_files": sorted(os.listdir(export)),
                 "logit_scale": ref.abs().max().item(),
+                "config_eos": config_eos,
+                "tokenizer_eos": tokenizer_eos,
             }
         )
     )

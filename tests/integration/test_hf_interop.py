@@ -58,3 +58,5 @@ def test_export_from_scratch_writes_a_config_transformers_reads(tmp_path):
     r = _run("llama3", tmp_path, "scratch")
     assert r["trained_moved"] > 100 * TOL
     assert r["diff_export"] < TOL, r
+    # Generation stops at eos: the config names the exported tokenizer's eos id.
+    assert r["config_eos"] is not None and r["config_eos"] == r["tokenizer_eos"]
