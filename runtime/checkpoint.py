@@ -369,16 +369,19 @@ class AtomicCheckpointManager(CheckpointManager):
             if done is not None:
                 done.set()
 
-    def _wait_for_saving(self) -> None:
+    def _wait_for_saving(self, *, barrier: bool = True) -> None:
         super()._wait_for_saving()
         if self._commit_done is not None:
             self._commit_done.wait()
             self._commit_done = None
-        if _dist_on():
+        if barrier and _dist_on():
             dist.barrier()  # every rank sees the commit before the next save or load
 
     def _close(self) -> None:
-        self.maybe_wait_for_saving()
+        # Finish (and commit) an async save in flight. No barrier: at shutdown after an
+        # error on another rank it could wait forever, and nothing loads after close.
+        if self.save_future is not None:
+            self._wait_for_saving(barrier=False)
         super()._close()
 
     # --- Hugging Face export
