@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from parallel.perf import model_flops_per_token
 from recipe.errors import ConfigError
 from recipe.loader import load_recipe
 from recipe.models import (
@@ -63,6 +64,7 @@ def test_qwen3_shape_counts_equal_torchtitans(flavor):
     for seq in (2048, 8192):
         _, flops = cfg.get_nparams_and_flops(model, seq)
         assert shape.flops_per_token(seq) == flops, seq
+        assert model_flops_per_token(shape, seq) == flops, seq  # the performance model's
 
 
 def _hf_dict(cfg) -> dict:
