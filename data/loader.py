@@ -44,7 +44,7 @@ from recipe.errors import ConfigError
 BAD_RECORD_POLICIES = ("skip", "fail")
 STREAMING_MODES = ("auto", "always", "never")
 STATE_KEY = "titanscale_stream"
-STATE_VERSION = 2
+STATE_VERSION = 3  # 3: epochs flushed separately
 
 
 def _plain(obj: Any) -> Any:
@@ -195,12 +195,15 @@ class PackedStream(IterableDataset, Stateful):
                     key="data.source",
                 )
             self._n_records = self._next_record
+            # Each epoch is packed on its own: the packer is flushed at the end of a pass,
+            # so epochs are periodic and a prepared store's plan (data.plan) can seek to any
+            # row (cost: at most one partly padded row per epoch).
+            self._queue.extend(self.packer.flush())
             if self.infinite:
                 self._epoch += 1
                 self._next_record = 0
                 logger.info(f"data: epoch {self._epoch} of {self.source.description}")
                 continue
-            self._queue.extend(self.packer.flush())
             while len(self._queue) % dp:
                 # Keep every rank at the same number of rows: pad the last group with rows
                 # of padding (labels all IGNORE_INDEX) instead of dropping real rows.
