@@ -10,6 +10,7 @@ config chosen by the kernels layer.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
@@ -43,6 +44,24 @@ def choose_kernels(
         platform.device_type, platform.device_name, platform.compute_capability, detect_features()
     )
     return check_kernels(recipe, caps, cp=layout.cp if layout is not None else None)
+
+
+def dataloader_config(recipe: Recipe) -> TitanscaleDataLoader.Config:
+    """The loader component's config from `[data]` (also used by tools.packstats)."""
+    d = recipe.data
+    return TitanscaleDataLoader.Config(
+        source=d.source,
+        packing=d.packing,
+        text_field=d.text_field,
+        window=d.window,
+        bad_records=d.bad_records,
+        streaming=d.streaming,
+        subset=d.subset,
+        split=d.split,
+        data_files=list(d.data_files),
+        sources=[dataclasses.asdict(e) for e in d.sources],
+        mix_window=d.mix_window,
+    )
 
 
 def build_trainer_config(
@@ -114,14 +133,7 @@ def build_trainer_config(
             pipeline_parallel_first_stage_less_layers=first_less,
             pipeline_parallel_last_stage_less_layers=last_less,
         ),
-        dataloader=TitanscaleDataLoader.Config(
-            source=recipe.data.source,
-            packing=recipe.data.packing,
-            text_field=recipe.data.text_field,
-            window=recipe.data.window,
-            bad_records=recipe.data.bad_records,
-            streaming=recipe.data.streaming,
-        ),
+        dataloader=dataloader_config(recipe),
         metrics=TitanscaleMetrics.Config(
             log_freq=recipe.metrics.log_every,
             enable_tensorboard=recipe.metrics.tensorboard,
