@@ -352,12 +352,10 @@ def prepare(
                 buf.append(ids)
                 buf_tokens += len(ids)
                 tokens_this_run += len(ids)
+                if buf_tokens >= shard_tokens:  # a shard ends after a whole record
+                    flush_shard()
             bar.update(len(recs))
             bar.set_postfix(tokens=f"{done_tokens + tokens_this_run:,}", refresh=False)
-            if buf_tokens >= shard_tokens:
-                flush_shard()
-                done_tokens = sum(s["tokens"] for s in prog["shards"])
-                tokens_this_run = 0
         if buf:
             flush_shard()
     finally:
