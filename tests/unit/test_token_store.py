@@ -82,8 +82,17 @@ def same(a, b) -> bool:
 
 def store_streams(store, dp: int, packing: str, tok, **kw):
     return [
-        StoreStream(store, seq_len=SEQ, dp_rank=r, dp_world_size=dp, packing=packing, window=8,
-                    pad_id=tok.eos_id, vocab_size=tok.get_vocab_size(), **kw)  # fmt: skip
+        StoreStream(
+            store,
+            seq_len=SEQ,
+            dp_rank=r,
+            dp_world_size=dp,
+            packing=packing,
+            window=8,
+            pad_id=tok.eos_id,
+            vocab_size=tok.get_vocab_size(),
+            **kw,
+        )  # fmt: skip
         for r in range(dp)
     ]
 
@@ -286,7 +295,9 @@ def test_streamed_source_resumes_through_datasets_state(tmp_path, tok, monkeypat
     b.load_state_dict(sd)
     rows = [(x["input"], y) for x, y in head] + [(x["input"], y) for x, y in b]
     assert len(rows) == len(ref)
-    assert all(torch.equal(u[0], v[0]) and torch.equal(u[1], v[1]) for u, v in zip(rows, ref))
+    assert all(
+        torch.equal(u[0], v[0]) and torch.equal(u[1], v[1]) for u, v in zip(rows, ref, strict=True)
+    )
 
 
 def test_hub_source_arguments_and_offline_error(monkeypatch):
