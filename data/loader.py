@@ -14,6 +14,9 @@ sees exactly the sequences that dp processes with local batch B see, and a check
 or skipped. Cost: every rank reads and tokenizes the whole stream (dp times the work of
 document-level sharding) and materializes only its own rows; benchmarks/packing.md gives
 the tokens/s one core sustains, which bounds dp x tokens/s per data-parallel replica.
+A prepared token store (`[data] source = "<store folder>"`, tools.prepare_data) and
+`[[data.sources]]` mixes go through data.store_stream instead: the same rows, but each rank
+plans and reads only its own (`build_stream` chooses).
 
 Checkpoint contents (one key, identical on every rank): the next source record, the epoch,
 the packer's pending pieces and the rows decided but not yet consumed, the tokens of the
@@ -127,8 +130,7 @@ class PackedStream(IterableDataset, Stateful):
         self.window = window
         self.bad_records = bad_records
         self.infinite = infinite
-        eos = getattr(tokenizer, "eos_id", None)
-        self.pad_id = int(eos) if eos is not None else 0
+        self.pad_id = _pad_id(tokenizer)
         self.fingerprint = {
             "source": self.source.description,
             "text_field": text_field,
@@ -332,8 +334,20 @@ class PackedStream(IterableDataset, Stateful):
         self.source.restore(self._next_record, sd.get("source_state"))
 
 
-def _tokenizer_dir(tokenizer: BaseTokenizer) -> str | None:
-    return getattr(tokenizer, "tokenizer_path", None)
+def _pad_id(tokenizer: BaseTokenizer) -> int:
+    eos = getattr(tokenizer, "eos_id", None)
+    return int(eos) if eos is not None else 0
+
+
+def _open_store(spec: str, tokenizer: BaseTokenizer, key: str) -> Any:
+    """A prepared store, refused when tokenized with another tokenizer than this one."""
+    from data.store import TokenStore
+
+    store = TokenStore(spec, key=key)
+    tok_dir = getattr(tokenizer, "tokenizer_path", None)
+    if tok_dir is not None:
+        store.check_tokenizer(tok_dir)
+    return store
 
 
 def open_rows(
@@ -353,15 +367,12 @@ def open_rows(
 ) -> Any:
     """A data.store_stream.PlannedRows over a prepared store, or over a small source
     tokenized in memory (mixing accepts both)."""
-    from data.store import TokenStore, is_store
+    from data.store import is_store
     from data.store_stream import MemoryStore, PlannedRows
 
     store: Any
     if is_store(spec):
-        store = TokenStore(spec, key=key)
-        tok_dir = _tokenizer_dir(tokenizer)
-        if tok_dir is not None:
-            store.check_tokenizer(tok_dir)
+        store = _open_store(spec, tokenizer, key)
     else:
         src = open_source(
             spec,
@@ -375,13 +386,8 @@ def open_rows(
         store = MemoryStore(src, tokenizer, bad_records=bad_records)
         if store.n_docs == 0:
             raise ConfigError(f"{src.description}: no usable documents", key=key)
-    eos = getattr(tokenizer, "eos_id", None)
     return PlannedRows(
-        store,
-        packing=packing,
-        seq_len=seq_len,
-        window=window,
-        pad_id=int(eos) if eos is not None else 0,
+        store, packing=packing, seq_len=seq_len, window=window, pad_id=_pad_id(tokenizer)
     )
 
 
@@ -395,7 +401,7 @@ def build_stream(
 ) -> Any:
     """The loader's row stream: a weighted mix ([[data.sources]]), one prepared store
     (rank r reads only its rows), or the streaming path (every rank reads everything)."""
-    from data.store import TokenStore, is_store
+    from data.store import is_store
     from data.store_stream import MixedStream, MixSource, StoreStream
 
     vocab = tokenizer.get_vocab_size()
@@ -426,20 +432,15 @@ def build_stream(
             vocab_size=vocab,
         )
     if is_store(config.source):
-        store = TokenStore(config.source)
-        tok_dir = _tokenizer_dir(tokenizer)
-        if tok_dir is not None:
-            store.check_tokenizer(tok_dir)
-        eos = getattr(tokenizer, "eos_id", None)
         return StoreStream(
-            store,
+            _open_store(config.source, tokenizer, "data.source"),
             seq_len=seq_len,
             dp_rank=dp_rank,
             dp_world_size=dp_world_size,
             packing=config.packing,
             window=config.window,
             infinite=config.infinite,
-            pad_id=int(eos) if eos is not None else 0,
+            pad_id=_pad_id(tokenizer),
             vocab_size=vocab,
         )
     source = open_source(

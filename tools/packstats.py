@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="with --rank/--rows: produce one rank's rows of a DP-way run")  # fmt: skip
     p.add_argument("--rank", type=int, default=0, help="the data-parallel rank (with --dp)")
     p.add_argument("--rows", type=int, default=1000, help="rows to produce (with --dp)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="with --dp: build the stream and produce the rows N times; "
+                   "rank_seconds is the median")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p.parse_args(argv)
 
@@ -81,7 +84,9 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = HuggingFaceTokenizer(tokenizer_path=tok_path)
     d = recipe.data
     if args.dp is not None:
-        out = rank_rows(recipe, tokenizer, dp=args.dp, rank=args.rank, rows=args.rows)
+        out = rank_rows(
+            recipe, tokenizer, dp=args.dp, rank=args.rank, rows=args.rows, repeat=args.repeat
+        )
         out["tokenizer"] = tok_path
         _print(out, args.json)
         return out
@@ -112,10 +117,26 @@ def _print(out: dict, as_json: bool) -> None:
     sys.stdout.flush()
 
 
-def rank_rows(recipe, tokenizer, *, dp: int, rank: int, rows: int) -> dict:
+def rank_rows(recipe, tokenizer, *, dp: int, rank: int, rows: int, repeat: int = 1) -> dict:
     """Rank `rank`'s first `rows` rows of a `dp`-way run, in this process (no process
     group): the loader's own stream, built as the trainer builds it. `rank_seconds` counts
-    from opening the source to the last row (plan, reads, tokenization where streaming)."""
+    from opening the source to the last row (plan, reads, tokenization where streaming);
+    with `repeat` > 1 it is the median of that many full repetitions."""
+    import statistics
+
+    if repeat < 1:
+        raise ConfigError(f"expected a positive count, got {repeat}", key="--repeat")
+    runs = [_rank_rows_once(recipe, tokenizer, dp=dp, rank=rank, rows=rows) for _ in range(repeat)]
+    out = dict(runs[0])
+    secs = [r["rank_seconds"] for r in runs]
+    out["rank_seconds"] = statistics.median(secs)
+    out["rank_seconds_all"] = secs
+    out["rank_cpu_seconds"] = statistics.median(r["rank_cpu_seconds"] for r in runs)
+    out["tokens_per_sec_per_rank"] = out["tokens_delivered"] / out["rank_seconds"]
+    return out
+
+
+def _rank_rows_once(recipe, tokenizer, *, dp: int, rank: int, rows: int) -> dict:
     import time
 
     from data.loader import PackedStream, build_stream

@@ -22,7 +22,8 @@ from data.sources import check_source
 from data.store import TokenStore, is_store, prepare
 from data.store_stream import MixedStream, MixSource, PlannedRows, StoreStream, mix_counts
 from recipe.errors import ConfigError
-from tests._data_helpers import ListSource, make_tokenizer_dir
+from tests._data_helpers import ListSource, lockstep, make_tokenizer_dir
+from tests._data_helpers import same_rows as same
 
 SEQ = 48
 WORDS = ["alpha", "beta", "gamma", "delta", "(", ")", "x", "y", "def", "return"]
@@ -58,26 +59,6 @@ def store(tmp_path_factory, tok_dir) -> TokenStore:
     src = ListSource(texts(120, 2))
     return make_store(tmp_path_factory.mktemp("s") / "store", src, tok_dir, shard_tokens=500,
                       chunk_records=16)  # fmt: skip
-
-
-def lockstep(streams, groups: int | None = None):
-    its = [iter(s) for s in streams]
-    out, g = [], 0
-    while groups is None or g < groups:
-        try:
-            items = [next(it) for it in its]
-        except StopIteration:
-            break
-        out += [(x["input"], x["positions"], y) for x, y in items]
-        g += 1
-    return out
-
-
-def same(a, b) -> bool:
-    return len(a) == len(b) and all(
-        all(torch.equal(u, v) for u, v in zip(ra, rb, strict=True))
-        for ra, rb in zip(a, b, strict=True)
-    )
 
 
 def store_streams(store, dp: int, packing: str, tok, **kw):
