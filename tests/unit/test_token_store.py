@@ -302,3 +302,38 @@ def test_hub_source_arguments_and_offline_error(monkeypatch):
                     "data_files": ["en/a.json.gz"], "streaming": True}  # fmt: skip
     assert "name=en" in src.description and "split=validation" in src.description
     assert [r[1] for r in src.records()] == ["hello"]
+
+
+def test_recipe_sources_checked_before_launch(tmp_path, store, capsys):
+    from recipe.loader import load_recipe
+    from runtime.session import check_data_source, check_data_tokenizer
+    from tools import packstats
+
+    base = tmp_path / "r.toml"
+    base.write_text(
+        f'[data]\nmix_window = 4\n[[data.sources]]\nsource = "{store.path}"\nweight = 3\n'
+        f'[[data.sources]]\nsource = "stdlib"\nweight = 1\n'
+    )
+    r = load_recipe(str(base), [])
+    assert [e.weight for e in r.data.sources] == [3.0, 1.0]
+    check_data_source(r)
+    other = make_tokenizer_dir(tmp_path / "tok2", ["completely different words"] * 20, 300)
+    with pytest.raises(ConfigError, match=r"r\.toml: data\.source: store .* another tokenizer"):
+        check_data_tokenizer(r, other)
+    tiny = load_recipe(str(base), ["data.mix_window=2"])  # 3:1 over 2 rows leaves one at 0
+    with pytest.raises(ConfigError, match="data.mix_window: a mixing window of 2 rows"):
+        check_data_source(tiny)
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[data.sources]]\nsource = "stdlib"\nwieght = 2\n')
+    with pytest.raises(ConfigError, match=r"data\.sources\[0\]\.wieght: unknown key .*weight"):
+        load_recipe(str(bad), [])
+    both = tmp_path / "both.toml"
+    both.write_text(f'[data]\nsource = "{store.path}"\n[[data.sources]]\nsource = "stdlib"\n')
+    with pytest.raises(ConfigError, match="either data.source or"):
+        load_recipe(str(both), [])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        packstats.main(["--data", str(store.path), "--tokenizer", other, "--dp", "2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "prepared with another tokenizer" in err
