@@ -108,6 +108,42 @@ def measure_packing(
     }
 
 
+def measure_store(path: str, tokenizer, *, seq_len: int, packing: str, window: int = 256) -> dict:
+    """One epoch of a prepared store (plan + materialized rows, this process): the same keys
+    as `measure_packing`; tokens/s here is the read path's, tokenization was done before."""
+    from data.store import TokenStore
+    from data.store_stream import StoreStream
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    store = TokenStore(path)
+    tok_dir = getattr(tokenizer, "tokenizer_path", None)
+    if tok_dir is not None:
+        store.check_tokenizer(tok_dir)
+    eos = getattr(tokenizer, "eos_id", None)
+    stream = StoreStream(store, seq_len=seq_len, dp_rank=0, dp_world_size=1, packing=packing,
+                         window=window, infinite=False, pad_id=int(eos) if eos is not None else 0)  # fmt: skip
+    rows = sum(1 for _ in stream)
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    st = stream.packing_stats()
+    return {
+        "source": store.description,
+        "packing": packing,
+        "seq_len": seq_len,
+        "window": window if packing == "bfd" else None,
+        "documents": st["documents"],
+        "tokens": st["useful_tokens"],
+        "sequences": rows,
+        "padding_fraction": st["padding_fraction"],
+        "split_documents_fraction": st["split_documents_fraction"],
+        "tokens_per_sec": st["useful_tokens"] / dt if dt > 0 else None,
+        "seconds": dt,
+        "tokens_per_cpu_sec": st["useful_tokens"] / cpu if cpu > 0 else None,
+        "packing_efficiency": st["packing_efficiency"],
+        "split_documents": st["split_documents"],
+        "bad_records": store.manifest["bad_records"],
+    }
+
+
 def stdlib_texts() -> list[str]:
     """The embedded corpus as the loader sees it (good documents only, in order)."""
     return [t for _, t, _ in open_source("stdlib").records() if t is not None]

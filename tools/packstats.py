@@ -90,6 +90,16 @@ def main(argv: list[str] | None = None) -> dict:
         out["tokenizer"] = tok_path
         _print(out, args.json)
         return out
+    from data.store import is_store
+
+    if is_store(d.source):
+        from data.packstats import measure_store
+
+        out = measure_store(d.source, tokenizer, seq_len=recipe.training.seq_len,
+                            packing=d.packing, window=d.window)  # fmt: skip
+        out["tokenizer"] = tok_path
+        _print(out, args.json)
+        return out
     out = measure_packing(
         d.source,
         tokenizer,

@@ -248,6 +248,11 @@ def test_packstats_rank_rows(store, tok_dir, tok, capsys):
     ref = lockstep([s], 20)
     assert out["useful_tokens"] == sum(int((ref[3 + 4 * i][2] != -100).sum()) for i in range(5))
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rank"] == 3
+    whole = packstats.main(["--data", str(store.path), "--tokenizer", tok_dir, "--seq-len",
+                            str(SEQ), "--packing", "bfd", "--window", "8", "--json"])  # fmt: skip
+    full = lockstep(store_streams(store, 1, "bfd", tok, infinite=False))
+    assert whole["sequences"] == len(full) and whole["documents"] == 119
+    assert whole["tokens"] == sum(int((r[2] != -100).sum()) for r in full)
 
 
 def test_streamed_source_resumes_through_datasets_state(tmp_path, tok, monkeypatch):
