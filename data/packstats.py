@@ -34,6 +34,12 @@ class LimitedSource(Source):
                 return
             yield rec
 
+    def resume_state(self, next_record: int) -> Any:
+        return self.inner.resume_state(next_record)
+
+    def restore(self, next_record: int, state: Any) -> None:
+        self.inner.restore(next_record, state)
+
 
 class TextListSource(Source):
     """Documents already in memory (all good): the benchmark's common ground with torchtitan."""

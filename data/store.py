@@ -310,6 +310,7 @@ def prepare(
         next_record = prog["next_record"]
 
         def chunks() -> Iterator[tuple[list[Any], list[str]]]:
+            source.restore(prog["next_record"], prog.get("source_state"))
             recs: list[Any] = []
             for rec in source.records(prog["next_record"]):
                 recs.append(rec)
@@ -332,6 +333,8 @@ def prepare(
                 }
             )
             prog["next_record"] = next_record
+            # A streamed source resumes from datasets' own position, not by re-reading.
+            prog["source_state"] = source.resume_state(next_record)
             prog["bad"] = dict(bad)
             write_json_atomic(prog_path, prog)
             buf, buf_tokens = [], 0

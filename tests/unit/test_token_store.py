@@ -342,3 +342,36 @@ def test_recipe_sources_checked_before_launch(tmp_path, store, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1
     assert "prepared with another tokenizer" in err
+
+
+def test_prepare_resumes_a_streamed_source_through_datasets_state(tmp_path, tok_dir, monkeypatch):
+    import datasets
+
+    from data.sources import open_source
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts(100, 8) if t))
+    kw = dict(tokenizer_dir=tok_dir, tokenizer_spec="test", fingerprint="fp", progress=False,
+              shard_tokens=400, chunk_records=8)  # fmt: skip
+    prepare(open_source(str(path), streaming="always"), out=tmp_path / "whole", **kw)
+    whole = TokenStore(tmp_path / "whole")
+
+    def stop(n: int) -> None:
+        if n == 1:
+            raise KeyboardInterrupt
+
+    out = tmp_path / "cut"
+    with pytest.raises(KeyboardInterrupt):
+        prepare(open_source(str(path), streaming="always"), out=out, on_shard=stop, **kw)
+    prog = json.loads((tmp_path / "cut.partial" / "progress.json").read_text())
+    assert prog["source_state"] is not None and prog["next_record"] > 0
+
+    def no_skip(self, n):
+        raise AssertionError("resumed by re-reading records (IterableDataset.skip)")
+
+    monkeypatch.setattr(datasets.IterableDataset, "skip", no_skip)
+    prepare(open_source(str(path), streaming="always"), out=out, **kw)
+    cut = TokenStore(out)
+    assert np.array_equal(np.asarray(cut.offsets), np.asarray(whole.offsets))
+    assert all(np.array_equal(cut.doc_tokens(d), whole.doc_tokens(d)) for d in range(cut.n_docs))
