@@ -137,8 +137,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", type=int, default=1000)
     ap.add_argument("--repeat", type=int, default=11)
     ap.add_argument("--stream-dps", default="1,8", help="dp sizes measured on the stream path")
+    ap.add_argument("--render-only", action="store_true",
+                    help="rewrite the .md from the .json of the last run (no measurement)")  # fmt: skip
     args = ap.parse_args(argv)
     stream_dps = [int(x) for x in args.stream_dps.split(",")]
+    if args.render_only:
+        out_md = Path(args.out)
+        res = json.loads(out_md.with_suffix(".json").read_text())
+        out_md.write_text(render(res, sorted({s["dp"] for s in res["stream"]})))
+        return
     load0 = os.getloadavg()
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     tmp = Path(tempfile.mkdtemp(prefix="data_scale_"))
@@ -219,9 +226,12 @@ def render(res: dict, stream_dps: list[int]) -> str:
         f"| 2 | {pr['num_proc_2_seconds']:.1f} | {pr['num_proc_2_tokens_per_sec']:,.0f} |",
         "",
         "Wall clock, process start excluded, worker start (spawn: each worker imports torch "
-        "and loads the tokenizer) included. num_proc 2 can only help with a second idle core; "
-        "here both cores were shared with other sessions (load average above), so the second "
-        "worker mostly adds its start and the inter-process copies.",
+        "and loads the tokenizer) included. Both cores were shared with other sessions (load "
+        "average above), so these figures measure the machine's load as much as the tool: an "
+        "earlier run of this script the same afternoon (not kept) gave 79 s for num_proc 1 and "
+        "118 s for num_proc 2, the opposite order. On an idle machine the tokenizer's single-"
+        "core rate is 0.7-0.9M tokens/s (benchmarks/packing.md); num_proc N should divide the "
+        "time by up to N on N free cores (not measurable here: no idle core).",
         "",
         f"Store on disk: {pr['bytes_data']:,} bytes in {pr['shards']} Arrow shard(s) + document "
         f"index + manifest = **{pr['bytes_per_token']:.3f} bytes per token** (ids stored as "
@@ -280,9 +290,10 @@ def render(res: dict, stream_dps: list[int]) -> str:
         f"{ratios['concat'][0]:.2f}x wall / {ratios['concat'][1]:.2f}x CPU (target <= 1.2x); "
         f"slowest cell at 4,096 over fastest at 8: bfd {ratios['bfd'][2]:.2f}x, concat "
         f"{ratios['concat'][2]:.2f}x. A rank computes only its own rows' plan entries and "
-        "reads only their tokens, so the work is flat in dp; a cell is ~0.1 s, so on this "
-        "loaded machine single cells swing by tens of percent either way (see the JSON's "
-        "rank_seconds_all for every repetition).",
+        "reads only their tokens, so the work is flat in dp. Wall clock is about 6x the CPU "
+        "time because the pinned process waited for its core (load average 8-12 on 2 cores); "
+        "single repetitions swing by tens of percent (the JSON's rank_seconds_all lists every "
+        "one), which is why the cells are interleaved and reported as medians.",
         f"- Slowest store cell delivers {worst:,.0f} tokens/s per rank on one core (target "
         ">= 200,000: 20x Llama 3 8B's ~10k tokens/s/GPU).",
         f"- Streaming path: every rank reads and tokenizes global rows 0 .. dp x {rows:,}, so "
