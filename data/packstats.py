@@ -95,8 +95,14 @@ def measure_packing(
         rows += 1
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     st = stream.packing_stats()
+    return _report(src.description, packing, seq_len, window, st, rows, dt, cpu,
+                   st["bad_records"])  # fmt: skip
+
+
+def _report(source, packing, seq_len, window, st, rows, dt, cpu, bad) -> dict[str, Any]:
+    """The packstats keys from a stream's packing_stats and one pass's timings."""
     return {
-        "source": src.description,
+        "source": source,
         "packing": packing,
         "seq_len": seq_len,
         "window": window if packing == "bfd" else None,
@@ -110,7 +116,7 @@ def measure_packing(
         "tokens_per_cpu_sec": st["useful_tokens"] / cpu if cpu > 0 else None,
         "packing_efficiency": st["packing_efficiency"],
         "split_documents": st["split_documents"],
-        "bad_records": st["bad_records"],
+        "bad_records": bad,
     }
 
 
@@ -131,23 +137,8 @@ def measure_store(path: str, tokenizer, *, seq_len: int, packing: str, window: i
     rows = sum(1 for _ in stream)
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     st = stream.packing_stats()
-    return {
-        "source": store.description,
-        "packing": packing,
-        "seq_len": seq_len,
-        "window": window if packing == "bfd" else None,
-        "documents": st["documents"],
-        "tokens": st["useful_tokens"],
-        "sequences": rows,
-        "padding_fraction": st["padding_fraction"],
-        "split_documents_fraction": st["split_documents_fraction"],
-        "tokens_per_sec": st["useful_tokens"] / dt if dt > 0 else None,
-        "seconds": dt,
-        "tokens_per_cpu_sec": st["useful_tokens"] / cpu if cpu > 0 else None,
-        "packing_efficiency": st["packing_efficiency"],
-        "split_documents": st["split_documents"],
-        "bad_records": store.manifest["bad_records"],
-    }
+    return _report(store.description, packing, seq_len, window, st, rows, dt, cpu,
+                   store.manifest["bad_records"])  # fmt: skip
 
 
 def stdlib_texts() -> list[str]:
