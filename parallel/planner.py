@@ -31,8 +31,8 @@ from parallel.perf import Prediction, predict
 from parallel.placement import planned_traffic
 from parallel.workload import Workload, linear_for, planned_spans
 from recipe.errors import ConfigError
-from recipe.loader import check_layout
-from recipe.models import PP_SCHEDULES, model_shape
+from recipe.loader import check_layout, effective_shape
+from recipe.models import PP_SCHEDULES
 from recipe.schema import Recipe
 
 AC_MODES = ("none", "selective", "full")
@@ -148,7 +148,7 @@ def _layout_recipe(recipe: Recipe, schedule: str, mbs: int, local: int) -> Recip
 def search(recipe: Recipe, cluster: Cluster, nodes: int | None = None) -> SearchResult:
     """All candidates, fitting plans ranked by predicted tokens/s per GPU."""
     cluster, world = world_for(recipe, cluster, nodes)
-    shape = model_shape(recipe.model.flavor)
+    shape = effective_shape(recipe)
     tr = recipe.training
     linear = linear_for(recipe.kernels.linear, cluster.gpu)
     hbm_gib = cluster.hbm_bytes / 2**30

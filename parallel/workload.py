@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 
 from parallel.axes import MESH_ORDER, Layout
 from parallel.cluster import Cluster
-from recipe.models import ModelShape, model_shape, stages_per_rank
+from recipe.models import ModelShape, stages_per_rank
+from recipe.loader import effective_shape
 
 # Linear backends the models know. fp8_tensorwise is not a recipe choice (removed from
 # torchtitan) but is what torchtitan's 2024-25 FP8 benchmarks ran.
@@ -41,6 +42,8 @@ class Workload:
     cp_rotate: str = "allgather"  # torch CP: allgather (exposed) | alltoall (ring, overlapped)
     doc_len: int = 0  # mean document length under document masking; 0 = causal over seq
     virtual_stages: int = 0  # stages per pipeline rank; 0 = the schedule's default
+    stack: str = "torchtitan"  # software-stack profile (stacks/<name>.toml)
+    lora_rank: int = 0  # 0 = full training; r > 0: frozen base weights, rank-r adapters
 
     @property
     def microbatches(self) -> int:
@@ -97,7 +100,7 @@ def workload_from_recipe(recipe, layout: Layout, cluster: Cluster | None = None)
     accum = 1 if gbs == -1 else max(1, gbs // per_micro)
     gpu = cluster.gpu if cluster else "H100"
     return Workload(
-        shape=model_shape(recipe.model.flavor),
+        shape=effective_shape(recipe),
         seq_len=tr.seq_len,
         local_batch_size=tr.local_batch_size,
         layout=layout,
