@@ -340,7 +340,11 @@ def layer_costs(
         fwd_mm += tf
         # Backward: the input gradient always; the weight gradient only for trained
         # weights (LoRA freezes the base: its adapters' GEMMs are rank-r, negligible).
-        wgrad = 0.0 if w.lora_rank else fl / (p_wgrad * (1.0 if is_cpu else gemm_eff(st, wgrad_kind, x, gpu)))
+        wgrad = (
+            0.0
+            if w.lora_rank
+            else fl / (p_wgrad * (1.0 if is_cpu else gemm_eff(st, wgrad_kind, x, gpu)))
+        )
         bwd_mm += tf + wgrad
         if w.ac == "full" or (w.ac == "selective" and SAC_RECOMPUTED[i]):
             recompute_mm += tf
@@ -515,9 +519,7 @@ def predict(
         fs, rep = spans["fsdp"], spans["dp_replicate"]
         t_ag = coll_time("all_gather", ag_bytes, fs, links) if fsdp > 1 else 0.0
         t_rs = coll_time("reduce_scatter", rs_bytes, fs, links) if fsdp > 1 else 0.0
-        t_ar = (
-            coll_time("all_reduce", rs_bytes / fsdp, rep, links) if lay.dp_replicate > 1 else 0.0
-        )
+        t_ar = coll_time("all_reduce", rs_bytes / fsdp, rep, links) if lay.dp_replicate > 1 else 0.0
         # Per microstep: all-gather before forward and again before backward (resharded
         # after forward), reduce-scatter (+ replica all-reduce) after backward; each hides
         # behind the neighbouring block's compute; the first and the last do not, nor do
@@ -537,9 +539,7 @@ def predict(
         fs, rep = spans["fsdp"], spans["dp_replicate"]
         t_ag = coll_time("all_gather", ag_bytes, fs, links) if fsdp > 1 else 0.0
         t_rs = coll_time("reduce_scatter", rs_bytes, fs, links) if fsdp > 1 else 0.0
-        t_ar = (
-            coll_time("all_reduce", rs_bytes / fsdp, rep, links) if lay.dp_replicate > 1 else 0.0
-        )
+        t_ar = coll_time("all_reduce", rs_bytes / fsdp, rep, links) if lay.dp_replicate > 1 else 0.0
         # PP: gather the stage once and keep it (no reshard after forward), reduce once at
         # the end; each hides behind half a microbatch slot at best.
         gather, reduce = layers_rank * t_ag, layers_rank * (t_rs + t_ar)

@@ -11,11 +11,12 @@ runs and what its activations keep. Every constant carries its source in `[sourc
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field, fields, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from recipe.errors import ConfigError, did_you_mean
 
@@ -41,8 +42,15 @@ class Stack:
     # SP: the column-parallel linears keep the all-gathered input (True) or keep the
     # sequence shard and gather again in backward (False).
     sp_saves_gathered: bool
-    # SwiGLU keeps only the fc1 output (fused activation, recomputed in backward).
+    # SwiGLU keeps fc1's output and the activation output only (fused activation).
     fused_ffn_activations: bool
+    # A recipe's training config as this stack would run it (`workload_from_recipe`):
+    # gradient accumulation under PP as more microbatches of one pipeline flush (Megatron)
+    # instead of one flush per microstep (torchtitan); what an FP8 recipe's linears are
+    # on this stack ("" = the recipe's own choice); the CP rotation ("" = the recipe's).
+    grad_accum_in_pipeline: bool
+    fp8_linear: str
+    cp_rotate: str
     matmul_eff: dict[str, float]  # precision -> fraction of its dense peak (H100)
     gpu_eff: dict[str, float]  # GPU kind -> multiplier of matmul/attention efficiency
     gemm_half_dim: float
@@ -91,6 +99,9 @@ _TOP = (
     "tp_overlap",
     "sp_saves_gathered",
     "fused_ffn_activations",
+    "grad_accum_in_pipeline",
+    "fp8_linear",
+    "cp_rotate",
     "matmul_eff",
     "gpu_eff",
     "constants",
@@ -144,11 +155,11 @@ def parse_stack(data: dict[str, Any], file: str) -> Stack:
     for k in _CONSTANTS:
         if k not in consts:
             raise ConfigError("missing", file=file, key=f"constants.{k}")
-    c = {k: _num(consts[k], file, f"constants.{k}") for k in _CONSTANTS}
+    c: dict[str, Any] = {k: _num(consts[k], file, f"constants.{k}") for k in _CONSTANTS}
     for k in ("attention_eff", "tp_hidden", "comm_sm_slowdown", "cuda_graph_speedup"):
         _num(c[k], file, f"constants.{k}", 0.0, 1.0)
-    flags = {}
-    for k in ("sp_saves_gathered", "fused_ffn_activations"):
+    flags: dict[str, Any] = {}
+    for k in ("sp_saves_gathered", "fused_ffn_activations", "grad_accum_in_pipeline"):
         v = data.get(k, False)
         if not isinstance(v, bool):
             raise ConfigError(f"expected true or false, got {v!r}", file=file, key=k)
@@ -156,8 +167,14 @@ def parse_stack(data: dict[str, Any], file: str) -> Stack:
     stack = Stack(
         name=str(data["name"]),
         description=str(data.get("description", "")),
-        data_parallel=_choice(data.get("data_parallel", "fsdp"), DATA_PARALLEL, file, "data_parallel"),
+        data_parallel=_choice(
+            data.get("data_parallel", "fsdp"), DATA_PARALLEL, file, "data_parallel"
+        ),
         tp_overlap=_choice(data.get("tp_overlap", "async_tp"), TP_OVERLAP, file, "tp_overlap"),
+        fp8_linear=_choice(data.get("fp8_linear", ""), ("",) + PRECISIONS, file, "fp8_linear"),
+        cp_rotate=_choice(
+            data.get("cp_rotate", ""), ("", "allgather", "alltoall"), file, "cp_rotate"
+        ),
         matmul_eff=mm,
         gpu_eff=gpu,
         sources={str(k): str(v) for k, v in data["sources"].items()},

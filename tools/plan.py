@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.placement or args.slurm_topology or args.nodelist:
         cluster, fabric = fabric_for(args, cluster)
     res = search(recipe, cluster, nodes=cluster.nodes)
+    for w in res.warnings:
+        print(f"warning: {w}", file=sys.stderr)
     if args.time > 0:
         import statistics
         import time
