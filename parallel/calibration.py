@@ -71,6 +71,20 @@ SOURCES = {
             "megatron_te",
         ),
         Source(
+            "nemo2502",
+            "NeMo Framework performance summary, NeMo 25.02 container, DGX-B200, FP8",
+            "https://docs.nvidia.com/nemo-framework/user-guide/latest/performance/performance_summary.html",
+            "2025-02",
+            "megatron_te",
+        ),
+        Source(
+            "nemo2504",
+            "NeMo Framework performance summary, NeMo 25.04 container, DGX-GB200, FP8 current scaling",
+            "https://docs.nvidia.com/nemo-framework/user-guide/latest/performance/archive/25.04-performance-summary.html",
+            "2025-04",
+            "megatron_te",
+        ),
+        Source(
             "mb2511",
             "Megatron-Bridge performance summary, NeMo 25.11 container",
             "https://github.com/NVIDIA-NeMo/Megatron-Bridge/blob/main/docs/performance-summary.md",
@@ -349,6 +363,30 @@ def rows() -> list[Row]:
             _mcore("70B", 64, 128, 1, tp=4, pp=4, cp=2, vp=5),
             1533,
         ),
+        ("8B DP8 FP8", "nemo2502", B200, _mcore("8B", 8, 128, 2), 26006),
+        (
+            "70B TP2xPP4(VP5)xCP2 FP8",
+            "nemo2502",
+            B200,
+            _mcore("70B", 64, 128, 1, tp=2, pp=4, cp=2, vp=5),
+            3062,
+        ),
+        (
+            "405B TP4xPP8(VP8)xCP2 FP8",
+            "nemo2502",
+            B200,
+            _mcore("405B", 128, 64, 1, tp=4, pp=8, cp=2, vp=8),
+            625,
+        ),
+        ("8B DP8 FP8", "nemo2504", GB200, _mcore("8B", 8, 128, 2), 33099),
+        ("70B FSDP64 FP8", "nemo2504", GB200, _mcore("70B", 64, 128, 1, fsdp=True), 4035),
+        (
+            "405B TP4xPP8(VP8)xCP2 FP8",
+            "nemo2504",
+            GB200,
+            _mcore("405B", 128, 64, 1, tp=4, pp=8, cp=2, vp=8),
+            665,
+        ),
         ("8B FSDP8 FP8", "mb2511", H100, _mcore("8B", 8, 128, 1, fsdp=True), 14451),
         (
             "70B TP4xPP8(VP5) FP8",
@@ -421,9 +459,11 @@ def rows() -> list[Row]:
     gpn = {H100: 8, H200: 8, B200: 8, GB200: 4}
     for name, src, cl, w, tps in mc:
         fp8 = "FP8" in name and "MXFP8" not in name
-        assumed = MCORE_ASSUMED + ("; " + FP8_CS if fp8 and src != "nemo2407" else "")
-        if src == "nemo2407":
-            assumed += "; FP8 = per-tensor delayed scaling (TE default in 24.07)"
+        assumed = MCORE_ASSUMED + (
+            "; " + FP8_CS if fp8 and src not in ("nemo2407", "nemo2502") else ""
+        )
+        if src in ("nemo2407", "nemo2502"):
+            assumed += "; FP8 = per-tensor delayed scaling (TE's default then; the table says FP8)"
         gpu = {H100: "H100", B200: "B200", GB200: "GB200"}[cl]
         out.append(
             Row(
