@@ -28,7 +28,9 @@ META_TFLOPS = 400  # Llama 3 paper, Table 4: 16,384 GPUs, TP8 CP1 PP16 DP128, 41
 
 
 def main() -> None:
-    recipe = load_recipe(str(ROOT / "recipes/llama3_405b.toml"), [f"training.global_batch_size={GBS}"])
+    recipe = load_recipe(
+        str(ROOT / "recipes/llama3_405b.toml"), [f"training.global_batch_size={GBS}"]
+    )
     cluster = load_cluster("hgx_h100_ib", nodes=NODES)
     hbm = cluster.hbm_bytes / 2**30
     s = model_shape("405B")

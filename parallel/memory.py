@@ -96,6 +96,10 @@ def layer_activation_bytes(w: Workload, mode: str | None = None, st: Stack | Non
         # attention output, fc1 output (gate and up) and the SwiGLU output.
         ffn = 6 * f if st.fused_ffn_activations else 8 * f
         b = (8 * d + 2 * (qd + 2 * kv) + 2 * qd + lse + ffn) / t
+        if st.fp8_saves_fp8_inputs and w.linear != "bf16":
+            # The two norm outputs (wqkv, fc1 inputs) and the SwiGLU output (fc2 input)
+            # are kept as 1-byte FP8 copies instead of bf16.
+            b -= (2 * d + f) / t
     else:
         seq = 8 * d / t
         gathered = 4 * d if t > 1 else 0

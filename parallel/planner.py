@@ -147,6 +147,7 @@ def _layout_recipe(recipe: Recipe, schedule: str, mbs: int, local: int) -> Recip
     r.parallel = copy.copy(recipe.parallel)
     r.parallel.pp_schedule = schedule  # type: ignore[assignment]
     r.parallel.pp_microbatches = mbs
+    r.parallel.pp_stages_per_rank = 0  # plans use each schedule's default
     r.training = copy.copy(recipe.training)
     r.training.local_batch_size = local
     r.source = recipe.source
@@ -397,6 +398,7 @@ def apply_plan(recipe: Recipe, plan: Plan) -> Recipe:
         cp=lay.cp,
         pp_schedule=cast(Any, plan.pp_schedule or r.parallel.pp_schedule),
         pp_microbatches=plan.microbatches if lay.pp > 1 else 0,
+        pp_stages_per_rank=0,
         auto=False,
     )
     r.training = dataclasses.replace(

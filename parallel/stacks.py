@@ -49,6 +49,9 @@ class Stack:
     # instead of one flush per microstep (torchtitan); what an FP8 recipe's linears are
     # on this stack ("" = the recipe's own choice); the CP rotation ("" = the recipe's).
     grad_accum_in_pipeline: bool
+    # FP8 linears keep their FP8-cast inputs for the weight gradient instead of the bf16
+    # ones (Transformer Engine); torchao's Float8Linear keeps the high-precision input.
+    fp8_saves_fp8_inputs: bool
     fp8_linear: str
     cp_rotate: str
     matmul_eff: dict[str, float]  # precision -> fraction of its dense peak (H100)
@@ -100,6 +103,7 @@ _TOP = (
     "sp_saves_gathered",
     "fused_ffn_activations",
     "grad_accum_in_pipeline",
+    "fp8_saves_fp8_inputs",
     "fp8_linear",
     "cp_rotate",
     "matmul_eff",
@@ -159,7 +163,12 @@ def parse_stack(data: dict[str, Any], file: str) -> Stack:
     for k in ("attention_eff", "tp_hidden", "comm_sm_slowdown", "cuda_graph_speedup"):
         _num(c[k], file, f"constants.{k}", 0.0, 1.0)
     flags: dict[str, Any] = {}
-    for k in ("sp_saves_gathered", "fused_ffn_activations", "grad_accum_in_pipeline"):
+    for k in (
+        "sp_saves_gathered",
+        "fused_ffn_activations",
+        "grad_accum_in_pipeline",
+        "fp8_saves_fp8_inputs",
+    ):
         v = data.get(k, False)
         if not isinstance(v, bool):
             raise ConfigError(f"expected true or false, got {v!r}", file=file, key=k)

@@ -130,6 +130,7 @@ def workload_from_recipe(
         compile=tr.compile,
         dtype=tr.dtype,
         cp_rotate=st.cp_rotate or "allgather",
+        virtual_stages=par.pp_stages_per_rank if layout.pp > 1 else 0,
         stack=stack,
     )
 

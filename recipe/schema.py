@@ -159,6 +159,14 @@ class ParallelSection:
             "divide training.local_batch_size."
         ),
     )
+    pp_stages_per_rank: int = field(
+        default=0,
+        metadata=doc(
+            "Pipeline stages on each rank (Megatron's virtual pipeline size): 0 = the "
+            "schedule's default (1 for GPipe/1F1B, 2 for the others); more than 2 only for "
+            "Interleaved1F1B and InterleavedZeroBubble. pp x this must split the layers evenly."
+        ),
+    )
     auto: bool = field(
         default=False,
         metadata=doc(
@@ -181,6 +189,7 @@ class ParallelSection:
             _positive("dp_shard", self.dp_shard)
         _positive("world_size", self.world_size, allow_zero=True)
         _positive("pp_microbatches", self.pp_microbatches, allow_zero=True)
+        _positive("pp_stages_per_rank", self.pp_stages_per_rank, allow_zero=True)
 
 
 @dataclass

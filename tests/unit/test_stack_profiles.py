@@ -170,3 +170,36 @@ def test_predict_cli_stack(capsys):
         main(["--recipe", "llama3_70b", "--cluster", "hgx_h100_ib", "--stack", "megatrn"])
     assert e.value.code == 2
     assert "did you mean 'megatron_te'" in capsys.readouterr().err
+
+
+def test_pp_stages_per_rank_is_checked_and_reaches_torchtitan():
+    """Megatron's virtual pipeline size as a recipe key: validated at load, priced by the
+    model, and passed to torchtitan as layers per stage (its own way to set it)."""
+    base = ["parallel.world_size=64", "parallel.tp=4", "parallel.pp=8", "parallel.dp_shard=2",
+            "parallel.pp_microbatches=8", "training.local_batch_size=8"]  # fmt: skip
+    bad = load_recipe("recipes/llama3_70b.toml", [*base, "parallel.pp_stages_per_rank=3"])
+    with pytest.raises(ConfigError) as e:
+        check_recipe(bad, 64)
+    assert e.value.key == "parallel.pp_stages_per_rank"  # 1F1B runs one stage per rank
+    r = load_recipe(
+        "recipes/llama3_70b.toml",
+        [*base, "parallel.pp_schedule=Interleaved1F1B", "parallel.pp_stages_per_rank=5"],
+    )
+    lay = check_recipe(r, 64)
+    w = workload_from_recipe(r, lay)
+    assert w.stages_per_rank == 5
+    from runtime.build import build_trainer_config, choose_kernels
+    from runtime.platform import Platform
+
+    platform = Platform(device_type="cuda", device_name="NVIDIA H100 80GB HBM3",
+                        compute_capability=(9, 0), backend="nccl")  # fmt: skip
+    cfg = build_trainer_config(
+        r, lay, platform=platform, kernels=choose_kernels(r, platform), tokenizer_path="unused"
+    )
+    par = cfg.parallelism
+    # torchtitan: stages = ceil((layers + first_less + last_less) / layers_per_stage), and
+    # stages / pp per rank. 80 layers, 8 x 5 = 40 stages: 2 per stage (Megatron's split).
+    lps = par.pipeline_parallel_layers_per_stage
+    eff = 80 + par.pipeline_parallel_first_stage_less_layers
+    eff += par.pipeline_parallel_last_stage_less_layers
+    assert lps == 2 and -(-eff // lps) == 8 * 5
