@@ -220,8 +220,52 @@ GT, H100, H200, B200, GB200 = (
     "hgx_b200_ib",
     "gb200_nvl72",
 )
-MCORE_ASSUMED = "no activation recompute (the performance recipes' default for these rows)"
+MCORE_ASSUMED = "no activation recompute (the tables list none)"
 FP8_CS = "FP8-CS = per-tensor current scaling (fp8_tensorwise GEMMs)"
+FP8_DELAYED = "FP8 = per-tensor delayed scaling (TE's default then; the table says FP8)"
+
+# NVIDIA's tables, row by row as published: (source, cluster, model, GPUs, GBS, MBS,
+# layout {tp, pp, cp, vp, fsdp, linear}, tokens/s/GPU). FP8 is per-tensor unless MXFP8.
+# fmt: off
+MCORE_ROWS: tuple[tuple[str, str, str, int, int, int, dict[str, Any], float], ...] = (
+    ("dgxc2502", H100, "70B", 64, 128, 1, dict(tp=4, pp=4, cp=2, vp=5, linear="bf16"), 1121),
+    ("nemo2407", H100, "8B", 8, 128, 1, dict(cp=2), 12036),
+    ("nemo2407", H100, "70B", 64, 128, 1, dict(tp=4, pp=4, cp=2, vp=5), 1533),
+    ("nemo2502", B200, "8B", 8, 128, 2, {}, 26006),
+    ("nemo2502", B200, "70B", 64, 128, 1, dict(tp=2, pp=4, cp=2, vp=5), 3062),
+    ("nemo2502", B200, "405B", 128, 64, 1, dict(tp=4, pp=8, cp=2, vp=8), 625),
+    ("nemo2504", GB200, "8B", 8, 128, 2, {}, 33099),
+    ("nemo2504", GB200, "70B", 64, 128, 1, dict(fsdp=True), 4035),
+    ("nemo2504", GB200, "405B", 128, 64, 1, dict(tp=4, pp=8, cp=2, vp=8), 665),
+    ("mb2511", H100, "8B", 8, 128, 1, dict(fsdp=True), 14451),
+    ("mb2511", H100, "70B", 64, 128, 1, dict(tp=4, pp=8, vp=5), 1602),
+    ("mb2511", H100, "405B", 1024, 512, 1, dict(tp=8, pp=8, cp=2, vp=8), 292),
+    ("mb2511", B200, "8B", 8, 128, 2, {}, 30624),
+    ("mb2511", B200, "405B", 128, 64, 1, dict(tp=4, pp=8, cp=2, vp=8), 661),
+    ("mb2511", GB200, "8B", 8, 128, 2, {}, 31508),
+    ("mb2511", GB200, "70B", 64, 256, 2, dict(fsdp=True), 4312),
+    ("mb2511", GB200, "405B", 256, 1536, 1, dict(tp=4, pp=16, vp=4), 813),
+    ("mb2602", H100, "70B", 64, 256, 1, dict(tp=4, pp=8, vp=5), 1621),
+    ("mb2602", H100, "405B", 1024, 1536, 1, dict(tp=8, pp=8, cp=2, vp=8), 311),
+    ("mb2602", GB200, "70B", 64, 256, 2, dict(fsdp=True), 4040),
+    ("mb2602", GB200, "70B", 64, 256, 1, dict(tp=2, pp=4, vp=5, linear="mxfp8"), 3613),
+    ("mb2602", GB200, "405B", 256, 1536, 1, dict(tp=4, pp=16, vp=4), 793),
+    ("mb2602", GB200, "405B", 256, 1536, 1, dict(tp=4, pp=16, vp=8, linear="mxfp8"), 786),
+)
+# fmt: on
+
+
+def _mcore_layout(w: Workload, kw: dict[str, Any]) -> str:
+    """A row's layout as NVIDIA's columns state it, e.g. TP4xPP8(VP5)xCP2 or FSDP64."""
+    lay = w.layout
+    if kw.get("fsdp"):
+        return f"FSDP{lay.dp_shard}"
+    parts = [f"TP{lay.tp}"] if lay.tp > 1 else []
+    if lay.pp > 1:
+        parts.append(f"PP{lay.pp}" + (f"(VP{w.virtual_stages})" if w.virtual_stages else ""))
+    if lay.cp > 1:
+        parts.append(f"CP{lay.cp}")
+    return "x".join(parts) or f"DP{lay.dp}"
 
 
 def rows() -> list[Row]:
@@ -346,131 +390,22 @@ def rows() -> list[Row]:
                 assumed="llama3_8b.toml defaults: seq 8192, selective AC; float8 = tensorwise",
             )
         )
-    mc = [
-        # (name, source, cluster, workload, tok/s/GPU, assumed)
-        (
-            "70B TP4xPP4(VP5)xCP2 BF16",
-            "dgxc2502",
-            H100,
-            _mcore("70B", 64, 128, 1, tp=4, pp=4, cp=2, vp=5, linear="bf16"),
-            1121,
-        ),
-        ("8B CP2 FP8", "nemo2407", H100, _mcore("8B", 8, 128, 1, cp=2), 12036),
-        (
-            "70B TP4xPP4(VP5)xCP2 FP8",
-            "nemo2407",
-            H100,
-            _mcore("70B", 64, 128, 1, tp=4, pp=4, cp=2, vp=5),
-            1533,
-        ),
-        ("8B DP8 FP8", "nemo2502", B200, _mcore("8B", 8, 128, 2), 26006),
-        (
-            "70B TP2xPP4(VP5)xCP2 FP8",
-            "nemo2502",
-            B200,
-            _mcore("70B", 64, 128, 1, tp=2, pp=4, cp=2, vp=5),
-            3062,
-        ),
-        (
-            "405B TP4xPP8(VP8)xCP2 FP8",
-            "nemo2502",
-            B200,
-            _mcore("405B", 128, 64, 1, tp=4, pp=8, cp=2, vp=8),
-            625,
-        ),
-        ("8B DP8 FP8", "nemo2504", GB200, _mcore("8B", 8, 128, 2), 33099),
-        ("70B FSDP64 FP8", "nemo2504", GB200, _mcore("70B", 64, 128, 1, fsdp=True), 4035),
-        (
-            "405B TP4xPP8(VP8)xCP2 FP8",
-            "nemo2504",
-            GB200,
-            _mcore("405B", 128, 64, 1, tp=4, pp=8, cp=2, vp=8),
-            665,
-        ),
-        ("8B FSDP8 FP8", "mb2511", H100, _mcore("8B", 8, 128, 1, fsdp=True), 14451),
-        (
-            "70B TP4xPP8(VP5) FP8",
-            "mb2511",
-            H100,
-            _mcore("70B", 64, 128, 1, tp=4, pp=8, vp=5),
-            1602,
-        ),
-        (
-            "405B TP8xPP8(VP8)xCP2 FP8",
-            "mb2511",
-            H100,
-            _mcore("405B", 1024, 512, 1, tp=8, pp=8, cp=2, vp=8),
-            292,
-        ),
-        ("8B DP8 FP8", "mb2511", B200, _mcore("8B", 8, 128, 2), 30624),
-        (
-            "405B TP4xPP8(VP8)xCP2 FP8",
-            "mb2511",
-            B200,
-            _mcore("405B", 128, 64, 1, tp=4, pp=8, cp=2, vp=8),
-            661,
-        ),
-        ("8B DP8 FP8", "mb2511", GB200, _mcore("8B", 8, 128, 2), 31508),
-        ("70B FSDP64 FP8", "mb2511", GB200, _mcore("70B", 64, 256, 2, fsdp=True), 4312),
-        (
-            "405B TP4xPP16(VP4) FP8",
-            "mb2511",
-            GB200,
-            _mcore("405B", 256, 1536, 1, tp=4, pp=16, vp=4),
-            813,
-        ),
-        (
-            "70B TP4xPP8(VP5) FP8",
-            "mb2602",
-            H100,
-            _mcore("70B", 64, 256, 1, tp=4, pp=8, vp=5),
-            1621,
-        ),
-        (
-            "405B TP8xPP8(VP8)xCP2 FP8",
-            "mb2602",
-            H100,
-            _mcore("405B", 1024, 1536, 1, tp=8, pp=8, cp=2, vp=8),
-            311,
-        ),
-        ("70B FSDP64 FP8", "mb2602", GB200, _mcore("70B", 64, 256, 2, fsdp=True), 4040),
-        (
-            "70B TP2xPP4(VP5) MXFP8",
-            "mb2602",
-            GB200,
-            _mcore("70B", 64, 256, 1, tp=2, pp=4, vp=5, linear="mxfp8"),
-            3613,
-        ),
-        (
-            "405B TP4xPP16(VP4) FP8",
-            "mb2602",
-            GB200,
-            _mcore("405B", 256, 1536, 1, tp=4, pp=16, vp=4),
-            793,
-        ),
-        (
-            "405B TP4xPP16(VP8) MXFP8",
-            "mb2602",
-            GB200,
-            _mcore("405B", 256, 1536, 1, tp=4, pp=16, vp=8, linear="mxfp8"),
-            786,
-        ),
-    ]
     gpn = {H100: 8, H200: 8, B200: 8, GB200: 4}
-    for name, src, cl, w, tps in mc:
-        fp8 = "FP8" in name and "MXFP8" not in name
-        assumed = MCORE_ASSUMED + (
-            "; " + FP8_CS if fp8 and src not in ("nemo2407", "nemo2502") else ""
-        )
-        if src in ("nemo2407", "nemo2502"):
-            assumed += "; FP8 = per-tensor delayed scaling (TE's default then; the table says FP8)"
-        gpu = {H100: "H100", B200: "B200", GB200: "GB200"}[cl]
+    gpu_of = {H100: "H100", B200: "B200", GB200: "GB200"}
+    for src, cl, flavor, gpus, gbs, mbs, kw, tps in MCORE_ROWS:
+        w = _mcore(flavor, gpus, gbs, mbs, **kw)
+        lin = w.linear
+        prec = {"bf16": "BF16", "mxfp8": "MXFP8"}.get(lin, "FP8")
+        assumed = MCORE_ASSUMED
+        if prec == "FP8":
+            delayed = src in ("nemo2407", "nemo2502")
+            assumed += "; " + (FP8_DELAYED if delayed else FP8_CS)
         out.append(
             Row(
-                f"{name} {gpu} x{w.layout.world_size}",
+                f"{flavor} {_mcore_layout(w, kw)} {prec} {gpu_of[cl]} x{gpus}",
                 src,
                 cl,
-                w.layout.world_size // gpn[cl],
+                gpus // gpn[cl],
                 w,
                 tps,
                 assumed=assumed,
