@@ -392,7 +392,7 @@ def rows() -> list[Row]:
         )
     gpn = {H100: 8, H200: 8, B200: 8, GB200: 4}
     gpu_of = {H100: "H100", B200: "B200", GB200: "GB200"}
-    for src, cl, flavor, gpus, gbs, mbs, kw, tps in MCORE_ROWS:
+    for src, cl, flavor, gpus, gbs, mbs, kw, mc_tps in MCORE_ROWS:
         w = _mcore(flavor, gpus, gbs, mbs, **kw)
         lin = w.linear
         prec = {"bf16": "BF16", "mxfp8": "MXFP8"}.get(lin, "FP8")
@@ -407,7 +407,7 @@ def rows() -> list[Row]:
                 cl,
                 gpus // gpn[cl],
                 w,
-                tps,
+                mc_tps,
                 assumed=assumed,
             )
         )
