@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from recipe.errors import exit_on_config_error
-from tools._common import add_recipe_cluster_args, load
+from tools._common import add_recipe_cluster_args, add_stack_arg, load, load_stack_arg
 
 
 def predict_recipe(recipe, cluster, stack: str = "torchtitan") -> tuple[dict, object]:
@@ -248,18 +248,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     add_recipe_cluster_args(p)
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument(
-        "--stack",
-        default="torchtitan",
-        help="software-stack profile in stacks/ (torchtitan: what recipes run; megatron_te: "
-        "Megatron-Core + Transformer Engine, for published NeMo / Megatron-Bridge runs)",
-    )
+    add_stack_arg(p)
     args = p.parse_args(argv)
+    stack = load_stack_arg(args)
     recipe, cluster = load(args)
-    from parallel.stacks import load_stack
-
-    load_stack(args.stack)  # a ConfigError naming the known profiles, before any work
-    out, pred = predict_recipe(recipe, cluster, args.stack)
+    out, pred = predict_recipe(recipe, cluster, stack)
     if args.json:
         json.dump(out, sys.stdout, indent=2)
         print()
