@@ -549,6 +549,13 @@ def predict(
     local_params = 0.0 if w.lora_rank else s.total_params / (t * p * opt_shards)
     t_opt = local_params * st.optimizer_bytes_per_param / links.hbm
     n = slots * layers_rank
+    # Eager launches cost host time per kernel; it shows only when the host is slower than
+    # the GPU work it launches (small blocks, narrow TP shards). A CUDA graph replays the
+    # step from one launch, so that exposed time goes to 0.
+    host_exposed = 0.0
+    if not (links.is_cpu or w.cuda_graphs):
+        per_block = st.kernels_per_block_compiled if w.compile else st.kernels_per_block_eager
+        host_exposed = max(0.0, per_block * st.kernel_launch_s - L.total)
     breakdown = {
         "matmul_s": n * (L.fwd_mm + L.bwd_mm + L.recompute_mm),
         "attention_s": n * L.attention,
@@ -561,6 +568,7 @@ def predict(
         "pp_p2p_s": t_p2p,
         "pp_bubble_s": t_bubble,
         "optimizer_s": t_opt,
+        "host_launch_s": n * host_exposed,
     }
     step = sum(breakdown.values())
 

@@ -66,7 +66,9 @@ class Stack:
     comm_sm_slowdown: float
     optimizer_bytes_per_param: float
     grad_reduce_bytes: float
-    cuda_graph_speedup: float
+    kernel_launch_s: float
+    kernels_per_block_eager: float
+    kernels_per_block_compiled: float
     sources: dict[str, str] = field(default_factory=dict)
     path: str = ""
 
@@ -93,7 +95,9 @@ _CONSTANTS = (
     "comm_sm_slowdown",
     "optimizer_bytes_per_param",
     "grad_reduce_bytes",
-    "cuda_graph_speedup",
+    "kernel_launch_s",
+    "kernels_per_block_eager",
+    "kernels_per_block_compiled",
 )
 _TOP = (
     "name",
@@ -160,7 +164,7 @@ def parse_stack(data: dict[str, Any], file: str) -> Stack:
         if k not in consts:
             raise ConfigError("missing", file=file, key=f"constants.{k}")
     c: dict[str, Any] = {k: _num(consts[k], file, f"constants.{k}") for k in _CONSTANTS}
-    for k in ("attention_eff", "tp_hidden", "comm_sm_slowdown", "cuda_graph_speedup"):
+    for k in ("attention_eff", "tp_hidden", "comm_sm_slowdown"):
         _num(c[k], file, f"constants.{k}", 0.0, 1.0)
     flags: dict[str, Any] = {}
     for k in (

@@ -38,6 +38,7 @@ class Workload:
     compile: bool = False
     dtype: str = "bfloat16"
     async_tp: bool = False
+    cuda_graphs: bool = False  # forward+backward replayed from a CUDA graph (pp = 1 only)
     fp8_all_gather: bool = False  # FSDP all-gather in FP8 (tensorwise scaling only)
     cp_rotate: str = "allgather"  # torch CP: allgather (exposed) | alltoall (ring, overlapped)
     doc_len: int = 0  # mean document length under document masking; 0 = causal over seq
