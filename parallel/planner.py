@@ -32,6 +32,7 @@ from parallel.cluster import Cluster
 from parallel.memory import MemoryProfile, memory_profile, runtime_overhead_gib
 from parallel.perf import Prediction, predict
 from parallel.placement import planned_traffic
+from parallel.stacks import load_stack
 from parallel.workload import Workload, linear_for, planned_spans
 from recipe.errors import ConfigError
 from recipe.loader import check_layout, effective_shape
@@ -188,6 +189,7 @@ def search(
     dom = cluster.nvlink_domain_gpus
     gbs, warning = planned_global_batch(recipe, world)
     derived = tr.global_batch_size == -1
+    zero1_stack = load_stack(stack).data_parallel == "distributed_optimizer"
     plans: list[Plan] = []
     rejected: list[Rejected] = []
     candidates = 0
@@ -270,15 +272,18 @@ def search(
                                 continue
                             fit = None
                             last_reason = ""
+                            # A ZeRO-1 stack (no FSDP) shards its optimizer over the replicas:
+                            # its memory depends on dp_replicate, so price the real layout.
+                            zero1 = zero1_stack and rep == dp
                             for local in locals_:
-                                mkey = (tp, cp, pp, sched, mbs, ac, local)
+                                mkey = (tp, cp, pp, sched, mbs, ac, local, zero1)
                                 accum = 1 if pp > 1 else share // local
                                 prof = profiles.get(mkey)
                                 if prof is None:
                                     prof = profiles[mkey] = memory_profile(
                                         dataclasses.replace(
                                             base,
-                                            layout=probe,
+                                            layout=layout if zero1 else probe,
                                             local_batch_size=local,
                                             pp_schedule=sched if pp > 1 else "1F1B",
                                             pp_microbatches=mbs,

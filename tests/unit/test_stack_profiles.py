@@ -203,3 +203,23 @@ def test_pp_stages_per_rank_is_checked_and_reaches_torchtitan():
     eff = 80 + par.pipeline_parallel_first_stage_less_layers
     eff += par.pipeline_parallel_last_stage_less_layers
     assert lps == 2 and -(-eff // lps) == 8 * 5
+
+
+def test_planner_prices_memory_on_the_stack():
+    """Every plan's memory equals the direct estimate of its own workload on that stack
+    (ZeRO-1 shards the optimizer over replicas, FSDP over dp_shard)."""
+    r = load_recipe("recipes/llama3_70b_h100.toml")
+    c = load_cluster("hgx_h100_ib")
+    res = search(r, c, stack="megatron_te")
+    zero1 = [p for p in res.plans if p.layout.dp_shard == 1 and p.layout.dp_replicate > 1]
+    assert zero1 and res.plans
+    for p in zero1[:5] + res.plans[:5]:
+        w = Workload(
+            model_shape("70B"), r.training.seq_len, p.local_batch_size, p.layout,
+            grad_accum=1 if p.layout.pp > 1 else p.microbatches,
+            pp_schedule=p.pp_schedule or "1F1B",
+            pp_microbatches=p.microbatches if p.layout.pp > 1 else 0,
+            ac=p.activation_checkpoint, linear=p.prediction.workload.linear,
+            compile=r.training.compile, stack="megatron_te",
+        )  # fmt: skip
+        assert p.memory_gib == pytest.approx(estimate_memory(w).reserved_gib, rel=1e-9)
