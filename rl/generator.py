@@ -55,8 +55,12 @@ class _Cache:
     v: list[torch.Tensor] = field(default_factory=list)
 
 
+def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return list(model.layers.values())  # type: ignore[union-attr, operator]
+
+
 def _check_supported(model: torch.nn.Module) -> None:
-    for layer in model.layers.values():
+    for layer in _layers(model):
         if getattr(layer, "moe", None) is not None:
             raise NotImplementedError("KV-cache decoding of MoE layers is not implemented")
         if not hasattr(layer, "attention") or not hasattr(layer.attention, "qkv_linear"):
@@ -93,7 +97,7 @@ def _attention(attn, x, positions, cache: _Cache, i: int, start: int, key_ok: to
 
 def _forward_cached(model, tokens, positions, cache: _Cache, start: int, key_ok) -> torch.Tensor:
     h = model.tok_embeddings(tokens)
-    for i, layer in enumerate(model.layers.values()):
+    for i, layer in enumerate(_layers(model)):
         h = h + _attention(
             layer.attention, layer.attention_norm(h), positions, cache, i, start, key_ok
         )
@@ -183,7 +187,7 @@ class Generator:
         lens = torch.tensor([len(p) for _, p in rows], device=dev)
         positions = (torch.arange(P, device=dev)[None] - (P - lens)[:, None]).clamp(min=0)
         cache = _Cache()
-        for layer in self.model.layers.values():
+        for layer in _layers(self.model):
             a = layer.attention
             shape = (B, total, a.n_kv_heads, a.head_dim)
             cache.k.append(torch.zeros(shape, dtype=self.dtype, device=dev))
