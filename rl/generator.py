@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,8 +56,8 @@ class _Cache:
     v: list[torch.Tensor] = field(default_factory=list)
 
 
-def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return list(model.layers.values())  # type: ignore[union-attr, operator]
+def _layers(model: Any) -> list[Any]:
+    return list(model.layers.values())
 
 
 def _check_supported(model: torch.nn.Module) -> None:
@@ -95,7 +96,9 @@ def _attention(attn, x, positions, cache: _Cache, i: int, start: int, key_ok: to
     return attn.wo(out.transpose(1, 2).flatten(2))
 
 
-def _forward_cached(model, tokens, positions, cache: _Cache, start: int, key_ok) -> torch.Tensor:
+def _forward_cached(
+    model: Any, tokens, positions, cache: _Cache, start: int, key_ok
+) -> torch.Tensor:
     h = model.tok_embeddings(tokens)
     for i, layer in enumerate(_layers(model)):
         h = h + _attention(
@@ -134,7 +137,7 @@ class Generator:
         # Parameters only: `model.to(dtype)` would also cast RoPE's complex cache to real.
         for prm in model.parameters():
             prm.data = prm.data.to(dtype)
-        self.model = model.eval().requires_grad_(False)
+        self.model: Any = model.eval().requires_grad_(False)
         self.dtype = dtype
         self.pad_id = pad_id
         self.max_batch = max_batch
