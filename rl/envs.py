@@ -80,7 +80,7 @@ class Arithmetic(_Generated):
 
     name = "arithmetic"
 
-    def __init__(self, max_operand: int = 50) -> None:
+    def __init__(self, max_operand: int = 20) -> None:
         self.max_operand = max_operand
 
     def make(self, rng: random.Random) -> Task:

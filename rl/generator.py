@@ -143,6 +143,8 @@ class Generator:
         self.max_batch = max_batch
         self.version = 0
         self._lock = threading.Lock()
+        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
+        self._pending_lock = threading.Lock()
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, **kw) -> Generator:
@@ -155,12 +157,38 @@ class Generator:
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Load full weights or a subset (a LoRA adapter); refuses unknown names."""
+        self._check_names(state_dict)
+        with self._lock, torch.no_grad():
+            self.model.load_state_dict(state_dict, strict=False)
+            self.version = version
+
+    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Queue an update that the next `generate` applies first: the trainer never waits
+        for a generation in flight (asynchronous RL). A newer staged update replaces an older
+        one that was never applied."""
+        self._check_names(state_dict)
+        with self._pending_lock:
+            self._pending = (state_dict, version)
+
+    def _check_names(self, state_dict: dict[str, torch.Tensor]) -> None:
         own = self.model.state_dict()
         unknown = [k for k in state_dict if k not in own]
         if unknown:
             raise KeyError(f"weights not in the generator's model: {unknown[:5]}")
-        with self._lock, torch.no_grad():
-            self.model.load_state_dict(state_dict, strict=False)
+
+    @property
+    def latest_version(self) -> int:
+        """The newest version staged or loaded."""
+        with self._pending_lock:
+            return self._pending[1] if self._pending is not None else self.version
+
+    def _apply_pending(self) -> None:
+        with self._pending_lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            sd, version = pending
+            with torch.no_grad():
+                self.model.load_state_dict(sd, strict=False)
             self.version = version
 
     @torch.no_grad()
@@ -173,6 +201,7 @@ class Generator:
         gen.manual_seed(params.seed if params.seed is not None else torch.seed())
         out: list[Sample] = []
         with self._lock:
+            self._apply_pending()
             version = self.version
             for s in range(0, len(rows), self.max_batch):
                 out += self._generate_batch(rows[s : s + self.max_batch], params, gen, version)
