@@ -63,13 +63,18 @@ class _Generated:
             raise ValueError(f"split must be train or eval, got {split!r}")
         rng = random.Random(f"{self.name}:{split}:{seed}")
         out: list[Task] = []
-        for _ in range(1000 * n):
+        seen: set[str] = set()
+        # Distinct prompts; a small task space may hold fewer than n (all of them returned).
+        for _ in range(200 * n):
             t = self.make(rng)
-            if is_held_out(t.prompt) == (split == "eval"):
+            if t.prompt not in seen and is_held_out(t.prompt) == (split == "eval"):
+                seen.add(t.prompt)
                 out.append(t)
                 if len(out) == n:
-                    return out
-        raise RuntimeError(f"{self.name}: could not draw {n} {split} prompts")
+                    break
+        if not out:
+            raise RuntimeError(f"{self.name}: no {split} prompts")
+        return out
 
     def reward(self, task: Task, completion: str) -> float:
         return positional_match(task.answer, completion)

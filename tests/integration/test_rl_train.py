@@ -76,6 +76,13 @@ def test_failing_reward_stops_with_checkpoint_then_resumes(tmp_path):
     assert p.returncode != 0
     assert "reward service went down" in p.stdout + p.stderr
     assert (out / "checkpoint" / "step-2").is_dir()  # both completed updates kept
-    run_train(out, common, recipe=RECIPE)
+    # The resumed run samples with a bfloat16 generator against the float32 trainer: the
+    # mismatch metric must show it (the first run, float32 on both sides, shows ~0).
+    run_train(out, common + ["rl.generator_dtype=bfloat16"], recipe=RECIPE)
     traj = read_trajectory(out / "metrics.jsonl")
     assert [r["step"] for r in traj] == [1, 2, 3, 4]
+    assert max(r["train_infer_max_abs_diff"] for r in traj[:2]) < 1e-4
+    assert min(r["train_infer_max_abs_diff"] for r in traj[2:]) > 1e-3
+    assert min(r["train_infer_kl"] for r in traj[2:]) > 1e3 * max(
+        max(r["train_infer_kl"] for r in traj[:2]), 1e-12
+    )

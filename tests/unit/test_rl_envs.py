@@ -49,3 +49,9 @@ def test_user_reward_and_errors():
         load_callable("no_such_module_xyz:f")
     with pytest.raises(ValueError, match="no callable"):
         load_callable("rl.envs:nothing_here")
+
+
+def test_eval_prompts_are_distinct_and_capped_by_the_task_space():
+    ev = Arithmetic(max_operand=20).tasks("eval", 500, seed=0)
+    prompts = [t.prompt for t in ev]
+    assert len(prompts) == len(set(prompts)) == 55  # every held-out a+b with a, b < 20
