@@ -119,15 +119,38 @@ class RLRun:
         self.mp = trainer.metrics_processor
 
     # -- pieces ------------------------------------------------------------------------
-    def _build_generator(self, model: torch.nn.Module) -> Generator:
+    def _fresh_model(self) -> torch.nn.Module:
+        """An unsharded copy of the trainer's model architecture (weights loaded later)."""
         cfg = self.job.config.model_spec.model
-        dtype = torch.bfloat16 if self.rl.generator_dtype == "bfloat16" else torch.float32
         with torch.device(self.policy.device):
-            gm = cfg.build()
-        gm.init_states(buffer_device=self.policy.device)
-        gen = Generator(gm, dtype=dtype, pad_id=self.eos or 0)
+            m = cfg.build()
+        m.init_states(buffer_device=self.policy.device)
+        return m
+
+    def _build_generator(self, model: torch.nn.Module) -> Generator:
+        dtype = torch.bfloat16 if self.rl.generator_dtype == "bfloat16" else torch.float32
+        gen = Generator(self._fresh_model(), dtype=dtype, pad_id=self.eos or 0)
         gen.update_weights(full_state_dict(model), version=0)
         return gen
+
+    def attach_reference(self) -> None:
+        """kl_coef > 0: a frozen copy of the policy RL starts from (after any warmup). Saved
+        once to <output_dir>/rl_reference.pt so a resumed run keeps the same reference."""
+        if self.rl.kl_coef <= 0:
+            return
+        import os
+
+        path = os.path.join(self.job.recipe.output_dir, "rl_reference.pt")
+        if os.path.exists(path):
+            sd = torch.load(path, map_location=self.policy.device, weights_only=True)
+        else:
+            sd = full_state_dict(self.policy.model)
+            if self.rank == 0:
+                torch.save(sd, path + ".tmp")
+                os.replace(path + ".tmp", path)
+        ref = self._fresh_model()
+        ref.load_state_dict(sd)
+        self.policy.reference = ref.eval().requires_grad_(False)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_bos=True, add_eos=False)
@@ -282,6 +305,7 @@ def _train(job: Any, trainer: Any) -> dict[str, Any] | None:
     rl = r.rl
     if start == 0:
         r.sft_warmup()
+    r.attach_reference()
     r.push_weights(start)
     mp = r.mp
     errors_total = 0

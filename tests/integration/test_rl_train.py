@@ -39,12 +39,14 @@ def test_async_run_metrics_and_skipped_reward_errors(tmp_path):
             "rl.mode=async",
             "rl.max_policy_lag=1",
             "rl.tis_cap=2.0",
+            "rl.kl_coef=0.05",
             "rl.reward=tests.integration._rl_rewards:flaky",
         ],
         recipe=RECIPE,
     )
     traj = read_trajectory(out / "metrics.jsonl")
     assert [r["step"] for r in traj] == [1, 2, 3, 4]
+    assert (out / "rl_reference.pt").is_file()  # the KL reference, kept for a resume
     for r in traj:
         for k in ("reward_mean", "policy_lag", "trainer_wait_pct", "behaviour_kl"):
             assert k in r, k
