@@ -51,7 +51,7 @@ def check(job: Any) -> None:
                 raise ConfigError(str(e), file=f, key=f"rl.{key}") from None
     try:
         make_env(rl.env, rl.reward)
-    except KeyError:
+    except (KeyError, ValueError):
         raise ConfigError(
             f"unknown environment {rl.env!r}: expected arithmetic, letter_sort or 'module:factory'",
             file=f,
@@ -372,6 +372,7 @@ def _train(job: Any, trainer: Any) -> dict[str, Any] | None:
                 extra.update(ev)
                 if ev:
                     mp.write_event("rl_eval", step=step, **ev)
+            mp.data_loading_times.append(t_wait)  # data_loading_pct = rollout wait share
             ntok = int(stats.get("trained_tokens", 0))
             mp.ntokens_since_last_log += ntok
             mp.useful_ntokens_since_last_log += ntok

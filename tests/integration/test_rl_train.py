@@ -11,6 +11,8 @@ import pytest
 from runtime.metrics import read_trajectory
 from tests.conftest import run_train
 
+pytestmark = pytest.mark.slow  # 1-2.5 min each on 2 loaded cores (three train.py runs)
+
 RECIPE = "recipes/rl_debug.toml"
 TINY = [
     "model.layers=1",
