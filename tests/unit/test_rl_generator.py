@@ -105,3 +105,22 @@ def test_sampling_params_and_vllm_errors():
         SamplingParams(top_p=0)
     with pytest.raises((RuntimeError, NotImplementedError), match="native"):
         vllm_generator()
+
+
+def test_trainable_only_update_carries_just_the_adapter_like_parameters(model):
+    """With a frozen base (as under LoRA), the update holds only the trainable tensors."""
+    import copy
+
+    trainer_model = copy.deepcopy(model)
+    for n, p in trainer_model.named_parameters():
+        p.requires_grad_(n in ("norm.weight", "lm_head.weight"))
+    with torch.no_grad():
+        trainer_model.lm_head.weight.mul_(1.5)
+    sd = full_state_dict(trainer_model, trainable_only=True)
+    assert sorted(sd) == ["lm_head.weight", "norm.weight"]
+    gen = Generator.from_model(model)
+    gen.update_weights(sd, version=1)
+    p = SamplingParams(max_tokens=5, seed=11)
+    s = gen.generate(PROMPTS[:1], p)[0]
+    ref = full_forward_logprobs(trainer_model, PROMPTS[0], s.tokens, 1.0)
+    assert max(abs(a - b) for a, b in zip(ref, s.logprobs, strict=True)) < 1e-5
