@@ -109,6 +109,10 @@ class RLRun:
             pad_id=self.eos or 0,
         )
         self.generator = self._build_generator(model)
+        # async: samples are older than the trainer's weights, so the mismatch is measured by a
+        # second copy in the generator's numerics that always holds the trainer's version and
+        # re-scores each trained batch (one prefill per update; memory: one more model copy).
+        self.probe = self._build_generator(model) if rl.mode == "async" else None
         self.sampling = SamplingParams(
             max_tokens=rl.max_new_tokens,
             temperature=rl.temperature,
@@ -218,7 +222,10 @@ class RLRun:
         }
 
     def push_weights(self, version: int) -> None:
-        self.generator.stage_weights(full_state_dict(self.policy.model), version)
+        sd = full_state_dict(self.policy.model)
+        self.generator.stage_weights(sd, version)
+        if self.probe is not None:
+            self.probe.update_weights(sd, version)
 
     def sft_warmup(self) -> None:
         """Supervised steps on reference answers (its own AdamW; the RL schedule untouched)."""
@@ -250,8 +257,17 @@ class RLRun:
             return {"loss": float("nan"), "grad_norm": 0.0}
         c, old = self.policy.score(batch.rollouts)
         lag = (step - 1) - c.versions
-        same = (lag == 0)[:, None] & c.mask.bool()
-        mm = mismatch_stats(c.sampling_logprobs, old, same) if bool(same.any()) else {}
+        if self.probe is not None:
+            rs = batch.rollouts
+            probe = self.probe.score(
+                [r.prompt for r in rs], [r.completion for r in rs], self.rl.temperature
+            )
+            mm = mismatch_stats(
+                probe, [row[m > 0].tolist() for row, m in zip(old, c.mask, strict=True)]
+            )
+        else:
+            same = (lag == 0)[:, None] & c.mask.bool()
+            mm = mismatch_stats(c.sampling_logprobs, old, same) if bool(same.any()) else {}
         behav = mismatch_stats(c.sampling_logprobs, old, c.mask)
         lb = self.policy.loss_batch(c, old)
         loss = self.policy.forward_backward(c, lb, self.loss_fn)

@@ -55,9 +55,10 @@ def test_async_run_metrics_and_skipped_reward_errors(tmp_path):
         for k in ("reward_mean", "policy_lag", "trainer_wait_pct", "behaviour_kl"):
             assert k in r, k
         assert 0 <= r["policy_lag"] <= r["policy_lag_max"] <= 1
-    # train_infer_* are measured on lag-0 samples (same weights on both sides); update 1 has
-    # only those, and fp32 on both sides means ~0 mismatch.
-    assert traj[0]["train_infer_max_abs_diff"] < 1e-4
+    # async: the probe (generator numerics, trainer's version) re-scores every trained batch;
+    # fp32 on both sides means ~0 mismatch on every update, lagged samples included.
+    assert all(r["train_infer_max_abs_diff"] < 1e-4 for r in traj)
+    assert max(r["policy_lag"] for r in traj) > 0
     errors = events(out, "rl_rollout_error")
     assert sum(r["rollout_errors"] for r in traj) == len(errors) > 0
     assert all("reward service unavailable" in e["error"] for e in errors)

@@ -124,3 +124,13 @@ def test_trainable_only_update_carries_just_the_adapter_like_parameters(model):
     s = gen.generate(PROMPTS[:1], p)[0]
     ref = full_forward_logprobs(trainer_model, PROMPTS[0], s.tokens, 1.0)
     assert max(abs(a - b) for a, b in zip(ref, s.logprobs, strict=True)) < 1e-5
+
+
+def test_teacher_forced_score_equals_sampling_logprobs(model):
+    gen = Generator.from_model(model)
+    samples = gen.generate(PROMPTS, SamplingParams(max_tokens=6, n=2, seed=13, temperature=0.8))
+    scored = gen.score([PROMPTS[s.prompt_index] for s in samples], [s.tokens for s in samples], 0.8)
+    worst = max(
+        abs(a - b) for s, sc in zip(samples, scored, strict=True) for a, b in zip(s.logprobs, sc)
+    )
+    assert worst < 1e-5, worst
