@@ -131,6 +131,8 @@ def test_teacher_forced_score_equals_sampling_logprobs(model):
     samples = gen.generate(PROMPTS, SamplingParams(max_tokens=6, n=2, seed=13, temperature=0.8))
     scored = gen.score([PROMPTS[s.prompt_index] for s in samples], [s.tokens for s in samples], 0.8)
     worst = max(
-        abs(a - b) for s, sc in zip(samples, scored, strict=True) for a, b in zip(s.logprobs, sc)
+        abs(a - b)
+        for s, sc in zip(samples, scored, strict=True)
+        for a, b in zip(s.logprobs, sc, strict=True)
     )
     assert worst < 1e-5, worst
