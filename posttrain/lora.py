@@ -32,7 +32,7 @@ _HF_NAMES = {"wo": "self_attn.o_proj", "w1": "mlp.gate_proj", "w2": "mlp.down_pr
              "w3": "mlp.up_proj"}  # fmt: skip
 
 
-def lora_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, Any]]:
     """(name, module) of every LoRA-converted linear, in model order."""
     for name, m in model.named_modules():
         if isinstance(getattr(m, "lora_a", None), nn.Module) and hasattr(m, "lora_b"):
@@ -52,7 +52,11 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def base_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every non-adapter parameter and buffer (for the bit-identical-base check)."""
-    return {k: v.detach().clone() for k, v in model.state_dict().items() if ".lora_" not in k}
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in model.state_dict().items()
+        if ".lora_" not in k
+    }
 
 
 def init_adapter(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
@@ -189,20 +193,20 @@ def export_peft(
 
 # -- merged model ------------------------------------------------------------------------------
 @torch.no_grad()
-def merged_state_dict(model: nn.Module, scale: float) -> dict[str, torch.Tensor]:
-    """The base model's state dict with every adapter folded in (W + scale * B A), in
-    torchtitan names (no lora keys). The model is left exactly as it was."""
-    saved = []
-    try:
-        for _, m in lora_modules(model):
-            w = m.weight
-            saved.append((w, w.detach().clone()))
-            delta = m.lora_b.weight.float() @ m.lora_a.weight.float()
-            w.add_((scale * delta).to(w.dtype))
-        return {k: v.detach().clone() for k, v in model.state_dict().items() if ".lora_" not in k}
-    finally:
-        for w, orig in saved:
-            w.copy_(orig)
+def merge_into_hf(
+    hf_state: dict[str, torch.Tensor], peft: dict[str, torch.Tensor], scale: float
+) -> dict[str, torch.Tensor]:
+    """Fold PEFT adapters into an HF state dict: W + scale * B A for every adapted module
+    (in float32, cast back to W's dtype). Works on the full (gathered) state of any layout."""
+    out = dict(hf_state)
+    for key, a in peft.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+        b = peft[key.replace(".lora_A.", ".lora_B.")]
+        w = out[f"{module}.weight"]
+        out[f"{module}.weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+    return out
 
 
 def llama_hf_config(model_config: Any) -> dict[str, Any]:
@@ -245,18 +249,19 @@ def llama_hf_config(model_config: Any) -> dict[str, Any]:
 def export_merged(
     folder: str,
     *,
-    model: nn.Module,
+    base: dict[str, torch.Tensor],
+    adapter: dict[str, torch.Tensor],
     model_config: Any,
     state_dict_adapter: Any,
     scale: float,
     dtype: torch.dtype = torch.float32,
 ) -> str:
-    """The merged model as a Hugging Face folder (model.safetensors + config.json)."""
+    """The merged model (base + adapter) as a Hugging Face folder (model.safetensors +
+    config.json). `base`: full torchtitan state dict without adapter keys."""
     from safetensors.torch import save_file
 
-    sd = merged_state_dict(model, scale)
-    sd = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd.items()}
-    hf = state_dict_adapter.to_hf(sd)
+    peft, _ = peft_tensors(model_config, adapter, state_dict_adapter)
+    hf = merge_into_hf(state_dict_adapter.to_hf(dict(base)), peft, scale)
     os.makedirs(folder, exist_ok=True)
     save_file(
         {k: v.detach().to(dtype).cpu().contiguous() for k, v in hf.items()},

@@ -361,6 +361,14 @@ class FinetuneSection:
         default=0,
         metadata=doc("Held-out exact match every N steps too (0 = at start and end only)."),
     )
+    adapter_schedule: Literal["turns", "batched"] = field(
+        default="turns",
+        metadata=doc(
+            "[[adapters]]: 'turns' = adapters take turns on the shared base (each exactly as "
+            "if alone); 'batched' = one forward over every adapter's rows with a segmented "
+            "multi-LoRA matmul (benchmarks/adapters.md compares them)."
+        ),
+    )
 
     def __post_init__(self) -> None:
         _positive("eval_every", self.eval_every, allow_zero=True)

@@ -91,8 +91,8 @@ def test_peft_adapter_and_merged_model_match_our_logits(tmp_path, n_kv_heads):
         got = peft_model(x).logits
     assert (got - ours).abs().max().item() < 1e-4
 
-    export_merged(str(tmp_path / "merged"), model=model, model_config=cfg,
-                  state_dict_adapter=sda, scale=ALPHA / RANK)  # fmt: skip
+    export_merged(str(tmp_path / "merged"), base=base_state(model), adapter=adapter_state(model),
+                  model_config=cfg, state_dict_adapter=sda, scale=ALPHA / RANK)  # fmt: skip
     merged = LlamaForCausalLM.from_pretrained(str(tmp_path / "merged")).float().eval()
     with torch.no_grad():
         m_logits = merged(x).logits
