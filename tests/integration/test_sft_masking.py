@@ -76,7 +76,9 @@ def test_prompt_tokens_get_exactly_zero_loss_and_gradient(chat_batch):
 
     g1 = grads(y)
     alt = y.clone()
-    alt[prompt] = torch.randint(3, 299, (int(prompt.sum()),), generator=torch.Generator().manual_seed(0))
+    alt[prompt] = torch.randint(
+        3, 299, (int(prompt.sum()),), generator=torch.Generator().manual_seed(0)
+    )
     # Control: unmasked, those labels change the gradient...
     g_leak = grads(alt)
     assert any(not torch.equal(g1[k], g_leak[k]) for k in g1)
