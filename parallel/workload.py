@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 from parallel.axes import MESH_ORDER, Layout
 from parallel.cluster import Cluster
@@ -128,7 +129,7 @@ def workload_from_recipe(recipe, layout: Layout, cluster: Cluster | None = None)
     )
 
 
-def lora_fields(recipe) -> dict[str, int]:
+def lora_fields(recipe) -> dict[str, Any]:
     """Workload fields for a recipe's [finetune]/[lora] (the planner and tools.predict)."""
     ft = getattr(recipe, "finetune", None)
     if ft is None or ft.mode != "lora":

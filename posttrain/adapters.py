@@ -166,7 +166,12 @@ class AdapterJob:
         init = init_adapter(self.model, spec.seed)
         params = {k: nn.Parameter(v.clone()) for k, v in init.items()}
         opt = torch.optim.AdamW(
-            params.values(), lr=spec.lr, weight_decay=tr.weight_decay, foreach=False
+            params.values(),
+            lr=spec.lr,
+            betas=(0.9, 0.95),  # torchtitan's AdamW defaults, as the Trainer path uses
+            eps=1e-8,
+            weight_decay=tr.weight_decay,
+            foreach=False,
         )
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: lr_factor(s, warmup=spec.warmup_steps, steps=spec.steps)

@@ -34,8 +34,12 @@ def load_examples(path: str | Path) -> list[Example]:
 
 
 def model_logits(model: Any, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """torchtitan decoder forward with document masks derived from positions."""
+    """torchtitan decoder forward with document masks derived from positions. Inside the
+    Trainer with ChunkedLossWrapper the decoder stops before its output projection (the loss
+    applies lm_head chunk by chunk); then the projection is applied here."""
     out = model(x, pos, model.get_attention_masks(positions=pos))
+    if out.shape[-1] != model.lm_head.weight.shape[0]:
+        out = model.lm_head(out)
     return out.full_tensor() if hasattr(out, "full_tensor") else out
 
 
