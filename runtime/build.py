@@ -11,6 +11,8 @@ config chosen by the kernels layer.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 from torchtitan.components.lora import LoRAConverter
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
@@ -54,6 +56,27 @@ def lora_converter(recipe: Recipe) -> LoRAConverter.Config:
     )
 
 
+def keep_frozen(parallelize_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a model's parallelize function so parameters frozen before it stay frozen.
+
+    Why: torchtitan 0.3.0's spmd-types sharding (`Module._spmd_distribute_state`)
+    re-registers each parameter as `nn.Parameter(tensor)`, which resets requires_grad to
+    True: without this, LoRA's frozen base would train (and the optimizer would hold all of
+    it). Names are stable through parallelization (FSDP2 keeps FQNs), so the frozen set is
+    restored by name before the optimizer is built.
+    """
+
+    def parallelize(model: Any, *args: Any, **kwargs: Any) -> Any:
+        frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+        out = parallelize_fn(model, *args, **kwargs)
+        for n, p in (out if out is not None else model).named_parameters():
+            if n in frozen:
+                p.requires_grad_(False)
+        return out
+
+    return parallelize
+
+
 def build_trainer_config(
     recipe: Recipe,
     layout: Layout,
@@ -76,6 +99,7 @@ def build_trainer_config(
     if recipe.finetune.mode == "lora":
         # Last converter: the base (incl. any quantized linears) frozen, adapters trained.
         spec.model = lora_converter(recipe).build().convert(spec.model)
+        spec.parallelize_fn = keep_frozen(spec.parallelize_fn)
 
     first_less, last_less = (1, 1)
     microbatch_size = 1
