@@ -248,13 +248,63 @@ class KernelsSection:
 
 
 @dataclass
+class DataSourceEntry:
+    """One `[[data.sources]]` table: a source in a weighted mix."""
+
+    source: str = field(
+        default="",
+        metadata=doc(
+            "A prepared store (tools.prepare_data), or any data.source value (unprepared "
+            "sources are tokenized in memory by every rank: small data only)."
+        ),
+    )
+    weight: float = field(
+        default=1.0,
+        metadata=doc("Share of rows (weight / sum of weights), exact over each mix_window."),
+    )
+    text_field: str = field(default="text", metadata=doc("Record field holding the text."))
+    subset: str = field(default="", metadata=doc("Hub dataset configuration (name=)."))
+    split: str = field(default="train", metadata=doc("Hub dataset split."))
+    data_files: list[str] = field(
+        default_factory=list, metadata=doc("Hub dataset files (globs) to read.")
+    )
+
+    def __post_init__(self) -> None:
+        if not self.source:
+            raise ConfigError("expected a source (a store folder, file, folder or hub name)",
+                              key="source")  # fmt: skip
+        if not self.weight > 0:
+            raise ConfigError(f"expected a positive weight, got {self.weight}", key="weight")
+
+
+@dataclass
 class DataSection:
     source: str = field(
         default="stdlib",
         metadata=doc(
             "'stdlib' (this Python's standard-library sources, one document per file), a "
+            "prepared token store folder (tools.prepare_data: rank r reads only its rows), a "
             "local .jsonl/.json/.parquet/.txt file or folder, or a Hugging Face hub name."
         ),
+    )
+    subset: str = field(
+        default="", metadata=doc("Hub sources: the dataset configuration (e.g. 'en' for C4).")
+    )
+    split: str = field(default="train", metadata=doc("Hub sources: the split to read."))
+    data_files: list[str] = field(
+        default_factory=list,
+        metadata=doc("Hub sources: only these data files (globs within the dataset repo)."),
+    )
+    sources: list[DataSourceEntry] = field(
+        default_factory=list,
+        metadata=doc(
+            "[[data.sources]]: a weighted mix of sources (replaces data.source); rows are "
+            "interleaved with exact proportions over each mix_window rows."
+        ),
+    )
+    mix_window: int = field(
+        default=1000,
+        metadata=doc("Rows over which [[data.sources]] proportions are exact."),
     )
     packing: Literal["concat", "bfd", "none"] = field(
         default="concat",
@@ -321,6 +371,15 @@ class DataSection:
 
     def __post_init__(self) -> None:
         _positive("window", self.window)
+        _positive("mix_window", self.mix_window)
+        if self.sources and self.source != "stdlib":
+            raise ConfigError("set either data.source or [[data.sources]], not both", key="sources")
+        if self.sources and self.mix_window < len(self.sources):
+            raise ConfigError(
+                f"expected at least one row per source ({len(self.sources)}), got "
+                f"{self.mix_window}",
+                key="mix_window",
+            )
 
 
 @dataclass

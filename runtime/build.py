@@ -10,6 +10,7 @@ config chosen by the kernels layer.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any
@@ -113,21 +114,46 @@ def lr_scheduler_config(recipe: Recipe) -> LRSchedulersContainer.Config:
 
 def validator_config(recipe: Recipe) -> TitanscaleValidator.Config:
     """`[validation]` as torchtitan's validator, reading through titanscale's loader (same
-    tokenizer, packing and seq_len as training; a finite pass over its source)."""
-    v, d = recipe.validation, recipe.data
-    return TitanscaleValidator.Config(
-        enable=v.enable,
-        freq=v.every,
-        steps=v.steps,
-        dataloader=TitanscaleDataLoader.Config(
-            source=v.source or d.source,
-            packing=d.packing,
-            text_field=v.text_field if v.source else d.text_field,
-            window=d.window,
-            bad_records=d.bad_records,
-            streaming=d.streaming,
+    tokenizer, packing and seq_len as training; a finite pass over its source). Without its own
+    source it reads the training data exactly as `[data]` describes it (subset, mix, store)."""
+    v = recipe.validation
+    train = dataloader_config(recipe)
+    if v.source:
+        loader = dataclasses.replace(
+            train,
+            source=v.source,
+            text_field=v.text_field,
+            subset="",
+            split="train",
+            data_files=[],
+            sources=[],
             infinite=False,
-        ),
+        )
+    else:
+        loader = dataclasses.replace(train, infinite=False)
+    return TitanscaleValidator.Config(
+        enable=v.enable, freq=v.every, steps=v.steps, dataloader=loader
+    )
+
+
+def dataloader_config(recipe: Recipe) -> TitanscaleDataLoader.Config:
+    """The loader component's config from `[data]` (also used by tools.packstats)."""
+    d = recipe.data
+    return TitanscaleDataLoader.Config(
+        source=d.source,
+        packing=d.packing,
+        text_field=d.text_field,
+        window=d.window,
+        bad_records=d.bad_records,
+        streaming=d.streaming,
+        subset=d.subset,
+        split=d.split,
+        data_files=list(d.data_files),
+        sources=[dataclasses.asdict(e) for e in d.sources],
+        mix_window=d.mix_window,
+        format=d.format,
+        chat_template=d.chat_template,
+        truncate=d.truncate,
     )
 
 
@@ -200,17 +226,7 @@ def build_trainer_config(
             pipeline_parallel_first_stage_less_layers=first_less,
             pipeline_parallel_last_stage_less_layers=last_less,
         ),
-        dataloader=TitanscaleDataLoader.Config(
-            format=recipe.data.format,
-            chat_template=recipe.data.chat_template,
-            truncate=recipe.data.truncate,
-            source=recipe.data.source,
-            packing=recipe.data.packing,
-            text_field=recipe.data.text_field,
-            window=recipe.data.window,
-            bad_records=recipe.data.bad_records,
-            streaming=recipe.data.streaming,
-        ),
+        dataloader=dataloader_config(recipe),
         metrics=TitanscaleMetrics.Config(
             log_freq=recipe.metrics.log_every,
             enable_tensorboard=recipe.metrics.tensorboard,

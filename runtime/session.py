@@ -186,18 +186,40 @@ def check_faults() -> None:
 
 
 def check_data_source(recipe: Recipe) -> None:
-    """The data source exists and is readable in kind (no data read, no process group)."""
+    """The data source(s) exist and are readable in kind (no data read, no process group);
+    mixing weights give every source a row per window."""
     from data.sources import check_source
 
-    check_source(recipe.data.source, file=recipe.source)
-    if recipe.data.eval_source:
-        check_source(recipe.data.eval_source, file=recipe.source, key="data.eval_source")
+    d = recipe.data
+    if d.eval_source:
+        check_source(d.eval_source, file=recipe.source, key="data.eval_source")
     for i, a in enumerate(recipe.adapters):
         check_source(a.source, file=recipe.source, key=f"adapters[{i}].source")
         if a.eval_source:
             check_source(a.eval_source, file=recipe.source, key=f"adapters[{i}].eval_source")
     if recipe.validation.enable and recipe.validation.source:
         check_source(recipe.validation.source, file=recipe.source, key="validation.source")
+    if not d.sources:
+        check_source(d.source, file=recipe.source)
+        return
+    from data.store_stream import mix_counts
+
+    for i, e in enumerate(d.sources):
+        check_source(e.source, file=recipe.source, key=f"data.sources[{i}].source")
+    try:
+        mix_counts([e.weight for e in d.sources], d.mix_window)
+    except ValueError as e:
+        raise ConfigError(str(e), file=recipe.source, key="data.mix_window") from None
+
+
+def check_data_tokenizer(recipe: Recipe, tokenizer_path: str) -> None:
+    """A prepared store must have been tokenized with this tokenizer (one line, exit 2)."""
+    from data.store import TokenStore, is_store
+
+    specs = [e.source for e in recipe.data.sources] or [recipe.data.source]
+    for spec in specs:
+        if is_store(spec):
+            TokenStore(spec).check_tokenizer(tokenizer_path, file=recipe.source)
 
 
 def cluster_for_job(recipe: Recipe, world_size: int, platform: Platform) -> Cluster | None:
@@ -275,6 +297,7 @@ def prepare(recipe_path: str | None, overrides: list[str]) -> Job:
         recipe.model.tokenizer, vocab_size=vocab, recipe_file=recipe.source
     )
     check_tokenizer(tokenizer_path, recipe)
+    check_data_tokenizer(recipe, tokenizer_path)
     check_faults()
     check_wandb(recipe)
     config = build_trainer_config(

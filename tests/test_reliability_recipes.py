@@ -150,6 +150,8 @@ def wrong_values_for(tp: str) -> st.SearchStrategy:
         return st.one_of(ints, texts, floats, lists, tables, datetimes)
     if tp == "a string":
         return st.one_of(ints, st.booleans(), floats, lists, tables, datetimes)
+    if tp.startswith("a list of"):  # data.data_files, data.sources: any non-list
+        return st.one_of(ints, st.booleans(), floats, texts, datetimes)
     assert tp.startswith("one of"), tp
     choices = re.findall(r"'([^']*)'", tp)
     return st.one_of(ints, st.booleans(), lists, texts.filter(lambda s: s not in choices))

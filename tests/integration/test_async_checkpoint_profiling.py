@@ -17,6 +17,8 @@ from runtime.checkpoint import verify_checkpoint
 from runtime.metrics import read_starts
 from tests.conftest import read_losses, run_train
 
+pytestmark = pytest.mark.slow  # training runs: ~30-120 s on 2 shared cores
+
 RUN = [
     "training.seq_len=64",
     "training.warmup_steps=1",

@@ -12,6 +12,8 @@ import pytest
 
 from tests.conftest import run_train
 
+pytestmark = pytest.mark.slow  # training runs: ~30-120 s on 2 shared cores
+
 RUN = [
     "training.seq_len=64",
     "training.steps=4",
