@@ -33,11 +33,18 @@ def main(argv: list[str] | None = None) -> None:
 
     from torchtitan.tools.logging import init_logger
 
+    from posttrain import jobs
     from runtime import session
 
     init_logger()
     job = session.prepare(args.recipe, args.overrides)
-    session.run(job)
+    if job.recipe.rl.enabled:  # [rl]: rollouts replace the data loader (rl/loop.py)
+        from rl import loop
+
+        loop.check(job)
+        loop.run(job)
+    else:
+        jobs.run(job)
 
 
 if __name__ == "__main__":

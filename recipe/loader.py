@@ -84,6 +84,7 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> Layout:
             file=f,
             key="model.layers",
         )
+    check_finetune(recipe)
     layout = recipe_degrees(recipe, world_size)
     if not recipe.parallel.auto:
         check_layout(recipe, layout)
@@ -155,6 +156,32 @@ def first_step_timeout_s(recipe: Recipe) -> int:
     return INIT_TIMEOUT_COMPILED_S if recipe.training.compile else INIT_TIMEOUT_EAGER_S
 
 
+def check_finetune(recipe: Recipe) -> None:
+    """[data] format / [finetune] / [[adapters]] consistency."""
+    f = recipe.source
+    if recipe.data.format == "sft" and recipe.data.packing == "concat":
+        raise ConfigError(
+            "sft examples must not be split across rows: use packing 'bfd' (or 'none')",
+            file=f,
+            key="data.packing",
+        )
+    if recipe.adapters:
+        if recipe.finetune.mode != "lora":
+            raise ConfigError(
+                f"[[adapters]] need finetune.mode = 'lora', got {recipe.finetune.mode!r}",
+                file=f,
+                key="finetune.mode",
+            )
+        names = [a.name for a in recipe.adapters]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ConfigError(f"adapter names must be unique: {dup}", file=f, key="adapters")
+        if recipe.parallel.pp > 1 or recipe.parallel.tp > 1 or recipe.parallel.cp > 1:
+            raise ConfigError(
+                "[[adapters]] run in one process (no tp/pp/cp)", file=f, key="adapters"
+            )
+
+
 def effective_shape(recipe: Recipe) -> ModelShape:
     """The flavor's shape with the recipe's `model.layers` / `model.vocab_size` applied."""
     shape = model_shape(recipe.model.flavor, recipe.model.family)
@@ -186,15 +213,26 @@ def check_layout(recipe: Recipe, layout: Layout) -> None:
             file=f,
             key="training.seq_len",
         )
+    v = par.pp_stages_per_rank
+    if v and layout.pp > 1:
+        single = par.pp_schedule in ("GPipe", "1F1B")
+        v_shaped = par.pp_schedule in ("ZBVZeroBubble", "DualPipeV")
+        if (single and v != 1) or (v_shaped and v != 2) or (not single and v < 2):
+            need = "1" if single else ("2" if v_shaped else "at least 2")
+            raise ConfigError(
+                f"{par.pp_schedule} runs {need} stage(s) per rank, got {v}",
+                file=f,
+                key="parallel.pp_stages_per_rank",
+            )
     if layout.pp > 1:
-        stages = layout.pp * stages_per_rank(par.pp_schedule)
+        stages = layout.pp * stages_per_rank(par.pp_schedule, v)
         if pp_layer_weights(shape.n_layers, stages) is None:
             raise ConfigError(
                 f"{shape.n_layers} layers of {shape.flavor} do not split evenly over {stages} "
                 f"pipeline stages (pp={layout.pp}, {par.pp_schedule} puts "
-                f"{stages_per_rank(par.pp_schedule)} on each rank)",
+                f"{stages_per_rank(par.pp_schedule, v)} on each rank)",
                 file=f,
-                key="parallel.pp",
+                key="parallel.pp_stages_per_rank" if v else "parallel.pp",
             )
         mbs = par.pp_microbatches or tr.local_batch_size
         if tr.local_batch_size % mbs:

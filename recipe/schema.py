@@ -1,7 +1,7 @@
 """The recipe contract: one dataclass per TOML section, every field documented.
 
 Sections: [job] [model] [training] [parallel] [kernels] [data] [checkpoint] [metrics]
-[validation] [profiling] [torchtitan].
+[finetune] [lora] [[adapters]] [validation] [profiling] [rl] [torchtitan].
 Field-local checks (ranges, choices) run in `__post_init__` and raise ConfigError with the
 key; checks that need several sections or the world size live in `recipe.validate`.
 Extend this contract by adding fields; never rename one (users' recipes depend on them).
@@ -224,6 +224,14 @@ class ParallelSection:
             "applies to the plans with tp > 1."
         ),
     )
+    pp_stages_per_rank: int = field(
+        default=0,
+        metadata=doc(
+            "Pipeline stages on each rank (Megatron's virtual pipeline size): 0 = the "
+            "schedule's default (1 for GPipe/1F1B, 2 for the others); more than 2 only for "
+            "Interleaved1F1B and InterleavedZeroBubble. pp x this must split the layers evenly."
+        ),
+    )
     auto: bool = field(
         default=False,
         metadata=doc(
@@ -246,6 +254,7 @@ class ParallelSection:
             _positive("dp_shard", self.dp_shard)
         _positive("world_size", self.world_size, allow_zero=True)
         _positive("pp_microbatches", self.pp_microbatches, allow_zero=True)
+        _positive("pp_stages_per_rank", self.pp_stages_per_rank, allow_zero=True)
 
 
 @dataclass
@@ -356,6 +365,36 @@ class DataSection:
             "Read local files as a stream instead of converting them to a memory-mapped "
             "Arrow cache; auto = stream above 1 GiB. Streaming resumes by re-reading the "
             "records before the saved position."
+        ),
+    )
+
+    format: Literal["text", "sft"] = field(
+        default="text",
+        metadata=doc(
+            "text: documents (pretraining). sft: JSON Lines of chats ({'messages': [{'role', "
+            "'content'}]}) or {'prompt', 'completion'} pairs, optional 'weight'; loss only on "
+            "assistant tokens (data.chat, docs/sft.md). Local .jsonl files or folders."
+        ),
+    )
+    chat_template: Literal["auto", "embedded", "hf"] = field(
+        default="auto",
+        metadata=doc(
+            "sft: auto = the tokenizer's own chat template (Hugging Face apply_chat_template) "
+            "where it has one, else the documented embedded template; or force either."
+        ),
+    )
+    truncate: bool = field(
+        default=False,
+        metadata=doc(
+            "sft: cut examples longer than seq_len + 1 tokens to fit a row; false = such "
+            "examples are bad records ('too_long', skipped and counted or fatal)."
+        ),
+    )
+    eval_source: str = field(
+        default="",
+        metadata=doc(
+            "sft: held-out JSON Lines scored before and after training by exact match of the "
+            "assistant answer under greedy decoding (posttrain.evaluate); '' = none."
         ),
     )
 
@@ -488,6 +527,204 @@ class MetricsSection:
 
 
 @dataclass
+class RLSection:
+    """Reinforcement learning (rl/): a generator samples, an environment rewards, a loss
+    trains. Off unless `enabled`; training.steps counts RL updates."""
+
+    enabled: bool = field(default=False, metadata=doc("Train with RL instead of the data loader."))
+    env: str = field(
+        default="arithmetic",
+        metadata=doc(
+            "Environment: 'arithmetic', 'letter_sort', or 'module:factory' returning an object "
+            "with tasks(split, n, seed) and reward(task, completion)."
+        ),
+    )
+    reward: str = field(
+        default="",
+        metadata=doc("'module:function' (task, completion) -> float replacing env's reward."),
+    )
+    loss: Literal[
+        "grpo", "cispo", "dppo", "ppo", "importance_sampling", "cross_entropy", "custom"
+    ] = field(default="grpo", metadata=doc("Policy loss (rl/losses.py, docs/rl.md)."))
+    custom_loss: str = field(
+        default="",
+        metadata=doc("loss = 'custom': 'module:function' (logprobs, batch) -> scalar tensor."),
+    )
+    prompts_per_step: int = field(default=8, metadata=doc("Prompts (groups) per update."))
+    group_size: int = field(
+        default=4, metadata=doc("Samples per prompt; advantages are normalised per group.")
+    )
+    max_new_tokens: int = field(default=8, metadata=doc("Completion length limit."))
+    temperature: float = field(default=1.0, metadata=doc("Sampling temperature (> 0)."))
+    top_p: float = field(default=1.0, metadata=doc("Nucleus sampling mass in (0, 1]."))
+    clip_low: float = field(default=0.2, metadata=doc("Ratio clip below 1 (ppo/grpo/cispo/dppo)."))
+    clip_high: float = field(default=0.2, metadata=doc("Ratio clip above 1."))
+    kl_coef: float = field(
+        default=0.0, metadata=doc("GRPO: weight of KL(pi || initial policy); 0 = no reference.")
+    )
+    normalize_std: bool = field(
+        default=True, metadata=doc("Divide group advantages by the group's std (GRPO).")
+    )
+    tis_cap: float = field(
+        default=0.0,
+        metadata=doc(
+            "Truncated importance weights min(pi_old / mu, cap) on every token's loss: the "
+            "correction for train/inference mismatch and policy lag; 0 = off."
+        ),
+    )
+    mode: Literal["sync", "async"] = field(
+        default="sync",
+        metadata=doc(
+            "sync: generate, then train, in turn. async: a generator thread runs ahead of the "
+            "trainer by at most max_policy_lag weight versions."
+        ),
+    )
+    max_policy_lag: int = field(
+        default=1, metadata=doc("async: most weight versions a trained sample may lag.")
+    )
+    generator_dtype: Literal["float32", "bfloat16"] = field(
+        default="float32", metadata=doc("The generator's weight and compute dtype.")
+    )
+    generator: Literal["native", "vllm"] = field(
+        default="native",
+        metadata=doc("native: the KV-cache generator on the torchtitan model; vllm: optional."),
+    )
+    sft_warmup_steps: int = field(
+        default=0,
+        metadata=doc(
+            "Supervised steps on the environment's reference answers before RL (a stand-in "
+            "for starting from an SFT checkpoint)."
+        ),
+    )
+    sft_warmup_lr: float = field(
+        default=1e-3, metadata=doc("Learning rate of the supervised warmup (AdamW).")
+    )
+    eval_every: int = field(
+        default=10, metadata=doc("Held-out evaluation every N updates (and at start/end).")
+    )
+    eval_prompts: int = field(default=64, metadata=doc("Held-out prompts per evaluation."))
+    on_error: Literal["skip", "fail"] = field(
+        default="skip",
+        metadata=doc(
+            "A rollout or reward function that raises: skip its group and count it in "
+            "rollout_errors, or stop the run (after saving a checkpoint)."
+        ),
+    )
+    seed: int = field(default=0, metadata=doc("Seed for prompts and sampling."))
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "group_size", "max_new_tokens", "eval_every"):
+            _positive(name, getattr(self, name))
+        _positive("eval_prompts", self.eval_prompts, allow_zero=True)
+        _positive("temperature", self.temperature)
+        _positive("sft_warmup_lr", self.sft_warmup_lr)
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"expected a value in (0, 1], got {self.top_p}", key="top_p")
+        for name in ("clip_low", "clip_high", "kl_coef", "tis_cap", "sft_warmup_steps"):
+            _positive(name, getattr(self, name), allow_zero=True)
+        _positive("max_policy_lag", self.max_policy_lag, allow_zero=True)
+        if self.loss == "custom" and not self.custom_loss:
+            raise ConfigError("loss = 'custom' needs custom_loss = 'module:function'", key="loss")
+
+
+@dataclass
+class FinetuneSection:
+    mode: Literal["off", "full", "lora"] = field(
+        default="off",
+        metadata=doc(
+            "off: pretraining. full: every weight trained (SFT on a loaded base). lora: the "
+            "base frozen, only [lora] adapters trained (torchtitan's LoRA converter); the "
+            "optimizer holds adapter parameters only. full/lora need data.format = 'sft' or a "
+            "checkpoint.load_from base."
+        ),
+    )
+    export_dir: str = field(
+        default="{output_dir}/export",
+        metadata=doc(
+            "Where exports go after training: <dir>/<adapter>/adapter_model.safetensors + "
+            "adapter_config.json (PEFT format) for LoRA; '{output_dir}' = job.output_dir."
+        ),
+    )
+    export_merged: bool = field(
+        default=False,
+        metadata=doc(
+            "Also write the merged model (base + scale * B A) as a Hugging Face folder "
+            "(model.safetensors + config.json) next to each adapter."
+        ),
+    )
+    eval_every: int = field(
+        default=0,
+        metadata=doc("Held-out exact match every N steps too (0 = at start and end only)."),
+    )
+    adapter_schedule: Literal["turns", "batched"] = field(
+        default="turns",
+        metadata=doc(
+            "[[adapters]]: 'turns' = adapters take turns on the shared base (each exactly as "
+            "if alone); 'batched' = one forward over every adapter's rows with a segmented "
+            "multi-LoRA matmul (benchmarks/adapters.md compares them)."
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        _positive("eval_every", self.eval_every, allow_zero=True)
+
+
+@dataclass
+class LoraSection:
+    rank: int = field(default=8, metadata=doc("Rank r of the adapter matrices A (r x in), B."))
+    alpha: float = field(default=16.0, metadata=doc("Scale: the adapter adds alpha/r * B A x."))
+    dropout: float = field(
+        default=0.0,
+        metadata=doc(
+            "Dropout on the adapter's input; torchtitan 0.3.0's LoRA layer has none, so only "
+            "0.0 is accepted (a non-zero value stops at load instead of being ignored)."
+        ),
+    )
+    target_modules: list[str] = field(
+        default_factory=lambda: ["wqkv", "wq", "wkv", "wk", "wv", "wo", "w1", "w2", "w3"],
+        metadata=doc(
+            "Linear layers to adapt, by the last name in torchtitan's module path (attention "
+            "wqkv/wq/wkv/wo, MLP w1/w2/w3, lm_head); names absent from the model are ignored."
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        _positive("rank", self.rank)
+        _positive("alpha", self.alpha)
+        if self.dropout != 0.0:
+            raise ConfigError(
+                f"expected 0.0, got {self.dropout}: torchtitan 0.3.0's LoRA layer has no dropout",
+                key="dropout",
+            )
+        if not self.target_modules:
+            raise ConfigError("expected at least one module name", key="target_modules")
+
+
+@dataclass
+class AdapterSection:
+    name: str = field(default="", metadata=doc("Adapter name (export folder, metrics prefix)."))
+    source: str = field(default="", metadata=doc("This adapter's SFT data (JSON Lines)."))
+    eval_source: str = field(default="", metadata=doc("Held-out JSON Lines ('' = none)."))
+    lr: float = field(default=1e-3, metadata=doc("Peak learning rate (AdamW, own state)."))
+    steps: int = field(default=10, metadata=doc("Optimizer steps for this adapter."))
+    warmup_steps: int = field(default=0, metadata=doc("Linear warmup steps."))
+    local_batch_size: int = field(default=0, metadata=doc("Rows per step; 0 = training's."))
+    seed: int = field(default=0, metadata=doc("Adapter initialisation seed."))
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(
+                f"expected a name of letters, digits, _ or -, got {self.name!r}", key="name"
+            )
+        if not self.source:
+            raise ConfigError("expected a data source", key="source")
+        _positive("lr", self.lr)
+        _positive("steps", self.steps)
+        _positive("warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("local_batch_size", self.local_batch_size, allow_zero=True)
+
+
+@dataclass
 class ValidationSection:
     enable: bool = field(default=False, metadata=doc("Run torchtitan's validator."))
     source: str = field(
@@ -564,6 +801,17 @@ class Recipe:
     data: DataSection = field(default_factory=DataSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    rl: RLSection = field(default_factory=RLSection)
+    finetune: FinetuneSection = field(default_factory=FinetuneSection)
+    lora: LoraSection = field(default_factory=LoraSection)
+    adapters: list[AdapterSection] = field(
+        default_factory=list,
+        metadata=doc(
+            "[[adapters]]: several LoRA adapters trained on one frozen base in one job "
+            "(finetune.mode = 'lora'), each with its own data, lr, steps, optimizer state, "
+            "metrics and exports (posttrain.adapters)."
+        ),
+    )
     validation: ValidationSection = field(default_factory=ValidationSection)
     profiling: ProfilingSection = field(default_factory=ProfilingSection)
     torchtitan: dict[str, Any] = field(

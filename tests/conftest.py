@@ -115,3 +115,18 @@ def train_main_error(argv: list[str], capsys) -> tuple[int, list[str]]:
         os.environ.update(saved)
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error")]
     return int(e.value.code or 0), err
+
+
+@pytest.fixture(autouse=True)
+def _isolated_root_logging():
+    """Handlers a test adds to the root logger (torchtitan's init_logger binds one to the
+    captured stderr of that test) are removed after it: a later test would otherwise log into a
+    closed stream ("--- Logging error ---") and its one-line-error assertions would fail."""
+    import logging
+
+    root = logging.getLogger()
+    before = list(root.handlers)
+    yield
+    for h in list(root.handlers):
+        if h not in before:
+            root.removeHandler(h)

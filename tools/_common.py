@@ -19,6 +19,23 @@ def add_recipe_cluster_args(p: argparse.ArgumentParser) -> None:
     add_override_arg(p, "override a recipe key (repeatable), the same keys as train.py")
 
 
+def add_stack_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--stack",
+        default="torchtitan",
+        help="software-stack profile in stacks/ (torchtitan: what recipes run; megatron_te: "
+        "Megatron-Core + Transformer Engine, for published NeMo / Megatron-Bridge runs)",
+    )
+
+
+def load_stack_arg(args: argparse.Namespace) -> str:
+    """The --stack name, checked (a ConfigError naming the known profiles) before any work."""
+    from parallel.stacks import load_stack
+
+    load_stack(args.stack)
+    return args.stack
+
+
 def resolve_recipe_path(name: str) -> str:
     p = Path(name)
     if p.exists() or p.suffix == ".toml" or "/" in name:
