@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
+    from core.models import model_shape
     from data.loader import encode_documents
     from data.packstats import (
         TextListSource,
@@ -112,7 +113,6 @@ def main(argv: list[str] | None = None) -> None:
         stdlib_texts,
     )
     from data.tokenizer import resolve_tokenizer
-    from recipe.models import model_shape
 
     load_before = os.getloadavg()
     vocab = model_shape("debugmodel").vocab_size

@@ -37,9 +37,9 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
 from torchtitan.tools.logging import logger
 
+from core.errors import ConfigError
 from data.packing import PACKINGS, Piece, Row, make_packer, materialize
 from data.sources import BAD_REASONS, Source, open_source
-from recipe.errors import ConfigError
 
 BAD_RECORD_POLICIES = ("skip", "fail")
 STREAMING_MODES = ("auto", "always", "never")

@@ -22,6 +22,7 @@ from typing import Any
 
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 
+from core.errors import ConfigError
 from kernels.attention import set_inner_attention
 from kernels.caps import DeviceCaps
 from kernels.dense_attention import DenseMaskAttention
@@ -33,7 +34,6 @@ from kernels.linear import (
     converted_fqns,
     plan_linear_conversion,
 )
-from recipe.errors import ConfigError
 from recipe.schema import KernelsSection
 
 

@@ -16,9 +16,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from core.errors import ConfigError, exit_on_config_error
 from launch.topology import topology_order
 from recipe.cli import add_override_arg
-from recipe.errors import ConfigError, exit_on_config_error
 
 
 def read_gathered(text: str) -> list[tuple[str, str]]:
@@ -34,8 +34,8 @@ def order_nodes(
     gathered: str, scontrol_topology: str = "", cluster=None, layout=None
 ) -> tuple[list[str], dict[str, str]]:
     """(nodes in the planner's order, node -> switch path used, dot-joined)."""
-    from parallel.axes import Layout
-    from parallel.cluster import fabric_from_slurm
+    from core.axes import Layout
+    from launch.slurm import fabric_from_slurm
     from parallel.placement import node_order
 
     entries = read_gathered(gathered)
@@ -44,7 +44,7 @@ def order_nodes(
     topo = scontrol_topology if scontrol_topology.strip() else None
     if topo is not None:
         try:
-            from parallel.cluster import parse_scontrol_topology
+            from launch.slurm import parse_scontrol_topology
 
             parse_scontrol_topology(topo)
         except ConfigError:

@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.axes import MESH_ORDER, Layout
 from launch.topology import leaf_of, natural_key, topology_order
-from parallel.axes import MESH_ORDER, Layout
 from recipe.loader import recipe_degrees
 
 # Which collective each axis carries in training.

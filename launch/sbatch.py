@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from core.axes import Layout
+from core.errors import ConfigError
 from launch.fabric_env import FabricEnv, fabric_env
 from launch.topology import leaf_switches_needed
-from parallel.axes import Layout
-from recipe.errors import ConfigError
 from recipe.loader import check_recipe
 from recipe.schema import Recipe
 
-if TYPE_CHECKING:  # the profile loader lives in parallel.cluster (the planner's module)
+if TYPE_CHECKING:  # the profile schema lives in parallel.cluster
     from parallel.cluster import Cluster
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -17,14 +17,14 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
-from parallel.axes import Layout
-from parallel.cluster import Fabric, Host, expand_hostlist, parse_scontrol_topology
+from core.axes import Layout
+from core.errors import ConfigError
+from launch.slurm import parse_scontrol_topology
+from parallel.fabric import Fabric, Host
 from parallel.placement import node_order
-from recipe.errors import ConfigError
 
 __all__ = [
     "addresses_from_scontrol_topology",
-    "expand_hostlist",
     "host_from_address",
     "leaf_of",
     "leaf_switches_needed",

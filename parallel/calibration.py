@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from parallel.axes import Layout
+from core.axes import Layout
+from core.models import model_shape
 from parallel.cluster import Cluster, load_cluster
 from parallel.perf import Prediction, predict
 from parallel.workload import Workload
-from recipe.models import model_shape
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ import torchtitan.distributed.parallel_dims as _tt_parallel_dims
 from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.distributed.parallel_dims import ParallelDims
 
-from parallel.axes import Layout
+from core.axes import Layout
 from parallel.placement import monotone_violation
 
 # build_mesh looks `init_device_mesh` up in its module at call time; we swap it for the

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from core.hardware import GPUS, peak_flops
 from parallel.cluster import Cluster
-from parallel.hardware import GPUS, peak_flops
 from parallel.memory import MemoryEstimate, estimate_memory, rank_stages, stage_layers
 from parallel.workload import GroupSpan, Workload, planned_spans
 

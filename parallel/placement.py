@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parallel.axes import MESH_ORDER, Layout
-from parallel.cluster import Fabric
+from core.axes import MESH_ORDER, Layout
+from parallel.fabric import Fabric
 from parallel.perf import Collective
 from parallel.workload import GroupSpan
 

@@ -24,15 +24,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
-from parallel.axes import Layout
+from core.axes import Layout
+from core.errors import ConfigError
+from core.models import PP_SCHEDULES, model_shape
 from parallel.cluster import Cluster
 from parallel.memory import MemoryProfile, memory_profile, runtime_overhead_gib
 from parallel.perf import Prediction, predict
 from parallel.placement import planned_traffic
 from parallel.workload import Workload, linear_for, planned_spans
-from recipe.errors import ConfigError
 from recipe.loader import check_layout
-from recipe.models import PP_SCHEDULES, model_shape
 from recipe.schema import Recipe
 
 AC_MODES = ("none", "selective", "full")

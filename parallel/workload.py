@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from parallel.axes import MESH_ORDER, Layout
+from core.axes import MESH_ORDER, Layout
+from core.models import ModelShape, model_shape, stages_per_rank
 from parallel.cluster import Cluster
-from recipe.models import ModelShape, model_shape, stages_per_rank
 
 # Linear backends the models know. fp8_tensorwise is not a recipe choice (removed from
 # torchtitan) but is what torchtitan's 2024-25 FP8 benchmarks ran.

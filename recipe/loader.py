@@ -13,11 +13,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from parallel.axes import Layout, resolve_layout
-from recipe.errors import ConfigError
-from recipe.models import ModelShape, model_shape, pp_layer_weights, stages_per_rank
+from core.axes import Layout, resolve_layout
+from core.errors import ConfigError
+from core.models import ModelShape, model_shape, pp_layer_weights, stages_per_rank
+from core.typed_toml import apply_override, build_dataclass, read_with_bases
 from recipe.schema import Recipe
-from recipe.toml_schema import apply_override, build_dataclass, read_with_bases
 
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "debug.toml"
 

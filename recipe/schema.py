@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from recipe.errors import ConfigError
-from recipe.toml_schema import doc
+from core.errors import ConfigError
+from core.typed_toml import doc
 
 
 def _positive(name: str, value: int | float, *, allow_zero: bool = False) -> None:

@@ -22,11 +22,11 @@ from torchtitan.models.common.config_utils import decoder_vocab_size
 from torchtitan.models.llama3 import model_registry
 from torchtitan.trainer import Trainer
 
+from core.axes import Layout
+from core.models import pp_layer_weights, stages_per_rank
 from data.loader import TitanscaleDataLoader
 from kernels.caps import DeviceCaps, detect_features
 from kernels.registry import KernelChoice, apply_kernels, check_kernels
-from parallel.axes import Layout
-from recipe.models import pp_layer_weights, stages_per_rank
 from recipe.schema import Recipe
 from runtime.checkpoint import AtomicCheckpointManager
 from runtime.metrics import TitanscaleMetrics

@@ -10,7 +10,7 @@ the loss):
 - mfu_doc_masked_pct: the same with attention FLOPs counted only for the (query, key) pairs
   the document mask keeps (labelled; torchtitan's count charges every row's full L x L).
 - mfu_pct = tflops_per_gpu / the dense peak of this GPU at the linear layers' precision
-  (parallel.hardware); null on CPU or an unknown GPU ("n/a" on the console).
+  (core.hardware); null on CPU or an unknown GPU ("n/a" on the console).
 The summary's median excludes the first `summary_skip_steps` steps (compile, allocator and
 collective warmup), and reports p10 / p90 next to it.
 """
@@ -29,9 +29,9 @@ import torch
 from torchtitan.components.metrics import MetricsProcessor, _get_metrics_rank
 from torchtitan.tools.logging import logger
 
+from core.hardware import peak_flops
+from core.models import model_shape
 from data.accounting import doc_masked_flops
-from parallel.hardware import peak_flops
-from recipe.models import model_shape
 
 
 def percentile(values: list[float], q: float) -> float:

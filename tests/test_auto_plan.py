@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from recipe.errors import ConfigError
+from core.errors import ConfigError
 from recipe.loader import check_recipe, load_recipe
 from runtime.platform import Platform
 from runtime.session import apply_auto_plan, cluster_for_job

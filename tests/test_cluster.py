@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from parallel.cluster import (
-    CLUSTERS_DIR,
-    expand_hostlist,
-    fabric_from_slurm,
-    load_cluster,
-    parse_scontrol_topology,
-    parse_topology_addr,
-)
-from parallel.hardware import gpu_kind, peak_flops
-from recipe.errors import ConfigError
+from core.errors import ConfigError
+from core.hardware import gpu_kind, peak_flops
+from core.hostlist import expand_hostlist
+from launch.slurm import fabric_from_slurm, parse_scontrol_topology, parse_topology_addr
+from parallel.cluster import CLUSTERS_DIR, load_cluster
 
 SHIPPED = ["hgx_h100_ib", "hgx_h200_ib", "hgx_b200_ib", "gb200_nvl72", "local_cpu"]
 
@@ -99,6 +94,51 @@ def test_explicit_switch_list(tmp_path):
     assert hosts[1].nvlink_domain == hosts[2].nvlink_domain == "rack1"
     with pytest.raises(ConfigError, match="names only 4 hosts"):
         c.with_nodes(5)
+
+
+def _domains(hosts) -> set[frozenset[str]]:
+    """The partition of hosts into NVLink domains (names aside)."""
+    by: dict[str, set[str]] = {}
+    for h in hosts:
+        by.setdefault(h.nvlink_domain, set()).add(h.name)
+    return {frozenset(v) for v in by.values()}
+
+
+def test_one_nvlink_domain_rule_for_profile_and_slurm(tmp_path):
+    """Two leaves of three hosts, two-host domains: a domain never spans a leaf, so the hosts
+    group as {a0,a1} {a2} {b0,b1} {b2}, whether the tree comes from the profile's switch list or
+    from `scontrol show topology`, and whatever order the job's node list has."""
+    p = _write(
+        tmp_path,
+        'gpu = "H100"\nnodes = 6\ngpus_per_node = 4\nnvlink_domain_gpus = 8\n'
+        '[[topology.switches]]\nname = "leafA"\nnodes = "a[0-2]"\n'
+        '[[topology.switches]]\nname = "leafB"\nnodes = "b[0-2]"\n'
+        '[[topology.switches]]\nname = "spine"\nswitches = "leafA,leafB"\n',
+    )
+    c = load_cluster(p)
+    want = {
+        frozenset({"a0", "a1"}),
+        frozenset({"a2"}),
+        frozenset({"b0", "b1"}),
+        frozenset({"b2"}),
+    }
+    profile = c.fabric()
+    assert _domains(profile.hosts) == want
+    text = (
+        "SwitchName=leafA Level=0 Nodes=a[0-2]\n"
+        "SwitchName=leafB Level=0 Nodes=b[0-2]\n"
+        "SwitchName=spine Level=1 Nodes=a[0-2],b[0-2] Switches=leafA,leafB\n"
+    )
+    by_name = {h.name: h.nvlink_domain for h in profile.hosts}
+    for nodelist in ("a[0-2],b[0-2]", "b[1,0,2],a[2,0,1]"):
+        slurm = fabric_from_slurm(c, nodelist=nodelist, topology_text=text)
+        assert _domains(slurm.hosts) == want
+        assert {h.name: h.nvlink_domain for h in slurm.hosts} == by_name
+    # Without a topology text, per-node addresses give the same grouping by the same rule.
+    addrs = {f"{x}{i}": f"spine.leaf{x.upper()}.{x}{i}" for x in "ab" for i in range(3)}
+    assert (
+        _domains(fabric_from_slurm(c, nodelist="a[0-2],b[0-2]", topology_addrs=addrs).hosts) == want
+    )
 
 
 def test_expand_hostlist():

@@ -10,6 +10,7 @@ from torchtitan.models.common.attention import (
     get_efficient_causal_mask_mod_for_packed_document,
 )
 
+from core.models import model_shape
 from data.accounting import (
     attention_pairs,
     doc_masked_flops_per_token,
@@ -18,7 +19,6 @@ from data.accounting import (
     useful_tokens,
 )
 from kernels.dense_attention import dense_mask_from_block_mask
-from recipe.models import model_shape
 
 
 def positions_for(rows: list[list[int]]) -> torch.Tensor:

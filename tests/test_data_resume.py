@@ -12,8 +12,8 @@ from collections import Counter
 import pytest
 import torch
 
+from core.errors import ConfigError
 from data.loader import BadRecordError, PackedStream, TitanscaleDataLoader
-from recipe.errors import ConfigError
 from tests._data_helpers import BOS, CharTokenizer, ListSource, doc_text, random_lengths
 
 SEQ = 32

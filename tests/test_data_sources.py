@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from core.errors import ConfigError
 from data.sources import open_source
-from recipe.errors import ConfigError
 
 
 @pytest.fixture(autouse=True)

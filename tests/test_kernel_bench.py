@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from core.models import model_shape
 from kernels.bench import attention_shape, gemm_shapes, markdown, run
 from kernels.caps import DeviceCaps
-from recipe.models import model_shape
 from tools.kernel_bench import main
 
 

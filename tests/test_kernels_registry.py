@@ -12,6 +12,7 @@ from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.llama3 import llama3_configs, model_registry
 
+from core.errors import ConfigError, exit_on_config_error
 from kernels.attention import inner_attention_types
 from kernels.caps import DeviceCaps
 from kernels.dense_attention import DenseMaskAttention
@@ -23,7 +24,6 @@ from kernels.registry import (
     check_kernels,
     select_kernels,
 )
-from recipe.errors import ConfigError, exit_on_config_error
 from recipe.loader import load_recipe
 from recipe.schema import KernelsSection
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from core.errors import ConfigError
 from launch.fabric_env import fabric_env
 from launch.sbatch import LaunchOptions, check_launch, render_sbatch, slurm_time_seconds
 from parallel.cluster import load_cluster
-from recipe.errors import ConfigError
 from recipe.loader import load_recipe
 from tools.launch import main as launch_main
 

@@ -7,17 +7,17 @@ from pathlib import Path
 
 import pytest
 
+from core.axes import Layout
+from core.hostlist import expand_hostlist
 from launch.node_order import main as node_order_main
 from launch.node_order import order_nodes
 from launch.topology import (
     addresses_from_scontrol_topology,
-    expand_hostlist,
     leaf_of,
     leaf_switches_needed,
     natural_key,
     topology_order,
 )
-from parallel.axes import Layout
 from parallel.cluster import load_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,8 +134,8 @@ def test_leaf_switches_needed():
 @pytest.mark.parametrize("seed", range(3))
 def test_same_host_order_as_the_planner(seed):
     """Launching in topology order leaves the planner's placement nothing to permute."""
-    from parallel.axes import Layout
-    from parallel.cluster import Fabric, Host
+    from core.axes import Layout
+    from parallel.fabric import Fabric, Host
     from parallel.placement import planned_rank_order
 
     truth = _cluster(spines=2, leaves_per_spine=4, nodes_per_leaf=3)  # leaf0..leaf7

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from parallel.axes import Layout
+from core.axes import Layout
+from core.models import model_shape
 from parallel.calibration import rows
 from parallel.memory import (
     estimate_memory,
@@ -14,7 +15,6 @@ from parallel.memory import (
     stage_layers,
 )
 from parallel.workload import Workload
-from recipe.models import model_shape
 
 # The documented error (docs/perf_model.md, benchmarks/calibration.md): every published
 # memory figure within 20%.

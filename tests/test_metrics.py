@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from parallel.hardware import gpu_kind, peak_flops
+from core.hardware import gpu_kind, peak_flops
 from runtime.metrics import percentile, summarize
 from tests.conftest import run_train
 

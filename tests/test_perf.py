@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallel.axes import Layout
+from core.axes import Layout
+from core.models import LLAMA3_FLAVORS, model_shape
 from parallel.cluster import Cluster, load_cluster
 from parallel.perf import (
     hardware_flops_per_token,
@@ -17,7 +18,6 @@ from parallel.perf import (
     predict,
 )
 from parallel.workload import GroupSpan, Workload, planned_spans
-from recipe.models import LLAMA3_FLAVORS, model_shape
 
 
 @pytest.mark.parametrize("flavor", LLAMA3_FLAVORS)

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallel.axes import Layout
+from core.axes import Layout
+from core.models import model_shape
 from parallel.cluster import load_cluster
 from parallel.perf import predict
 from parallel.placement import (
@@ -23,9 +24,8 @@ from parallel.placement import (
     planned_rank_order,
     planned_traffic,
 )
-from parallel.startup import RankInfo, check_placement, local_rank_info, placement_summary
 from parallel.workload import Workload, planned_spans
-from recipe.models import model_shape
+from runtime.startup import RankInfo, check_placement, local_rank_info, placement_summary
 
 
 def _pod():

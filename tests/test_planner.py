@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from core.errors import ConfigError
 from parallel.cluster import Cluster, TopologySection, load_cluster
 from parallel.placement import planned_rank_order
 from parallel.planner import apply_plan, best_plan, plan, search
-from recipe.errors import ConfigError
 from recipe.loader import check_recipe, load_recipe
 
 RECIPES = {

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from core.axes import Layout
 from launch.preflight import (
     CollectiveResult,
     PreflightReport,
@@ -20,7 +21,6 @@ from launch.preflight import (
     placement_summary,
     predicted_busbw,
 )
-from parallel.axes import Layout
 from parallel.cluster import load_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,8 +165,8 @@ def test_preflight_under_torchrun(tmp_path):
 
 
 def test_recipe_layout_matches_the_loader():
+    from core.errors import ConfigError
     from launch.preflight import recipe_layout
-    from recipe.errors import ConfigError
     from recipe.loader import check_recipe, load_recipe
 
     for sets, world in ([[], 8], [["parallel.tp=2", "parallel.pp=2"], 4], [["parallel.cp=2"], 8]):

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from recipe.errors import ConfigError
+from core.errors import ConfigError
+from core.typed_toml import describe
 from recipe.loader import check_recipe, load_recipe
 from recipe.schema import Recipe
-from recipe.toml_schema import describe
 
 ROOT = Path(__file__).resolve().parent.parent
 

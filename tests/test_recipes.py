@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.models import model_shape
 from recipe.loader import check_recipe, effective_shape, load_recipe
-from recipe.models import model_shape
 
 RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.toml"))
 

@@ -327,7 +327,7 @@ def test_data_position_is_json_and_pickles_are_refused():
 
 def test_recipes_are_data_only(tmp_path):
     """A recipe is TOML: nothing in it is evaluated (no Python, no !!python tags)."""
-    from recipe.errors import ConfigError
+    from core.errors import ConfigError
     from recipe.loader import load_recipe
 
     marker = tmp_path / "pwned-recipe"

@@ -28,10 +28,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from recipe.errors import ConfigError
+from core.errors import ConfigError
+from core.typed_toml import MAX_INT, describe
 from recipe.loader import check_recipe, load_recipe
 from recipe.schema import Recipe
-from recipe.toml_schema import MAX_INT, describe
 from tests.conftest import ROOT, child_env
 from tools.reliability_report import record
 

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from core.axes import Layout
+from launch.slurm import fabric_from_slurm
 from launch.topology import topology_order
-from parallel.axes import Layout
-from parallel.cluster import fabric_from_slurm, load_cluster
+from parallel.cluster import load_cluster
 from parallel.placement import planned_rank_order
 
 pytestmark = pytest.mark.slurm

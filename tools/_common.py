@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from core.errors import ConfigError
 from recipe.cli import add_override_arg
-from recipe.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -24,8 +24,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from core.errors import ConfigError, exit_on_config_error
 from recipe.cli import add_override_arg
-from recipe.errors import ConfigError, exit_on_config_error
 from recipe.loader import load_recipe
 from runtime.metrics import summarize
 

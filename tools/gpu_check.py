@@ -5,7 +5,7 @@
 For each precision it runs the same Trainer.Config twice, one process each: through
 train.py (titanscale) and through torchtitan's stock Trainer (benchmarks/stock_trainer.py),
 and reports the median tokens/s/GPU after the warmup steps and MFU against this GPU's dense
-peak for that precision (parallel.hardware). Stops starting new runs once --budget-s is
+peak for that precision (core.hardware). Stops starting new runs once --budget-s is
 spent, so the whole check fits a short device lease. `--cpu-smoke` runs the same pipeline
 on the debug model on CPU (FP8 emulated) to prove the script before a GPU is available.
 """
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     base = [f"training.steps={a.steps}", "metrics.tensorboard=false", "checkpoint.interval=0"]
     if a.cpu_smoke:
         base += ["training.seq_len=128"]
-    from parallel.hardware import peak_flops
+    from core.hardware import peak_flops
     from recipe.loader import effective_shape, load_recipe
     from tools.bench import fingerprint
 

@@ -18,8 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from core.errors import ConfigError, exit_on_config_error
 from recipe.cli import add_override_arg
-from recipe.errors import ConfigError, exit_on_config_error
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

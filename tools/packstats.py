@@ -18,8 +18,8 @@ import argparse
 import json
 import sys
 
+from core.errors import exit_on_config_error
 from recipe.cli import add_override_arg
-from recipe.errors import exit_on_config_error
 
 FLAG_KEYS = {
     "data": "data.source",
@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> dict:
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={value}")
+    from core.models import model_shape
     from recipe.loader import load_recipe
-    from recipe.models import model_shape
 
     recipe = load_recipe(args.recipe, overrides)
     from data.sources import check_source

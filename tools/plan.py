@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from recipe.errors import ConfigError, exit_on_config_error
+from core.errors import ConfigError, exit_on_config_error
 from tools._common import add_recipe_cluster_args, load
 
 
@@ -45,7 +45,7 @@ HEADER = (
 def fabric_for(args, cluster):
     from pathlib import Path
 
-    from parallel.cluster import fabric_from_slurm
+    from launch.slurm import fabric_from_slurm
 
     if args.slurm_topology or args.nodelist:
         text = None

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from recipe.errors import exit_on_config_error
+from core.errors import exit_on_config_error
 from tools._common import add_recipe_cluster_args, load
 
 

@@ -18,8 +18,8 @@ import argparse
 import os
 import sys
 
+from core.errors import exit_on_config_error
 from recipe.cli import add_override_arg
-from recipe.errors import exit_on_config_error
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

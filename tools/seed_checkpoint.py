@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from core.errors import exit_on_config_error
 from recipe.cli import add_override_arg
-from recipe.errors import exit_on_config_error
 
 
 @exit_on_config_error

@@ -38,7 +38,7 @@ def main() -> None:
 
     from parallel.mesh import make_parallel_dims
     from parallel.placement import PlacementError
-    from parallel.startup import check_placement, gather_rank_info, local_rank_info, startup_check
+    from runtime.startup import check_placement, gather_rank_info, local_rank_info, startup_check
 
     order = [int(x) for x in args.order.split(",")]
     cfg = ParallelismConfig(data_parallel_shard_degree=2, tensor_parallel_degree=2)

@@ -20,8 +20,9 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from parallel.axes import Layout
-from parallel.cluster import Fabric, parse_topology_addr
+from core.axes import Layout
+from launch.slurm import parse_topology_addr
+from parallel.fabric import Fabric
 from parallel.placement import PlacementError, groups
 
 DOMAIN_ENV = "TITANSCALE_NVLINK_DOMAIN"

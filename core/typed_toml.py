@@ -20,7 +20,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
-from recipe.errors import ConfigError, did_you_mean
+from core.errors import ConfigError, did_you_mean
 
 if sys.version_info >= (3, 11):
     import tomllib
