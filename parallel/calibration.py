@@ -1,4 +1,4 @@
-"""The published throughput rows (../shared/notes/published-throughput.md) as Workloads.
+"""The published throughput rows (docs/published_throughput.md) as Workloads.
 
 Each row is what the source states (model, GPUs, layout, precision, compile, async TP,
 local batch, seq) on a cluster profile for its platform. Where the source leaves a

@@ -2,7 +2,8 @@
 
 Sections: [job] [model] [training] [parallel] [kernels] [data] [checkpoint] [metrics].
 Field-local checks (ranges, choices) run in `__post_init__` and raise ConfigError with the
-key; checks that need several sections or the world size live in `recipe.validate`.
+key; checks that need several sections or the world size live in `recipe.loader`
+(`check_recipe`, `check_layout`).
 Extend this contract by adding fields; never rename one (users' recipes depend on them).
 """
 
