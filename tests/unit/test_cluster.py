@@ -206,3 +206,20 @@ def test_every_profile_file_is_tested():
     assert set(SHIPPED) <= names
     for n in names:
         load_cluster(n)
+
+
+def test_profiles_leave_torchtitans_own_environment_alone():
+    """torchtitan's init_distributed overwrites some variables (with a warning on every run when
+    they are set): TORCH_NCCL_ASYNC_ERROR_HANDLING=3 and the flight-recorder ones. A profile that
+    sets one only produces that warning, so none does. The names come from torchtitan's source."""
+    import inspect
+    import re
+
+    from torchtitan.distributed import utils
+
+    src = inspect.getsource(utils.init_distributed)
+    overwritten = set(re.findall(r'^\s*\w+ = "(TORCH_[A-Z_]+)"', src, re.M))
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" in overwritten, sorted(overwritten)
+    for path in sorted(CLUSTERS_DIR.glob("*.toml")):
+        c = load_cluster(path)
+        assert not overwritten & set(c.nccl.env), (path.name, sorted(overwritten & set(c.nccl.env)))
