@@ -6,6 +6,14 @@ from __future__ import annotations
 
 import re
 
+_DIGITS = re.compile(r"(\d+)")
+
+
+def natural_key(text: str) -> tuple[tuple[int, int | str], ...]:
+    """'leaf10' after 'leaf9': digit runs compare as numbers, the rest as text."""
+    parts = _DIGITS.split(text)
+    return tuple((1, int(p)) if p.isdigit() else (0, p) for p in parts if p != "")
+
 
 def expand_hostlist(expr: str) -> list[str]:
     """Expand a Slurm hostlist ("gpu[001-003,7],cpu1") in order; ValueError on bad syntax."""

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from core.axes import MESH_ORDER, Layout
-from launch.topology import leaf_of, natural_key, topology_order
+from launch.topology import topology_order
+from parallel.placement import RankPlace, group_places, plain_rank_order
 from recipe.loader import recipe_degrees
 
 # Which collective each axis carries in training.
@@ -61,7 +62,9 @@ def bus_factor(op: str, n: int) -> float:
 
 
 @dataclass
-class RankInfo:
+class LaunchedRank:
+    """How the launcher started one process (what preflight gathers besides its place)."""
+
     rank: int
     local_rank: int
     node_rank: int
@@ -70,11 +73,18 @@ class RankInfo:
     pid: int
     nccl_log: str = ""
 
+    @property
+    def place(self) -> RankPlace:
+        """The placement record: node, and the switch path from SLURM_TOPOLOGY_ADDR (the NVLink
+        domain is taken as the node; preflight does not know the profile's domains)."""
+        path = tuple(self.topology_addr.split(".")[:-1]) if self.topology_addr else ()
+        return RankPlace(self.rank, self.node, self.node, path)
 
-def rank_info() -> RankInfo:
+
+def launched_rank() -> LaunchedRank:
     """This process's place: Slurm's node name (emulated nodes share one hostname)."""
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    return RankInfo(
+    return LaunchedRank(
         rank=int(os.environ.get("RANK", "0")),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         node_rank=int(os.environ.get("GROUP_RANK", os.environ.get("TITANSCALE_NODE_RANK", "0"))),
@@ -84,31 +94,9 @@ def rank_info() -> RankInfo:
     )
 
 
-def mesh_groups(layout: Layout) -> dict[str, list[list[int]]]:
-    """Global ranks of every group of every axis, for a mesh in plain rank order.
-
-    Row-major over MESH_ORDER (pp outermost, tp innermost): what init_device_mesh builds.
-    """
-    import itertools
-
-    dims = [layout.degree(a) for a in MESH_ORDER]
-    names = [a.value for a in MESH_ORDER]
-    strides = [1] * len(dims)
-    for i in range(len(dims) - 2, -1, -1):
-        strides[i] = strides[i + 1] * dims[i + 1]
-    out: dict[str, list[list[int]]] = {}
-    for ax, (name, size) in enumerate(zip(names, dims, strict=True)):
-        others = [range(d) if i != ax else range(1) for i, d in enumerate(dims)]
-        groups = []
-        for coord in itertools.product(*others):
-            base = sum(c * s for c, s in zip(coord, strides, strict=True))
-            groups.append([base + k * strides[ax] for k in range(size)])
-        out[name] = groups
-    return out
-
-
-def placement_summary(infos: list[RankInfo], layout: Layout) -> dict[str, Any]:
-    """rank -> node -> leaf switch, node order checks and each mesh group's spread."""
+def placement_report(infos: list[LaunchedRank], layout: Layout) -> dict[str, Any]:
+    """placement.json: rank -> node -> leaf switch, node order checks and each mesh group's
+    spread (parallel.placement's groups, in plain rank order as init_device_mesh builds)."""
     infos = sorted(infos, key=lambda i: i.rank)
     by_node: dict[int, dict[str, Any]] = {}
     for i in infos:
@@ -130,19 +118,14 @@ def placement_summary(infos: list[RankInfo], layout: Layout) -> dict[str, Any]:
     contiguous = all(
         sorted(n["ranks"]) == list(range(min(n["ranks"]), max(n["ranks"]) + 1)) for n in nodes
     )
-    rank_node = {i.rank: i.node for i in infos}
-    rank_leaf = {i.rank: leaf_of(i.topology_addr) for i in infos}
+    places = {i.rank: i.place for i in infos}
+    spread = group_places(layout, plain_rank_order(layout.world_size), places)
     groups: dict[str, Any] = {}
-    for axis, gs in mesh_groups(layout).items():
-        if len(gs[0]) <= 1:
+    for axis, gs in spread.items():
+        if len(gs[0].ranks) <= 1:
             continue
         groups[axis] = [
-            {
-                "ranks": g,
-                "nodes": sorted({rank_node.get(r, "?") for r in g}, key=natural_key),
-                "leaves": sorted({rank_leaf.get(r, "") for r in g} - {""}, key=natural_key),
-            }
-            for g in gs
+            {"ranks": list(g.ranks), "nodes": list(g.hosts), "leaves": list(g.leaves)} for g in gs
         ]
     return {
         "world_size": len(infos),
@@ -156,7 +139,7 @@ def placement_summary(infos: list[RankInfo], layout: Layout) -> dict[str, Any]:
                 "node_rank": i.node_rank,
                 "node": i.node,
                 "topology_addr": i.topology_addr,
-                "leaf": leaf_of(i.topology_addr),
+                "leaf": i.place.leaf,
             }
             for i in infos
         ],
@@ -390,7 +373,7 @@ def run_preflight(
         os.environ.setdefault("NCCL_DEBUG", "INFO")
         os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
         os.environ["NCCL_DEBUG_FILE"] = str(nccl_dir / "nccl-%h-%p.log")
-    me = rank_info()
+    me = launched_rank()
     if cuda:
         torch.cuda.set_device(me.local_rank)
     _init_process_group(backend)
@@ -403,7 +386,7 @@ def run_preflight(
 
     infos: list[Any] = [None] * world
     dist.all_gather_object(infos, me)
-    placement = placement_summary(infos, layout)
+    placement = placement_report(infos, layout)
     names = tuple(a.value for a in MESH_ORDER)
     mesh = init_device_mesh(device.type, layout.shape(), mesh_dim_names=names)
 

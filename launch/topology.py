@@ -14,7 +14,6 @@ Pure functions (no Slurm calls): the job script gathers ``<node> <address>`` lin
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 
 from core.axes import Layout
@@ -28,17 +27,8 @@ __all__ = [
     "host_from_address",
     "leaf_of",
     "leaf_switches_needed",
-    "natural_key",
     "topology_order",
 ]
-
-_DIGITS = re.compile(r"(\d+)")
-
-
-def natural_key(text: str) -> tuple[tuple[int, int | str], ...]:
-    """'leaf10' after 'leaf9': digit runs compare as numbers, the rest as text."""
-    parts = _DIGITS.split(text)
-    return tuple((1, int(p)) if p.isdigit() else (0, p) for p in parts if p != "")
 
 
 def addresses_from_scontrol_topology(text: str, nodes: Iterable[str]) -> dict[str, str]:

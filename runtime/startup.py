@@ -18,27 +18,18 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from core.axes import Layout
 from launch.slurm import parse_topology_addr
 from parallel.fabric import Fabric
-from parallel.placement import PlacementError, groups
+from parallel.placement import PlacementError, RankPlace, group_places, nvlink_violation
 
 DOMAIN_ENV = "TITANSCALE_NVLINK_DOMAIN"
 
 
-@dataclass(frozen=True)
-class RankInfo:
-    rank: int
-    host: str
-    nvlink_domain: str
-    switch_path: tuple[str, ...]
-
-
 def local_rank_info(
     rank: int, env: Mapping[str, str] | None = None, fabric: Fabric | None = None
-) -> RankInfo:
+) -> RankPlace:
     env = os.environ if env is None else env
     host = env.get("SLURMD_NODENAME") or socket.gethostname()
     known = {h.name: h for h in fabric.hosts} if fabric else {}
@@ -50,30 +41,26 @@ def local_rank_info(
     elif host in known:
         path = known[host].switch_path
     domain = env.get(DOMAIN_ENV) or (known[host].nvlink_domain if host in known else host)
-    return RankInfo(rank=rank, host=host, nvlink_domain=domain, switch_path=path)
+    return RankPlace(rank=rank, host=host, nvlink_domain=domain, switch_path=path)
 
 
-def check_placement(infos: list[RankInfo], layout: Layout, rank_order: list[int]) -> None:
+def check_placement(infos: list[RankPlace], layout: Layout, rank_order: list[int]) -> None:
     """Raise PlacementError if any tp or cp group spans NVLink domains."""
     by_rank = {i.rank: i for i in infos}
-    gs = groups(layout, rank_order)
-    for axis in ("tp", "cp"):
-        if getattr(layout, axis) <= 1:
-            continue
-        for grp in gs[axis]:
-            doms = {by_rank[r].nvlink_domain for r in grp}
-            if len(doms) > 1:
-                where = ", ".join(f"rank {r} on {by_rank[r].host}" for r in grp[:16])
-                raise PlacementError(
-                    f"{axis} group {grp} spans {len(doms)} NVLink domains "
-                    f"({', '.join(sorted(doms))}): {where}. {axis} collectives would cross "
-                    "the network every layer; launch with the planned rank order "
-                    "(parallel.placement.planned_rank_order) or lower tp/cp"
-                )
+    bad = nvlink_violation(layout, rank_order, by_rank)
+    if bad is not None:
+        grp = list(bad.ranks)
+        where = ", ".join(f"rank {r} on {by_rank[r].host}" for r in grp[:16])
+        raise PlacementError(
+            f"{bad.axis} group {grp} spans {len(bad.domains)} NVLink domains "
+            f"({', '.join(sorted(bad.domains))}): {where}. {bad.axis} collectives would cross "
+            "the network every layer; launch with the planned rank order "
+            "(parallel.placement.planned_rank_order) or lower tp/cp"
+        )
 
 
 def placement_summary(
-    infos: list[RankInfo], layout: Layout, rank_order: list[int], max_hosts: int = 8
+    infos: list[RankPlace], layout: Layout, rank_order: list[int], max_hosts: int = 8
 ) -> str:
     """A one-screen summary: hosts and switches, and how each axis's groups lie."""
     by_rank = {i.rank: i for i in infos}
@@ -86,20 +73,17 @@ def placement_summary(
         f"placement: {layout.describe()} on {len(infos)} ranks, {len(hosts)} hosts, "
         f"{len(doms)} NVLink domains, {len(leaves)} leaf switches",
     ]
-    gs = groups(layout, rank_order)
+    gp = group_places(layout, rank_order, by_rank)
     for axis in ("tp", "cp", "dp_shard", "dp_replicate", "pp"):
-        grps = gs[axis]
-        if len(grps[0]) <= 1:
+        grps = gp[axis]
+        if len(grps[0].ranks) <= 1:
             continue
-        n_hosts = [len({by_rank[r].host for r in g}) for g in grps]
-        n_leaves = [
-            len({by_rank[r].switch_path[-1] if by_rank[r].switch_path else "-" for r in g})
-            for g in grps
-        ]
-        n_doms = [len({by_rank[r].nvlink_domain for r in g}) for g in grps]
+        n_hosts = [len(g.hosts) for g in grps]
+        n_leaves = [len(g.leaves) or 1 for g in grps]  # an unknown leaf counts as one ("-")
+        n_doms = [len(g.domains) for g in grps]
         ok = "" if axis not in ("tp", "cp") or max(n_doms) == 1 else "  <-- spans NVLink domains"
         lines.append(
-            f"  {axis:<12} {len(grps):>5} groups of {len(grps[0]):>4}: hosts {min(n_hosts)}-"
+            f"  {axis:<12} {len(grps):>5} groups of {len(grps[0].ranks):>4}: hosts {min(n_hosts)}-"
             f"{max(n_hosts)}, leaves {min(n_leaves)}-{max(n_leaves)}, NVLink domains "
             f"{min(n_doms)}-{max(n_doms)}{ok}"
         )
@@ -129,7 +113,7 @@ def _ranges(xs: list[int]) -> str:
     return ",".join(out)
 
 
-def gather_rank_info(info: RankInfo, group=None) -> list[RankInfo]:
+def gather_rank_info(info: RankPlace, group=None) -> list[RankPlace]:
     import torch.distributed as dist
 
     out: list = [None] * dist.get_world_size(group)

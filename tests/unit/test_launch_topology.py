@@ -7,14 +7,13 @@ import random
 import pytest
 
 from core.axes import Layout
-from core.hostlist import expand_hostlist
+from core.hostlist import expand_hostlist, natural_key
 from launch.node_order import main as node_order_main
 from launch.node_order import order_nodes
 from launch.topology import (
     addresses_from_scontrol_topology,
     leaf_of,
     leaf_switches_needed,
-    natural_key,
     topology_order,
 )
 from parallel.cluster import load_cluster

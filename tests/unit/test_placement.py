@@ -13,6 +13,7 @@ from parallel.cluster import load_cluster
 from parallel.perf import predict
 from parallel.placement import (
     PlacementError,
+    RankPlace,
     check_nvlink,
     cross_switch_traffic,
     group_spans,
@@ -25,7 +26,7 @@ from parallel.placement import (
     planned_traffic,
 )
 from parallel.workload import Workload, planned_spans
-from runtime.startup import RankInfo, check_placement, local_rank_info, placement_summary
+from runtime.startup import check_placement, local_rank_info, placement_summary
 
 
 def _pod():
@@ -121,7 +122,7 @@ def test_planned_order_is_a_permutation_with_local_tp(nodes, gpn, tp, cp, rep, s
 
 def test_startup_check_pure():
     lay = Layout(dp_shard=2, tp=2)
-    infos = [RankInfo(r, f"n{r % 2}", f"n{r % 2}", ("s", f"l{r % 2}")) for r in range(4)]
+    infos = [RankPlace(r, f"n{r % 2}", f"n{r % 2}", ("s", f"l{r % 2}")) for r in range(4)]
     check_placement(infos, lay, [0, 2, 1, 3])  # tp groups {0,2} and {1,3}: one host each
     with pytest.raises(PlacementError, match=r"tp group \[0, 1\] .*rank 0 on n0, rank 1 on n1"):
         check_placement(infos, lay, [0, 1, 2, 3])

@@ -7,11 +7,10 @@ import pytest
 from core.axes import Layout
 from launch.preflight import (
     CollectiveResult,
+    LaunchedRank,
     PreflightReport,
-    RankInfo,
     bus_factor,
-    mesh_groups,
-    placement_summary,
+    placement_report,
     predicted_busbw,
 )
 from parallel.cluster import load_cluster
@@ -19,24 +18,65 @@ from tests.helpers.runs import ROOT, free_port
 
 
 def test_mesh_groups_match_row_major_mesh():
-    import torch
+    """Preflight's groups are parallel.placement's groups in plain rank order, and those are
+    what init_device_mesh builds: ranks row-major over [pp, dp_replicate, dp_shard, cp, tp],
+    one group per axis = the ranks whose coordinates agree on every other axis. The
+    reference here computes coordinates by division, not by reshaping."""
+    import itertools
 
-    layout = Layout(pp=2, dp_shard=2, tp=2)
-    g = mesh_groups(layout)
-    assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert g["dp_shard"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert g["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert g["cp"] == [[r] for r in range(8)]
-    # Same as slicing the rank tensor DeviceMesh is built from.
-    mesh = torch.arange(8).reshape(layout.shape())
-    assert sorted(mesh[:, 0, :, 0, :].reshape(2, 4)[0].tolist()) == [0, 1, 2, 3]
+    from core.axes import MESH_ORDER
+    from parallel.placement import groups, plain_rank_order
+
+    layout = Layout(pp=2, dp_replicate=1, dp_shard=3, cp=2, tp=2)
+    dims = layout.shape()
+    world = layout.world_size
+
+    def coord(r):
+        out = []
+        for d in reversed(dims):
+            r, c = divmod(r, d)
+            out.append(c)
+        return tuple(reversed(out))
+
+    g = groups(layout, plain_rank_order(world))
+    for k, axis in enumerate(MESH_ORDER):
+        want = set()
+        for r in range(world):
+            rest = coord(r)[:k] + coord(r)[k + 1 :]
+            want.add(tuple(q for q in range(world) if coord(q)[:k] + coord(q)[k + 1 :] == rest))
+        assert {tuple(x) for x in g[axis.value]} == want, axis
+        assert all(len(x) == dims[k] for x in g[axis.value])
+    # The spot values a reader can check by hand, for pp2 x dp_shard2 x tp2.
+    small = groups(Layout(pp=2, dp_shard=2, tp=2), plain_rank_order(8))
+    assert small["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert small["dp_shard"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert small["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # Every rank is in exactly one group of each axis.
+    for axis in MESH_ORDER:
+        assert sorted(itertools.chain.from_iterable(g[axis.value])) == list(range(world))
+    # The report lists exactly those groups (axes of degree > 1).
+    infos = [
+        LaunchedRank(r, r % 4, r // 4, f"n{r // 4}", f"s.l{r // 8}.n{r // 4}", 1)
+        for r in range(world)
+    ]
+    rep = placement_report(infos, layout)
+    assert set(rep["groups"]) == {"pp", "dp_shard", "cp", "tp"}
+    for axis, rows in rep["groups"].items():
+        assert [x["ranks"] for x in rows] == g[axis]
+        for x in rows:
+            assert x["nodes"] == sorted(
+                {f"n{r // 4}" for r in x["ranks"]}, key=lambda n: int(n[1:])
+            )
+            assert x["leaves"] == sorted(
+                {f"l{r // 8}" for r in x["ranks"]}, key=lambda n: int(n[1:])
+            )
 
 
 def _infos(node_order, addrs, per_node=2):
     out = []
     for nr, node in enumerate(node_order):
         for lr in range(per_node):
-            out.append(RankInfo(nr * per_node + lr, lr, nr, node, addrs[node], 1))
+            out.append(LaunchedRank(nr * per_node + lr, lr, nr, node, addrs[node], 1))
     return out
 
 
@@ -50,7 +90,7 @@ ADDRS = {
 
 def test_placement_summary_topology_order():
     layout = Layout(dp_shard=4, tp=2)
-    s = placement_summary(_infos(["node1", "node3", "node2", "node4"], ADDRS), layout)
+    s = placement_report(_infos(["node1", "node3", "node2", "node4"], ADDRS), layout)
     assert s["checks"] == {
         "node_ranks_follow_topology": True,
         "switch_paths_known": True,
@@ -63,7 +103,7 @@ def test_placement_summary_topology_order():
 
 def test_placement_summary_flags_name_order():
     # SLURM_NODEID order (names) interleaves the leaves: not topology order.
-    s = placement_summary(_infos(["node1", "node2", "node3", "node4"], ADDRS), Layout(dp_shard=8))
+    s = placement_report(_infos(["node1", "node2", "node3", "node4"], ADDRS), Layout(dp_shard=8))
     assert s["checks"]["node_ranks_follow_topology"] is False
 
 
@@ -117,7 +157,7 @@ def test_cli_exits_1_with_a_clear_message_on_a_wrong_result(monkeypatch, capsys)
         "tp", "all_reduce", 2, 4, 4096, 1e-3, 4.0, 7.0, None, False, False, 3.0, [5]
     )
     rep = PreflightReport(
-        placement_summary(_infos(["node1"], ADDRS), Layout()), [bad], None, [], "gloo", "cpu"
+        placement_report(_infos(["node1"], ADDRS), Layout()), [bad], None, [], "gloo", "cpu"
     )
     monkeypatch.setattr(preflight, "run_preflight", lambda *a, **k: rep)
     assert main(["--recipe", str(ROOT / "recipes" / "debug.toml")]) == 1
