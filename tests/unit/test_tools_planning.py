@@ -42,7 +42,39 @@ def test_plan_placement_16_nodes_4_leaves_shuffled(capsys):
     assert pl["planned"]["spine_gb_per_step"] < pl["plain rank order"]["spine_gb_per_step"]
     assert pl["planned"]["tp_cp_inside_nvlink"]
     assert sorted(pl["rank_order"]) == list(range(128))
-    assert len(pl["node_order"]) == 16 and pl["mesh_permutation_safe"] in (True, False)
+    assert len(pl["node_order"]) == 16
+    # mesh_permutation_safe, from its definition: every group of every mesh axis lists its
+    # ranks in increasing order (torch's DeviceMesh sorts them). Groups by coordinates here.
+    top = plan_cli_plans(args)[0]
+    dims = [top[a] for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp")]
+    order = pl["rank_order"]
+
+    def coord(i):
+        out = []
+        for d in reversed(dims):
+            i, c = divmod(i, d)
+            out.append(c)
+        return tuple(reversed(out))
+
+    increasing = True
+    for k in range(len(dims)):
+        by_rest: dict[tuple, list[int]] = {}
+        for pos in range(len(order)):  # positions in row-major order, so k-coordinate ascends
+            c = coord(pos)
+            by_rest.setdefault(c[:k] + c[k + 1 :], []).append(order[pos])
+        increasing &= all(g == sorted(g) for g in by_rest.values())
+    assert pl["mesh_permutation_safe"] is increasing
+
+
+def plan_cli_plans(args):
+    """The --json plans of tools.plan for `args` (without the placement section)."""
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        plan_cli.main([*args, "--json"])
+    return json.loads(buf.getvalue())["plans"]
 
 
 def test_plan_from_slurm_topology(tmp_path, capsys):
