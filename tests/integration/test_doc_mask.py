@@ -1,7 +1,8 @@
-"""Every attention backend honours document boundaries (fp32, 1e-5), single process.
+"""Every attention backend honours document boundaries, single process.
 
 Perturbing one document's tokens must leave every other document's logits (and the other
-rows') unchanged. Controls: the perturbation does change its own document, and with
+rows') unchanged: exactly, bit for bit, as docs/packing.md claims (the same computation on
+the same inputs; a masked score contributes exp(-inf) = 0 exactly). Controls: the perturbation does change its own document, and with
 positions that never reset (plain causal attention) it changes the documents after it, so
 the check can fail. Backends: dense (CPU path), flex (compiled forward; on CPU it has no
 backward, which this test does not need), varlen and flex on CUDA (skipped without a GPU).
@@ -14,12 +15,12 @@ import torch
 
 from tests.helpers.doc_mask import build_model, contamination, packed_batch
 
-TOL = 1e-5
+TOL = 1e-5  # CUDA flex only (unverified on hardware): a compiled kernel may tile differently
 
 
 def check(result: dict[str, float]) -> None:
     assert result["documents"] >= 4
-    assert result["outside"] <= TOL, result
+    assert result["outside"] == 0.0, result
     assert result["inside"] > 1e-3, result
     assert result["causal_control"] > 1e-3, result
 

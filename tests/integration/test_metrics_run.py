@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from core.models import model_shape
 from tests.helpers.runs import run_train
 
 REQUIRED = (
@@ -21,6 +24,7 @@ REQUIRED = (
 def test_single_process_run_writes_report(tmp_path):
     proc = run_train(tmp_path, ["training.steps=4", "training.seq_len=128",
                                 "metrics.summary_skip_steps=1"])  # fmt: skip
+    flops = model_shape("debugmodel").flops_per_token(128)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     starts = [x for x in lines if x.get("event") == "start"]
     steps = [x for x in lines if "event" not in x]
@@ -29,7 +33,12 @@ def test_single_process_run_writes_report(tmp_path):
     for x in steps:
         for k in REQUIRED:
             assert k in x, k
-        assert x["tokens_per_sec_per_gpu"] > 0
+        # From the definitions: one process, one step per record, local batch 2 x seq 128
+        # tokens; FLOPs per token as torchtitan counts them for the debug model.
+        tps = 2 * 128 / x["step_time_s"]
+        assert x["tokens_per_sec_per_gpu"] == pytest.approx(tps, rel=1e-9)
+        assert x["tokens_per_sec_per_node"] == pytest.approx(tps, rel=1e-9)  # 1 process/node
+        assert x["tflops_per_gpu"] == pytest.approx(flops * tps / 1e12, rel=1e-9)
         assert x["useful_tokens_per_sec_per_gpu"] <= x["tokens_per_sec_per_gpu"]
         assert x["mfu_pct"] is None  # CPU: no peak to compare with
         assert x["mfu_doc_masked_pct"] is None

@@ -42,3 +42,54 @@ def test_peak_table():
     assert peak_flops("NVIDIA B200", "fp8") == 4500e12
     assert peak_flops("cpu") is None
     assert peak_flops("Some Future GPU") is None
+
+
+def test_step_record_follows_the_definitions():
+    """One logged interval of TitanscaleMetrics.log, recomputed from the metric definitions:
+    tokens/s per GPU = tokens / (seconds x GPUs that share one batch: tp x cp x pp), per node
+    = per GPU x processes per node, TFLOP/s = torchtitan's FLOPs per token x tokens/s, MFU =
+    that over the dense BF16 peak of the GPU."""
+    import time
+    from types import SimpleNamespace
+
+    from core.models import model_shape
+    from runtime.metrics import TitanscaleMetrics
+
+    shape = model_shape("8B")
+    flops_per_token = shape.flops_per_token(8192)
+    tokens = 4 * 8192
+    ns = SimpleNamespace(
+        time_last_log=time.perf_counter() - 2.0,
+        last_logged_step=0,
+        parallel_dims=SimpleNamespace(non_data_parallel_size=4),  # e.g. tp 2 x pp 2
+        ntokens_since_last_log=tokens,
+        useful_ntokens_since_last_log=tokens - 1000,
+        doc_attn_pairs_since_last_log=4 * 8192 * 8193 // 2,
+        num_flops_per_token=flops_per_token,
+        peak=peak_flops("H100", "bf16"),
+        shape=shape,
+        device_memory_monitor=SimpleNamespace(
+            get_peak_stats=lambda: SimpleNamespace(max_reserved_gib=1.5),
+            reset_peak_stats=lambda: None,
+        ),
+        data_loading_times=[],
+        procs_per_node=8,
+        records=[],
+        _jsonl=None,
+        logger=SimpleNamespace(log=lambda *a, **k: None),
+        is_metrics_rank=False,
+    )
+    TitanscaleMetrics.log(ns, 1, 2.0, 2.5, 1.0)  # type: ignore[arg-type]
+    rec = ns.records[0]
+    dt = rec["step_time_s"]  # one step in the interval
+    assert 2.0 <= dt < 60
+    tps = tokens / (dt * 4)
+    assert rec["tokens_per_sec_per_gpu"] == pytest.approx(tps, rel=1e-12)
+    assert rec["useful_tokens_per_sec_per_gpu"] == pytest.approx((tokens - 1000) / (dt * 4))
+    assert rec["tokens_per_sec_per_node"] == pytest.approx(8 * tps)
+    assert rec["tflops_per_gpu"] == pytest.approx(flops_per_token * tps / 1e12)
+    assert rec["mfu_pct"] == pytest.approx(100 * flops_per_token * tps / 989e12)
+    assert rec["padding_pct"] == pytest.approx(100 * 1000 / tokens)
+    # Causal pairs only: the document-masked count charges half the L x L attention scores.
+    assert rec["tflops_doc_masked_per_gpu"] < rec["tflops_per_gpu"]
+    assert rec["memory_gib"] == 1.5
