@@ -101,6 +101,31 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def resolve_named(name_or_path: str | Path, folder: Path, *, what: str | None = None) -> Path:
+    """The one resolver for named TOML files (recipes in recipes/, profiles in clusters/).
+
+    A path (it exists, ends in .toml or has a '/') is returned as given; a bare name becomes
+    `folder/<name>.toml` when that exists. Otherwise: with `what`, a ConfigError naming the
+    known names (and the closest); without, the name as given (its loader then says the file
+    is not there).
+    """
+    text = str(name_or_path)
+    p = Path(name_or_path)
+    try:
+        if p.exists() or p.suffix == ".toml" or "/" in text:
+            return p
+        cand = folder / f"{text}.toml"
+        if cand.exists():
+            return cand
+    except (OSError, ValueError):  # a name too long for the file system, a NUL byte
+        return p
+    if what is None:
+        return p
+    known = sorted(f.stem for f in folder.glob("*.toml"))
+    hint = did_you_mean(text, known)
+    raise ConfigError(f"no {what} named {text!r}{hint}; known: {', '.join(known)}", file=text)
+
+
 def read_with_bases(path: str | Path, *, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Read `path` and its `base = "other.toml"` chain (relative to each file), merged.
 

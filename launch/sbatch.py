@@ -6,7 +6,7 @@
 The script runs one Slurm task per node; each task runs torchrun with one process per GPU
 (per configured CPU process on a `gpu = "cpu"` profile). Node ranks follow the switch tree:
 the script gathers every node's SLURM_TOPOLOGY_ADDR, orders the nodes as the planner
-places them (launch.node_order -> parallel.placement.node_order), and starts
+places them (tools.node_order -> parallel.placement.node_order), and starts
 torchrun's static rendezvous with ``--node-rank=<index in that order>`` and the first node
 in that order as master, so global ranks r*G..r*G+G-1 sit on the r-th node in topology order
 and nodes under one leaf switch hold consecutive ranks. A SIGUSR1 some minutes before the
@@ -316,7 +316,7 @@ def render_sbatch(recipe: Recipe, cluster: Cluster, layout: Layout, opts: Launch
     )
     a('scontrol show topology >"$TOPO_FILE" 2>/dev/null || true')
     a(
-        '"$PY" -m launch.node_order "$NODES_FILE" --scontrol-topology "$TOPO_FILE" '
+        '"$PY" -m tools.node_order "$NODES_FILE" --scontrol-topology "$TOPO_FILE" '
         f'{_cmd(node_order_args(opts))} >"$ORDER_FILE" || exit 1'
     )
     a('export TITANSCALE_NODE_ORDER="$ORDER_FILE"')

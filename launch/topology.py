@@ -9,7 +9,7 @@ static rendezvous, share a leaf: the mesh's inner axes (tp, cp, dp_shard) stay u
 switches as the allocation allows, and plain rank order is the planned placement.
 
 Pure functions (no Slurm calls): the job script gathers ``<node> <address>`` lines with one
-``srun`` task per node and runs ``python -m launch.node_order`` on them.
+``srun`` task per node and runs ``python -m tools.node_order`` on them.
 """
 
 from __future__ import annotations

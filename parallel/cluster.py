@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from core.errors import ConfigError, did_you_mean
+from core.errors import ConfigError
 from core.hardware import GPUS
-from core.typed_toml import apply_override, build_dataclass, doc, read_with_bases
+from core.typed_toml import apply_override, build_dataclass, doc, read_with_bases, resolve_named
 from parallel.fabric import Fabric, fabric_of
 
 CLUSTERS_DIR = Path(__file__).resolve().parent.parent / "clusters"
@@ -232,18 +232,7 @@ class Cluster:
 
 def resolve_cluster_path(path_or_name: str | Path) -> Path:
     """A path, or a profile name from clusters/ ("hgx_h100_ib")."""
-    p = Path(path_or_name)
-    if p.exists() or p.suffix == ".toml" or "/" in str(path_or_name):
-        return p
-    cand = CLUSTERS_DIR / f"{path_or_name}.toml"
-    if cand.exists():
-        return cand
-    known = sorted(f.stem for f in CLUSTERS_DIR.glob("*.toml"))
-    hint = did_you_mean(str(path_or_name), known)
-    raise ConfigError(
-        f"no cluster profile named {str(path_or_name)!r}{hint}; known: {', '.join(known)}",
-        file=str(path_or_name),
-    )
+    return resolve_named(path_or_name, CLUSTERS_DIR, what="cluster profile")
 
 
 def load_cluster(

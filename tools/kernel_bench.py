@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from core.errors import ConfigError, exit_on_config_error
+from tools.cli import run
 
 
 def _csv(kind, choices=None):
@@ -105,4 +106,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

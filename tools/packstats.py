@@ -19,7 +19,7 @@ import json
 import sys
 
 from core.errors import exit_on_config_error
-from recipe.cli import add_override_arg
+from tools.cli import add_override_arg, add_recipe_arg, run
 
 FLAG_KEYS = {
     "data": "data.source",
@@ -35,7 +35,7 @@ FLAG_KEYS = {
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--recipe", default=None, help="recipe TOML (default: recipes/debug.toml)")
+    add_recipe_arg(p)
     add_override_arg(p)
     p.add_argument("--data", help="'stdlib' or a .jsonl/.json/.parquet/.txt file or folder")
     p.add_argument("--tokenizer", help="tokenizer folder, or 'embedded'")
@@ -100,4 +100,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

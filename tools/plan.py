@@ -19,7 +19,7 @@ import json
 import sys
 
 from core.errors import ConfigError, exit_on_config_error
-from tools._common import add_recipe_cluster_args, load
+from tools.cli import add_recipe_cluster_args, load, run
 
 
 def _fmt_plan_row(i: int, p) -> str:
@@ -211,4 +211,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

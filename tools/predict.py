@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from core.errors import exit_on_config_error
-from tools._common import add_recipe_cluster_args, load
+from tools.cli import add_recipe_cluster_args, load, run
 
 
 def predict_recipe(recipe, cluster) -> tuple[dict, object]:
@@ -194,4 +194,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

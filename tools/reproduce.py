@@ -20,7 +20,7 @@ from typing import Literal
 
 from core.errors import ConfigError, exit_on_config_error
 from core.typed_toml import build_dataclass, doc, read_toml
-from tools._common import ROOT
+from tools.cli import ROOT, run
 
 DEFAULT_CLAIMS = ROOT / "benchmarks" / "claims.toml"
 DEFAULT_OUT = ROOT / "benchmarks" / "reproduce"
@@ -424,4 +424,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -61,7 +61,7 @@ def test_b200_8_nodes_structure():
     assert '--node-rank="$TITANSCALE_NODE_RANK"' in text
     assert '--master-addr="$MASTER_ADDR"' in text
     assert 'export MASTER_ADDR=$(head -n 1 "$ORDER_FILE")' in text
-    assert "-m launch.node_order" in text and "SLURM_TOPOLOGY_ADDR" in text
+    assert "-m tools.node_order" in text and "SLURM_TOPOLOGY_ADDR" in text
     # Requeue: trap, stop file, scontrol requeue; resume = same output folder.
     assert "trap on_time_limit USR1" in text
     assert 'scontrol requeue "$SLURM_JOB_ID"' in text

@@ -8,7 +8,6 @@ import pytest
 
 from core.axes import Layout
 from core.hostlist import expand_hostlist, natural_key
-from launch.node_order import main as node_order_main
 from launch.node_order import order_nodes
 from launch.topology import (
     addresses_from_scontrol_topology,
@@ -18,6 +17,7 @@ from launch.topology import (
 )
 from parallel.cluster import load_cluster
 from tests.helpers.runs import ROOT
+from tools.node_order import main as node_order_main
 
 
 def _cluster(spines: int, leaves_per_spine: int, nodes_per_leaf: int) -> list[tuple[str, str]]:
