@@ -27,11 +27,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 from core.errors import ConfigError
+from core.linear_backends import LINEAR_BACKENDS
 from core.models import model_shape
 from kernels.caps import DeviceCaps
 from recipe.schema import KernelsSection
 
-LINEAR_NAMES = ("bf16", "fp8_rowwise", "fp8_rowwise_gw_hp", "mxfp8")
+LINEAR_NAMES = tuple(LINEAR_BACKENDS)
 ATTENTION_NAMES = ("flex", "varlen", "dense")
 
 

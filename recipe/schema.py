@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from core.errors import ConfigError
+from core.linear_backends import LinearChoice
 from core.typed_toml import doc
 
 
@@ -194,7 +195,7 @@ class KernelsSection:
             "auto (flex on CUDA, dense on CPU)."
         ),
     )
-    linear: Literal["auto", "bf16", "fp8_rowwise", "fp8_rowwise_gw_hp", "mxfp8"] = field(
+    linear: LinearChoice = field(
         default="bf16",
         metadata=doc(
             "Linear backend: bf16 (plain), fp8_rowwise / fp8_rowwise_gw_hp (SM89+), mxfp8 "

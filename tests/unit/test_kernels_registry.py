@@ -293,3 +293,19 @@ def test_describe():
     d = sel(CPU, linear="mxfp8").describe()
     assert d == "attention=dense linear=mxfp8 (emulated) on cpu"
     assert "SM90" in sel(H100).describe()
+
+
+@pytest.mark.parametrize(
+    "gpu,want",
+    [("H100", "fp8_rowwise"), ("H200", "fp8_rowwise"), ("B200", "mxfp8"), ("GB200", "mxfp8"),
+     ("cpu", "bf16")],
+)  # fmt: skip
+def test_auto_linear_is_one_rule_for_validation_and_planning(gpu, want):
+    """`linear = "auto"` resolves the same for the planner (a profile's GPU kind) and for recipe
+    validation (the device's capabilities): FP8 from SM89, MX from SM100 (the datasheets)."""
+    from parallel.workload import linear_for
+
+    caps = CPU if gpu == "cpu" else DeviceCaps.gpu(gpu)
+    assert sel(caps, linear="auto").linear == want
+    assert linear_for("auto", gpu) == want
+    assert linear_for("bf16", gpu) == "bf16"
