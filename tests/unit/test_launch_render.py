@@ -209,3 +209,18 @@ def test_layout_that_leaves_nvlink_is_refused_before_submitting():
     with pytest.raises(ConfigError) as e:  # tp 4 on 2-process nodes
         render_job(ROOT / "recipes" / "debug.toml", cluster, 4, overrides=("parallel.tp=4",))
     assert e.value.key == "parallel.tp"
+
+
+def test_template_placeholders_are_all_filled():
+    """The job script comes from launch/job.sbatch: every placeholder is filled for every
+    shipped GPU profile, and a placeholder nobody fills is an error, not a silent blank."""
+    from launch.sbatch import TEMPLATE, fill_template
+
+    for name in ("hgx_h100_ib", "hgx_h200_ib", "hgx_b200_ib"):
+        text, _ = render_job(B200, load_cluster(name), 8)
+        assert "{{" not in text and "}}" not in text, name
+        assert text.startswith("#!/bin/bash\n") and text.endswith("exit $rc\n")
+    with pytest.raises(KeyError):
+        fill_template(TEMPLATE.read_text(), {})
+    assert fill_template("a\n{{b}}\nc {{d}}", {"b": [], "d": "x"}) == "a\nc x\n"
+    assert fill_template("{{b}}", {"b": ["1", "2"]}) == "1\n2\n"
