@@ -350,58 +350,45 @@ def _init_process_group(backend: str) -> None:
     dist.init_process_group(backend)
 
 
-def run_preflight(
+def _nccl_debug_to_files(out_dir: str | None, cuda: bool) -> Path | None:
+    """Send this process's NCCL INFO log to out_dir/nccl (training keeps the profile's
+    NCCL_DEBUG); None when there is nothing to read (CPU, no folder, or the user's own file)."""
+    if not (cuda and out_dir) or "NCCL_DEBUG_FILE" in os.environ:
+        return None
+    nccl_dir = Path(out_dir) / "nccl"
+    nccl_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("NCCL_DEBUG", "INFO")
+    os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
+    os.environ["NCCL_DEBUG_FILE"] = str(nccl_dir / "nccl-%h-%p.log")
+    return nccl_dir
+
+
+def _measure(
     layout: Layout,
-    cluster: Any = None,
+    placement: dict[str, Any],
+    cluster: Any,
+    device: Any,
     *,
-    out_dir: str | None = None,
-    size_bytes: int | None = None,
-    iters: int | None = None,
-) -> PreflightReport:
-    """Every rank calls this; rank 0 returns the full report (others a partial one)."""
+    size_bytes: int,
+    iters: int,
+) -> list[CollectiveResult]:
+    """Each axis's collectives over its mesh groups: slowest rank's time, exact results."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    cuda = torch.cuda.is_available()
-    backend = "nccl" if cuda else "gloo"
-    nccl_dir = None
-    if cuda and out_dir and "NCCL_DEBUG_FILE" not in os.environ:
-        # Only this process's NCCL logs; training keeps the profile's NCCL_DEBUG.
-        nccl_dir = Path(out_dir) / "nccl"
-        nccl_dir.mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("NCCL_DEBUG", "INFO")
-        os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
-        os.environ["NCCL_DEBUG_FILE"] = str(nccl_dir / "nccl-%h-%p.log")
-    me = launched_rank()
-    if cuda:
-        torch.cuda.set_device(me.local_rank)
-    _init_process_group(backend)
-    device = torch.device("cuda", me.local_rank) if cuda else torch.device("cpu")
+    cuda = device.type == "cuda"
     world = dist.get_world_size()
-    if layout.world_size != world:
-        raise RuntimeError(
-            f"layout {layout.describe()} is for {layout.world_size} ranks, not {world}"
-        )
-
-    infos: list[Any] = [None] * world
-    dist.all_gather_object(infos, me)
-    placement = placement_report(infos, layout)
     names = tuple(a.value for a in MESH_ORDER)
     mesh = init_device_mesh(device.type, layout.shape(), mesh_dim_names=names)
-
-    if size_bytes is None:
-        size_bytes = 256 * 2**20 if cuda else 2**20
-    if iters is None:
-        iters = 20 if cuda else 3
     numel = max(size_bytes // 4, 1)
     results: list[CollectiveResult] = []
-    for axis in names:
-        n = layout.degree(next(a for a in MESH_ORDER if a.value == axis))
+    for axis in MESH_ORDER:
+        n = layout.degree(axis)
         if n <= 1:
             continue
-        group = mesh[axis].get_group()
-        for op in AXIS_COLLECTIVES[axis]:
+        group = mesh[axis.value].get_group()
+        for op in AXIS_COLLECTIVES[axis.value]:
             dt, err, nbytes = run_collective(
                 op, group, numel, device, iters, warmup=2 if cuda else 1
             )
@@ -414,13 +401,13 @@ def run_preflight(
             slow_dt, max_err = float(stats[0]), float(stats[1])
             # The slowest group decides the time: does any group of this axis leave its
             # node, or its leaf switch?
-            ginfo = placement["groups"][axis]
+            ginfo = placement["groups"][axis.value]
             crosses = any(len(g["nodes"]) > 1 for g in ginfo)
             crosses_leaves = any(len(g["leaves"]) > 1 for g in ginfo)
             algbw = nbytes / slow_dt / 1e9 if slow_dt > 0 else 0.0
             results.append(
                 CollectiveResult(
-                    axis=axis,
+                    axis=axis.value,
                     op=op,
                     group_size=n,
                     groups=world // n,
@@ -435,7 +422,13 @@ def run_preflight(
                     bad_ranks=[int(i) for i in torch.nonzero(bad.cpu()).flatten().tolist()],
                 )
             )
+    return results
 
+
+def placement_warnings(
+    placement: dict[str, Any], results: list[CollectiveResult], *, cuda: bool, cluster: Any
+) -> list[str]:
+    """Node order, rank contiguity, tp over the network, and slow links (GPU only)."""
     warnings: list[str] = []
     checks = placement["checks"]
     if len(placement["nodes"]) > 1 and not checks["node_ranks_follow_topology"]:
@@ -458,34 +451,84 @@ def run_preflight(
                     f"{r.op} over {r.axis}: bus bandwidth {r.busbw_gbs:.1f} GB/s is below "
                     f"{SLOW_FRACTION:.0%} of the profile's {r.predicted_busbw_gbs:.1f} GB/s"
                 )
+    return warnings
 
+
+def _network_check(nccl_dir: Path | None, cluster: Any, multi_node: bool) -> dict[str, Any]:
+    """Every rank's NCCL log, merged: did InfiniBand (not TCP sockets) carry the traffic?"""
+    import torch.distributed as dist
+
+    from launch.nccl_log import check_network, parse_nccl_log
+
+    path = ""
+    if nccl_dir is not None:
+        host = socket.gethostname()
+        path = str(nccl_dir / f"nccl-{host}-{os.getpid()}.log")
+    text = Path(path).read_text(errors="replace") if path and Path(path).exists() else ""
+    reports: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, parse_nccl_log(text))
+    merged = reports[0]
+    for r in reports[1:]:
+        merged = merged.merge(r)
+    fabric = getattr(getattr(cluster, "nccl", None), "fabric", "infiniband")
+    verdict = check_network(merged, fabric, multi_node=multi_node)
+    return {
+        "ok": verdict.ok,
+        "level": verdict.level,
+        "message": verdict.message,
+        "networks": merged.networks,
+        "ib_devices": merged.ib_devices,
+        "network_channels": dict(merged.network_channels),
+        "gdrdma_channels": merged.gdrdma_channels,
+    }
+
+
+def run_preflight(
+    layout: Layout,
+    cluster: Any = None,
+    *,
+    out_dir: str | None = None,
+    size_bytes: int | None = None,
+    iters: int | None = None,
+) -> PreflightReport:
+    """Every rank calls this; rank 0 returns the full report (others a partial one).
+
+    Steps: NCCL logging, the process group, where every rank runs (placement.json), the
+    collectives of each mesh axis, warnings, the NCCL network check, the report files."""
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    nccl_dir = _nccl_debug_to_files(out_dir, cuda)
+    me = launched_rank()
+    if cuda:
+        torch.cuda.set_device(me.local_rank)
+    _init_process_group(backend)
+    device = torch.device("cuda", me.local_rank) if cuda else torch.device("cpu")
+    world = dist.get_world_size()
+    if layout.world_size != world:
+        raise RuntimeError(
+            f"layout {layout.describe()} is for {layout.world_size} ranks, not {world}"
+        )
+
+    infos: list[Any] = [None] * world
+    dist.all_gather_object(infos, me)
+    placement = placement_report(infos, layout)
+    results = _measure(
+        layout,
+        placement,
+        cluster,
+        device,
+        size_bytes=size_bytes if size_bytes is not None else (256 * 2**20 if cuda else 2**20),
+        iters=iters if iters is not None else (20 if cuda else 3),
+    )
+    warnings = placement_warnings(placement, results, cuda=cuda, cluster=cluster)
     network = None
     if cuda:
-        from launch.nccl_log import check_network, parse_nccl_log
-
-        path = ""
-        if nccl_dir is not None:
-            host = socket.gethostname()
-            path = str(nccl_dir / f"nccl-{host}-{os.getpid()}.log")
-        text = Path(path).read_text(errors="replace") if path and Path(path).exists() else ""
-        reports: list[Any] = [None] * world
-        dist.all_gather_object(reports, parse_nccl_log(text))
-        merged = reports[0]
-        for r in reports[1:]:
-            merged = merged.merge(r)
-        fabric = getattr(getattr(cluster, "nccl", None), "fabric", "infiniband")
-        verdict = check_network(merged, fabric, multi_node=len(placement["nodes"]) > 1)
-        network = {
-            "ok": verdict.ok,
-            "level": verdict.level,
-            "message": verdict.message,
-            "networks": merged.networks,
-            "ib_devices": merged.ib_devices,
-            "network_channels": dict(merged.network_channels),
-            "gdrdma_channels": merged.gdrdma_channels,
-        }
-        if verdict.level == "warn":
-            warnings.append(verdict.message)
+        network = _network_check(nccl_dir, cluster, multi_node=len(placement["nodes"]) > 1)
+        if network["level"] == "warn":
+            warnings.append(network["message"])
 
     rep = PreflightReport(placement, results, network, warnings, backend, str(device))
     if dist.get_rank() == 0 and out_dir:
