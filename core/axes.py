@@ -61,6 +61,12 @@ class Layout:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.degree(a) for a in MESH_ORDER)
 
+    @classmethod
+    def of(cls, dims: object) -> Layout:
+        """The layout of anything with pp/dp_replicate/dp_shard/cp/tp degrees (torchtitan's
+        ParallelDims)."""
+        return cls(**{a.value: int(getattr(dims, a.value)) for a in MESH_ORDER})
+
     def describe(self) -> str:
         return " x ".join(
             f"{a.value}{self.degree(a)}" for a in MESH_ORDER if self.degree(a) > 1

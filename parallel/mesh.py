@@ -70,13 +70,7 @@ class PlacedParallelDims(ParallelDims):
 
     @property
     def layout(self) -> Layout:
-        return Layout(
-            pp=self.pp,
-            dp_replicate=self.dp_replicate,
-            dp_shard=self.dp_shard,
-            cp=self.cp,
-            tp=self.tp,
-        )
+        return Layout.of(self)
 
     def world_order(self) -> list[int]:
         """Mesh position -> global rank, as the world mesh was built."""

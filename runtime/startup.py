@@ -130,13 +130,7 @@ def startup_check(
 
     rank = dist.get_rank()
     infos = gather_rank_info(local_rank_info(rank, env, fabric))
-    layout = Layout(
-        pp=parallel_dims.pp,
-        dp_replicate=parallel_dims.dp_replicate,
-        dp_shard=parallel_dims.dp_shard,
-        cp=parallel_dims.cp,
-        tp=parallel_dims.tp,
-    )
+    layout = Layout.of(parallel_dims)
     world_mesh = getattr(parallel_dims, "_world_mesh", None)
     if world_mesh is not None:
         order = [int(r) for r in world_mesh.mesh.flatten().tolist()]

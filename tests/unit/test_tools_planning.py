@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tests.helpers.mesh import groups_by_coordinates
 from tools import plan as plan_cli
 from tools import predict as predict_cli
 from tools import reproduce as reproduce_cli
@@ -49,20 +50,7 @@ def test_plan_placement_16_nodes_4_leaves_shuffled(capsys):
     dims = [top[a] for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp")]
     order = pl["rank_order"]
 
-    def coord(i):
-        out = []
-        for d in reversed(dims):
-            i, c = divmod(i, d)
-            out.append(c)
-        return tuple(reversed(out))
-
-    increasing = True
-    for k in range(len(dims)):
-        by_rest: dict[tuple, list[int]] = {}
-        for pos in range(len(order)):  # positions in row-major order, so k-coordinate ascends
-            c = coord(pos)
-            by_rest.setdefault(c[:k] + c[k + 1 :], []).append(order[pos])
-        increasing &= all(g == sorted(g) for g in by_rest.values())
+    increasing = all(g == sorted(g) for axis in groups_by_coordinates(order, dims) for g in axis)
     assert pl["mesh_permutation_safe"] is increasing
 
 
