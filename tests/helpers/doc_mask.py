@@ -12,7 +12,7 @@ import random
 import torch
 
 from data.loader import PackedStream
-from tests.helpers.data import CharTokenizer, ListSource
+from tests.helpers.tiny_data import CharTokenizer, ListSource
 
 SEQ = 128
 BATCH = 2

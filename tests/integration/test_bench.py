@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers.runs import ROOT, child_env
 
 
@@ -17,6 +19,7 @@ def test_bench_rejects_warmup_not_below_steps():
     assert proc.returncode == 2 and "--warmup" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_bench_measures_a_run(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "tools.bench", "--steps", "4", "--warmup", "1",

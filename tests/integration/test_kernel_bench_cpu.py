@@ -11,6 +11,7 @@ from kernels.caps import DeviceCaps
 from tools.kernel_bench import main
 
 
+@pytest.mark.slow
 def test_cpu_run_checks_every_backend():
     result = run(
         models=["debugmodel"],

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from parallel.cluster import load_cluster
-from tests.helpers.launch import B200, render_job
+from tests.helpers.job_scripts import B200, render_job
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

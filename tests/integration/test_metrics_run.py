@@ -21,6 +21,7 @@ REQUIRED = (
 )
 
 
+@pytest.mark.slow
 def test_single_process_run_writes_report(tmp_path):
     proc = run_train(tmp_path, ["training.steps=4", "training.seq_len=128",
                                 "metrics.summary_skip_steps=1"])  # fmt: skip

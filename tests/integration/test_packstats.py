@@ -13,8 +13,8 @@ import torch
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 from data.loader import PackedStream
-from tests.helpers.data import ListSource, make_tokenizer_dir
 from tests.helpers.runs import ROOT
+from tests.helpers.tiny_data import ListSource, make_tokenizer_dir
 
 
 def corpus(n: int = 60, seed: int = 3) -> list[str]:

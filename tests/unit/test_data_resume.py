@@ -14,7 +14,7 @@ import torch
 
 from core.errors import ConfigError
 from data.loader import BadRecordError, PackedStream, TitanscaleDataLoader
-from tests.helpers.data import BOS, CharTokenizer, ListSource, doc_text, random_lengths
+from tests.helpers.tiny_data import BOS, CharTokenizer, ListSource, doc_text, random_lengths
 
 SEQ = 32
 TEXTS = [doc_text(i, n) for i, n in enumerate(random_lengths(7, 300, hi=120))]

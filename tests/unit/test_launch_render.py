@@ -10,7 +10,7 @@ from core.errors import ConfigError
 from launch.fabric_env import fabric_env
 from launch.sbatch import slurm_time_seconds
 from parallel.cluster import load_cluster
-from tests.helpers.launch import B200, render_job
+from tests.helpers.job_scripts import B200, render_job
 from tests.helpers.runs import ROOT
 from tools.launch import main as launch_main
 

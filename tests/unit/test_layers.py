@@ -73,3 +73,9 @@ def test_readme_states_the_same_order():
     line = next(x for x in readme.splitlines() if x.startswith("Layers (bottom first):"))
     named = [w.strip("`,. ") for w in line.split(":", 1)[1].split("<")]
     assert named == [f"{x}.py" if x == "train" else f"{x}/" for x in LAYERS]
+
+
+def test_no_test_helper_shadows_a_project_package():
+    """Worker scripts in tests/helpers run with that folder first on sys.path."""
+    helpers = {p.stem for p in (ROOT / "tests" / "helpers").glob("*.py")}
+    assert not helpers & set(LAYERS), sorted(helpers & set(LAYERS))
