@@ -10,16 +10,17 @@ config chosen by the kernels layer.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-from torchtitan.components.validate import Validator
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import CommConfig, DebugConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.models.common.config_utils import decoder_vocab_size
-from torchtitan.models.llama3 import model_registry
+from torchtitan.protocols.model_spec import ModelSpec
+from torchtitan.tools.profiler import Profiler
 from torchtitan.trainer import Trainer
 
 from core.axes import Layout
@@ -31,6 +32,7 @@ from recipe.schema import Recipe
 from runtime.checkpoint import AtomicCheckpointManager
 from runtime.metrics import TitanscaleMetrics
 from runtime.platform import Platform
+from runtime.validation import TitanscaleValidator
 
 
 def choose_kernels(
@@ -45,6 +47,81 @@ def choose_kernels(
     return check_kernels(recipe, caps, cp=layout.cp if layout is not None else None)
 
 
+def model_spec(family: str, flavor: str) -> ModelSpec:
+    """torchtitan's ModelSpec (config, parallelize fn, HF adapter) for a recipe's model."""
+    if family == "qwen3":
+        from torchtitan.models.qwen3 import model_registry as qwen3_registry
+
+        return qwen3_registry(flavor)
+    from torchtitan.models.llama3 import model_registry as llama3_registry
+
+    return llama3_registry(flavor)
+
+
+# lr_schedule -> torchtitan's decay_type; wsd's cooldown is 1 - sqrt (Hägele et al. 2024,
+# "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations").
+_DECAY_TYPE = {"linear": "linear", "cosine": "cosine", "wsd": "sqrt"}
+WSD_DEFAULT_DECAY_RATIO = 0.2
+
+
+def lr_scheduler_config(recipe: Recipe) -> LRSchedulersContainer.Config:
+    """`[training]` lr_schedule / min_lr_ratio / decay_ratio as torchtitan's scheduler config."""
+    tr = recipe.training
+    ratio: float | None = tr.decay_ratio
+    if ratio == -1.0:
+        ratio = WSD_DEFAULT_DECAY_RATIO if tr.lr_schedule == "wsd" else None
+    if ratio is not None and ratio >= 1.0:
+        ratio = None  # every step after warmup (torchtitan would clip 1.0 with a warning)
+    return LRSchedulersContainer.Config(
+        warmup_steps=tr.warmup_steps,
+        decay_ratio=ratio,
+        decay_type=_DECAY_TYPE[tr.lr_schedule],  # type: ignore[arg-type]
+        min_lr_factor=tr.min_lr_ratio,
+    )
+
+
+def validator_config(recipe: Recipe) -> TitanscaleValidator.Config:
+    """`[validation]` as torchtitan's validator, reading through titanscale's loader (same
+    tokenizer, packing and seq_len as training; a finite pass over its source). Without its own
+    source it reads the training data exactly as `[data]` describes it (subset, mix, store)."""
+    v = recipe.validation
+    train = dataloader_config(recipe)
+    if v.source:
+        loader = dataclasses.replace(
+            train,
+            source=v.source,
+            text_field=v.text_field,
+            subset="",
+            split="train",
+            data_files=[],
+            sources=[],
+            infinite=False,
+        )
+    else:
+        loader = dataclasses.replace(train, infinite=False)
+    return TitanscaleValidator.Config(
+        enable=v.enable, freq=v.every, steps=v.steps, dataloader=loader
+    )
+
+
+def dataloader_config(recipe: Recipe) -> TitanscaleDataLoader.Config:
+    """The loader component's config from `[data]` (also used by tools.packstats)."""
+    d = recipe.data
+    return TitanscaleDataLoader.Config(
+        source=d.source,
+        packing=d.packing,
+        text_field=d.text_field,
+        window=d.window,
+        bad_records=d.bad_records,
+        streaming=d.streaming,
+        subset=d.subset,
+        split=d.split,
+        data_files=list(d.data_files),
+        sources=[dataclasses.asdict(e) for e in d.sources],
+        mix_window=d.mix_window,
+    )
+
+
 def build_trainer_config(
     recipe: Recipe,
     layout: Layout,
@@ -54,7 +131,7 @@ def build_trainer_config(
     tokenizer_path: str,
 ) -> Trainer.Config:
     tr, par = recipe.training, recipe.parallel
-    spec = model_registry(recipe.model.flavor)
+    spec = model_spec(recipe.model.family, recipe.model.flavor)
     if recipe.model.layers:
         spec.model.layers = spec.model.layers[: recipe.model.layers]
     if recipe.model.vocab_size:
@@ -78,8 +155,9 @@ def build_trainer_config(
     ac = {"none": None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}[
         tr.activation_checkpoint
     ]
-    ckpt_enabled = recipe.checkpoint.interval > 0 or bool(recipe.checkpoint.load_from)
-    return Trainer.Config(
+    ck = recipe.checkpoint
+    initial = ck.load_hf or ck.load_from
+    config = Trainer.Config(
         model_spec=spec,
         hf_assets_path=tokenizer_path,
         dump_folder=recipe.output_dir,
@@ -87,12 +165,7 @@ def build_trainer_config(
             loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))
         ),
         optimizer=default_adamw(lr=tr.lr, weight_decay=tr.weight_decay),
-        lr_scheduler=LRSchedulersContainer.Config(
-            warmup_steps=tr.warmup_steps,
-            decay_ratio=0.8,
-            decay_type="linear",
-            min_lr_factor=0.0,
-        ),
+        lr_scheduler=lr_scheduler_config(recipe),
         training=TrainingConfig(
             local_batch_size=tr.local_batch_size,
             global_batch_size=tr.global_batch_size,
@@ -114,14 +187,7 @@ def build_trainer_config(
             pipeline_parallel_first_stage_less_layers=first_less,
             pipeline_parallel_last_stage_less_layers=last_less,
         ),
-        dataloader=TitanscaleDataLoader.Config(
-            source=recipe.data.source,
-            packing=recipe.data.packing,
-            text_field=recipe.data.text_field,
-            window=recipe.data.window,
-            bad_records=recipe.data.bad_records,
-            streaming=recipe.data.streaming,
-        ),
+        dataloader=dataloader_config(recipe),
         metrics=TitanscaleMetrics.Config(
             log_freq=recipe.metrics.log_every,
             enable_tensorboard=recipe.metrics.tensorboard,
@@ -130,22 +196,34 @@ def build_trainer_config(
             precision=kernels.precision,
             device_name=platform.device_name,
             flavor=recipe.model.flavor,
+            family=recipe.model.family,
+            enable_wandb=recipe.metrics.wandb,
+            wandb_project=recipe.metrics.wandb_project,
+            wandb_entity=recipe.metrics.wandb_entity,
+            wandb_run_name=recipe.metrics.wandb_run_name or recipe.job.name,
             n_layers=recipe.model.layers,
             disable_color_printing=True,
         ),
         checkpoint=AtomicCheckpointManager.Config(
-            enable=ckpt_enabled,
+            enable=ck.enabled,
             folder=os.path.abspath(recipe.checkpoint_dir),
-            interval=recipe.checkpoint.interval or tr.steps,
-            keep_latest_k=recipe.checkpoint.keep_latest,
-            initial_load_path=(
-                os.path.abspath(recipe.checkpoint.load_from)
-                if recipe.checkpoint.load_from
-                else None
-            ),
+            interval=ck.interval or tr.steps,
+            keep_latest_k=ck.keep_latest,
+            initial_load_path=os.path.abspath(initial) if initial else None,
             initial_load_model_only=True,
+            initial_load_in_hf=bool(ck.load_hf),
+            # The last save stays a full, resumable DCP checkpoint; the Hugging Face export
+            # is written next to it (AtomicCheckpointManager.export_hf) in export_dtype.
             last_save_model_only=False,
-            checksums=recipe.checkpoint.checksums,
+            export_dtype=ck.export_dtype,
+            async_mode=ck.async_mode,
+            checksums=ck.checksums,
+            export_hf=ck.export_hf,
+            export_hf_every_checkpoint=ck.export_hf_every_checkpoint,
+            export_folder=os.path.abspath(recipe.export_dir),
+            export_family=recipe.model.family,
+            export_base_config=os.path.abspath(ck.load_hf) if ck.load_hf else "",
+            tokenizer_dir=tokenizer_path,
         ),
         activation_checkpoint=ac,
         compile=CompileConfig(enable=tr.compile),
@@ -153,6 +231,22 @@ def build_trainer_config(
             init_timeout_seconds=recipe.job.init_timeout_s,
             train_timeout_seconds=recipe.job.collective_timeout_s,
         ),
-        validator=Validator.Config(enable=False),
+        validator=validator_config(recipe),
+        profiler=Profiler.Config(
+            enable_profiling=recipe.profiling.trace,
+            profile_freq=recipe.profiling.every,
+            profiler_warmup=recipe.profiling.warmup,
+            profiler_active=1,
+            enable_memory_snapshot=recipe.profiling.memory_snapshot,
+            memory_snapshot_freq=recipe.profiling.memory_snapshot_every or None,
+        ),
         debug=DebugConfig(seed=tr.seed),
     )
+    if recipe.torchtitan:
+        from torchtitan.tools.logging import logger
+
+        from runtime.torchtitan_overrides import apply_overrides
+
+        for line in apply_overrides(config, recipe.torchtitan, file=recipe.source):
+            logger.info(f"[torchtitan] override: {line}")
+    return config

@@ -32,3 +32,18 @@ def seed_checkpoint(tmp_path_factory) -> str:
     path = out / "seed" / "step-0"
     assert (path / ".metadata").exists()
     return str(path)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_root_logging():
+    """Handlers a test adds to the root logger (torchtitan's init_logger binds one to the
+    captured stderr of that test) are removed after it: a later test would otherwise log into a
+    closed stream ("--- Logging error ---") and its one-line-error assertions would fail."""
+    import logging
+
+    root = logging.getLogger()
+    before = list(root.handlers)
+    yield
+    for h in list(root.handlers):
+        if h not in before:
+            root.removeHandler(h)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from typing import Any
 
 from torchtitan.components.tokenizer import BaseTokenizer
 
@@ -45,6 +46,31 @@ class ListSource(Source):
         for i in range(start, len(self.texts)):
             t = self.texts[i]
             yield (i, t, None) if t else (i, None, "empty")
+
+
+def lockstep(streams, groups: int | None = None) -> list[tuple[Any, ...]]:
+    """Global rows (input, positions, labels), in global order, from dp streams advanced
+    in lockstep as training does: `groups` groups of dp rows (None: until the end)."""
+    its = [iter(s) for s in streams]
+    out: list[tuple[Any, ...]] = []
+    g = 0
+    while groups is None or g < groups:
+        try:
+            items = [next(it) for it in its]
+        except StopIteration:
+            break
+        out += [(x["input"], x["positions"], y) for x, y in items]
+        g += 1
+    return out
+
+
+def same_rows(a, b) -> bool:
+    import torch
+
+    return len(a) == len(b) and all(
+        all(torch.equal(u, v) for u, v in zip(ra, rb, strict=True))
+        for ra, rb in zip(a, b, strict=True)
+    )
 
 
 def doc_text(i: int, n: int) -> str:

@@ -44,4 +44,4 @@ def test_trainer_saves_and_stops_on_request(tmp_path):
     assert (out / "checkpoint" / "step-0" / ".metadata").exists()
     recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert not [r for r in recs if "loss" in r]
-    # Resuming from it (and stopping mid-run on SIGUSR1) runs in tests/test_slurm.py.
+    # Resuming from it (and stopping mid-run on SIGUSR1) runs in tests/integration/test_slurm.py.

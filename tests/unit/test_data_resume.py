@@ -14,7 +14,15 @@ import torch
 
 from core.errors import ConfigError
 from data.loader import BadRecordError, PackedStream, TitanscaleDataLoader
-from tests.helpers.tiny_data import BOS, CharTokenizer, ListSource, doc_text, random_lengths
+from tests.helpers.tiny_data import (
+    BOS,
+    CharTokenizer,
+    ListSource,
+    doc_text,
+    lockstep,
+    random_lengths,
+    same_rows,
+)
 
 SEQ = 32
 TEXTS = [doc_text(i, n) for i, n in enumerate(random_lengths(7, 300, hi=120))]
@@ -35,27 +43,6 @@ def streams(world: int, packing: str, texts=TEXTS, **kw) -> list[PackedStream]:
         )
         for r in range(world)
     ]
-
-
-def lockstep(its, groups: int | None = None) -> list[tuple[torch.Tensor, ...]]:
-    """Global rows, in global order, from `groups` groups (None: until the end)."""
-    out = []
-    g = 0
-    while groups is None or g < groups:
-        try:
-            items = [next(it) for it in its]
-        except StopIteration:
-            break
-        out += [(x["input"], x["positions"], y) for x, y in items]
-        g += 1
-    return out
-
-
-def same_rows(a, b) -> bool:
-    return len(a) == len(b) and all(
-        all(torch.equal(u, v) for u, v in zip(ra, rb, strict=True))
-        for ra, rb in zip(a, b, strict=True)
-    )
 
 
 def reference(packing: str):

@@ -31,7 +31,7 @@ def test_recipe_validates(path):
     layout = check_recipe(recipe, recipe.parallel.world_size or None)
     if recipe.parallel.world_size:
         assert layout.world_size == recipe.parallel.world_size
-    shape = model_shape(recipe.model.flavor)
+    shape = model_shape(recipe.model.flavor, recipe.model.family)
     assert shape.n_heads % layout.tp == 0
 
 

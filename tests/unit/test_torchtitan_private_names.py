@@ -44,6 +44,15 @@ PRIVATE_NAMES: list[tuple[str, str, str, str]] = [
         "called",
         "runtime/checkpoint.py",
     ),
+    *[
+        (
+            "torchtitan.components.checkpoint",
+            f"CheckpointManager.{name}",
+            "override + super()",
+            "runtime/checkpoint.py",
+        )
+        for name in ("_save", "_wait_for_saving", "_close")  # the async save's verified commit
+    ],
     ("torchtitan.components.metrics", "_get_metrics_rank", "imported", "runtime/metrics.py"),
     (
         "torchtitan.distributed.parallel_dims",
