@@ -37,7 +37,13 @@ def main(argv: list[str] | None = None) -> None:
 
     init_logger()
     job = session.prepare(args.recipe, args.overrides)
-    session.run(job)
+    if job.recipe.rl.enabled:  # [rl]: rollouts replace the data loader (rl/loop.py)
+        from rl import loop
+
+        loop.check(job)
+        loop.run(job)
+    else:
+        session.run(job)
 
 
 if __name__ == "__main__":

@@ -137,7 +137,11 @@ PP_SCHEDULES_MULTI = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble
 PP_SCHEDULES = PP_SCHEDULES_SINGLE + PP_SCHEDULES_MULTI
 
 
-def stages_per_rank(schedule: str) -> int:
+def stages_per_rank(schedule: str, requested: int = 0) -> int:
+    """Stages per pipeline rank: `requested` (a recipe's `parallel.pp_stages_per_rank`)
+    when set, else the schedule's default (torchtitan: 1 single-stage, 2 otherwise)."""
+    if requested:
+        return requested
     return 1 if schedule in PP_SCHEDULES_SINGLE else 2
 
 

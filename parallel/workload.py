@@ -15,9 +15,10 @@ import math
 from dataclasses import dataclass, replace
 
 from core.axes import MESH_ORDER, Layout
-from core.models import ModelShape, model_shape, stages_per_rank
+from core.models import ModelShape, stages_per_rank
 from kernels.caps import auto_linear, simulated_caps
 from parallel.cluster import Cluster
+from recipe.loader import effective_shape
 
 
 @dataclass(frozen=True)
@@ -34,10 +35,13 @@ class Workload:
     compile: bool = False
     dtype: str = "bfloat16"
     async_tp: bool = False
+    cuda_graphs: bool = False  # forward+backward replayed from a CUDA graph (pp = 1 only)
     fp8_all_gather: bool = False  # FSDP all-gather in FP8 (tensorwise scaling only)
     cp_rotate: str = "allgather"  # torch CP: allgather (exposed) | alltoall (ring, overlapped)
     doc_len: int = 0  # mean document length under document masking; 0 = causal over seq
     virtual_stages: int = 0  # stages per pipeline rank; 0 = the schedule's default
+    stack: str = "torchtitan"  # software-stack profile (stacks/<name>.toml)
+    lora_rank: int = 0  # 0 = full training; r > 0: frozen base weights, rank-r adapters
 
     @property
     def microbatches(self) -> int:
@@ -82,26 +86,47 @@ def linear_for(recipe_linear: str, gpu: str) -> str:
     return auto_linear(simulated_caps(gpu)).name
 
 
-def workload_from_recipe(recipe, layout: Layout, cluster: Cluster | None = None) -> Workload:
-    """The recipe's training configuration on `layout` (the recipe's own or a plan's)."""
+def workload_from_recipe(
+    recipe, layout: Layout, cluster: Cluster | None = None, stack: str = "torchtitan"
+) -> Workload:
+    """The recipe's training configuration on `layout` (the recipe's own or a plan's), as
+    the software stack `stack` (a profile in stacks/) would run it: Megatron-Core's
+    distributed optimizer takes the recipe's data-parallel degree (dp_shard becomes
+    replicas with a sharded optimizer), folds gradient accumulation under PP into one
+    pipeline flush, and runs TE's per-tensor FP8 for an FP8 recipe."""
+    from parallel.stacks import load_stack
+
+    st = load_stack(stack)
     tr = recipe.training
     par = recipe.parallel
     gbs = tr.global_batch_size
     per_micro = tr.local_batch_size * layout.dp
     accum = 1 if gbs == -1 else max(1, gbs // per_micro)
     gpu = cluster.gpu if cluster else "H100"
+    linear = linear_for(recipe.kernels.linear, gpu)
+    if st.fp8_linear and linear.startswith("fp8"):
+        linear = st.fp8_linear
+    local = tr.local_batch_size
+    mbs = par.pp_microbatches if layout.pp > 1 else 0
+    if layout.pp > 1 and st.grad_accum_in_pipeline and accum > 1:
+        local, mbs, accum = local * accum, (mbs or tr.local_batch_size) * accum, 1
+    if st.data_parallel == "distributed_optimizer" and layout.dp_shard > 1:
+        layout = replace(layout, dp_replicate=layout.dp, dp_shard=1)
     return Workload(
-        shape=model_shape(recipe.model.flavor, recipe.model.family),
+        shape=effective_shape(recipe),
         seq_len=tr.seq_len,
-        local_batch_size=tr.local_batch_size,
+        local_batch_size=local,
         layout=layout,
         grad_accum=accum if layout.pp == 1 else 1,
         pp_schedule=par.pp_schedule,
-        pp_microbatches=par.pp_microbatches if layout.pp > 1 else 0,
+        pp_microbatches=mbs,
         ac=tr.activation_checkpoint,
-        linear=linear_for(recipe.kernels.linear, gpu),
+        linear=linear,
         compile=tr.compile,
         dtype=tr.dtype,
+        cp_rotate=st.cp_rotate or "allgather",
+        virtual_stages=par.pp_stages_per_rank if layout.pp > 1 else 0,
+        stack=stack,
     )
 
 

@@ -145,15 +145,26 @@ def check_layout(recipe: Recipe, layout: Layout) -> None:
             file=f,
             key="training.seq_len",
         )
+    v = par.pp_stages_per_rank
+    if v and layout.pp > 1:
+        single = par.pp_schedule in ("GPipe", "1F1B")
+        v_shaped = par.pp_schedule in ("ZBVZeroBubble", "DualPipeV")
+        if (single and v != 1) or (v_shaped and v != 2) or (not single and v < 2):
+            need = "1" if single else ("2" if v_shaped else "at least 2")
+            raise ConfigError(
+                f"{par.pp_schedule} runs {need} stage(s) per rank, got {v}",
+                file=f,
+                key="parallel.pp_stages_per_rank",
+            )
     if layout.pp > 1:
-        stages = layout.pp * stages_per_rank(par.pp_schedule)
+        stages = layout.pp * stages_per_rank(par.pp_schedule, v)
         if pp_layer_weights(shape.n_layers, stages) is None:
             raise ConfigError(
                 f"{shape.n_layers} layers of {shape.flavor} do not split evenly over {stages} "
                 f"pipeline stages (pp={layout.pp}, {par.pp_schedule} puts "
-                f"{stages_per_rank(par.pp_schedule)} on each rank)",
+                f"{stages_per_rank(par.pp_schedule, v)} on each rank)",
                 file=f,
-                key="parallel.pp",
+                key="parallel.pp_stages_per_rank" if v else "parallel.pp",
             )
         mbs = par.pp_microbatches or tr.local_batch_size
         if tr.local_batch_size % mbs:

@@ -1,7 +1,7 @@
 """The recipe contract: one dataclass per TOML section, every field documented.
 
 Sections: [job] [model] [training] [parallel] [kernels] [data] [checkpoint] [metrics]
-[validation] [profiling] [torchtitan].
+[validation] [profiling] [rl] [torchtitan].
 Field-local checks (ranges, choices) run in `__post_init__` and raise ConfigError with the
 key; checks that need several sections or the world size live in `recipe.loader`
 (`check_recipe`, `check_layout`).
@@ -206,6 +206,14 @@ class ParallelSection:
             "divide training.local_batch_size."
         ),
     )
+    pp_stages_per_rank: int = field(
+        default=0,
+        metadata=doc(
+            "Pipeline stages on each rank (Megatron's virtual pipeline size): 0 = the "
+            "schedule's default (1 for GPipe/1F1B, 2 for the others); more than 2 only for "
+            "Interleaved1F1B and InterleavedZeroBubble. pp x this must split the layers evenly."
+        ),
+    )
     auto: bool = field(
         default=False,
         metadata=doc(
@@ -228,6 +236,7 @@ class ParallelSection:
             _positive("dp_shard", self.dp_shard)
         _positive("world_size", self.world_size, allow_zero=True)
         _positive("pp_microbatches", self.pp_microbatches, allow_zero=True)
+        _positive("pp_stages_per_rank", self.pp_stages_per_rank, allow_zero=True)
 
 
 @dataclass
@@ -470,6 +479,107 @@ class MetricsSection:
 
 
 @dataclass
+class RLSection:
+    """Reinforcement learning (rl/): a generator samples, an environment rewards, a loss
+    trains. Off unless `enabled`; training.steps counts RL updates."""
+
+    enabled: bool = field(default=False, metadata=doc("Train with RL instead of the data loader."))
+    env: str = field(
+        default="arithmetic",
+        metadata=doc(
+            "Environment: 'arithmetic', 'letter_sort', or 'module:factory' returning an object "
+            "with tasks(split, n, seed) and reward(task, completion)."
+        ),
+    )
+    reward: str = field(
+        default="",
+        metadata=doc("'module:function' (task, completion) -> float replacing env's reward."),
+    )
+    loss: Literal[
+        "grpo", "cispo", "dppo", "ppo", "importance_sampling", "cross_entropy", "custom"
+    ] = field(default="grpo", metadata=doc("Policy loss (rl/losses.py, docs/rl.md)."))
+    custom_loss: str = field(
+        default="",
+        metadata=doc("loss = 'custom': 'module:function' (logprobs, batch) -> scalar tensor."),
+    )
+    prompts_per_step: int = field(default=8, metadata=doc("Prompts (groups) per update."))
+    group_size: int = field(
+        default=4, metadata=doc("Samples per prompt; advantages are normalised per group.")
+    )
+    max_new_tokens: int = field(default=8, metadata=doc("Completion length limit."))
+    temperature: float = field(default=1.0, metadata=doc("Sampling temperature (> 0)."))
+    top_p: float = field(default=1.0, metadata=doc("Nucleus sampling mass in (0, 1]."))
+    clip_low: float = field(default=0.2, metadata=doc("Ratio clip below 1 (ppo/grpo/cispo/dppo)."))
+    clip_high: float = field(default=0.2, metadata=doc("Ratio clip above 1."))
+    kl_coef: float = field(
+        default=0.0, metadata=doc("GRPO: weight of KL(pi || initial policy); 0 = no reference.")
+    )
+    normalize_std: bool = field(
+        default=True, metadata=doc("Divide group advantages by the group's std (GRPO).")
+    )
+    tis_cap: float = field(
+        default=0.0,
+        metadata=doc(
+            "Truncated importance weights min(pi_old / mu, cap) on every token's loss: the "
+            "correction for train/inference mismatch and policy lag; 0 = off."
+        ),
+    )
+    mode: Literal["sync", "async"] = field(
+        default="sync",
+        metadata=doc(
+            "sync: generate, then train, in turn. async: a generator thread runs ahead of the "
+            "trainer by at most max_policy_lag weight versions."
+        ),
+    )
+    max_policy_lag: int = field(
+        default=1, metadata=doc("async: most weight versions a trained sample may lag.")
+    )
+    generator_dtype: Literal["float32", "bfloat16"] = field(
+        default="float32", metadata=doc("The generator's weight and compute dtype.")
+    )
+    generator: Literal["native", "vllm"] = field(
+        default="native",
+        metadata=doc("native: the KV-cache generator on the torchtitan model; vllm: optional."),
+    )
+    sft_warmup_steps: int = field(
+        default=0,
+        metadata=doc(
+            "Supervised steps on the environment's reference answers before RL (a stand-in "
+            "for starting from an SFT checkpoint)."
+        ),
+    )
+    sft_warmup_lr: float = field(
+        default=1e-3, metadata=doc("Learning rate of the supervised warmup (AdamW).")
+    )
+    eval_every: int = field(
+        default=10, metadata=doc("Held-out evaluation every N updates (and at start/end).")
+    )
+    eval_prompts: int = field(default=64, metadata=doc("Held-out prompts per evaluation."))
+    on_error: Literal["skip", "fail"] = field(
+        default="skip",
+        metadata=doc(
+            "A rollout or reward function that raises: skip its group and count it in "
+            "rollout_errors, or stop the run (after saving a checkpoint)."
+        ),
+    )
+    seed: int = field(default=0, metadata=doc("Seed for prompts and sampling."))
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "group_size", "max_new_tokens", "eval_every"):
+            _positive(name, getattr(self, name))
+        _positive("eval_prompts", self.eval_prompts, allow_zero=True)
+        _positive("temperature", self.temperature)
+        _positive("sft_warmup_lr", self.sft_warmup_lr)
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"expected a value in (0, 1], got {self.top_p}", key="top_p")
+        for name in ("clip_low", "clip_high", "kl_coef", "tis_cap", "sft_warmup_steps"):
+            _positive(name, getattr(self, name), allow_zero=True)
+        _positive("max_policy_lag", self.max_policy_lag, allow_zero=True)
+        if self.loss == "custom" and not self.custom_loss:
+            raise ConfigError("loss = 'custom' needs custom_loss = 'module:function'", key="loss")
+
+
+@dataclass
 class ValidationSection:
     enable: bool = field(default=False, metadata=doc("Run torchtitan's validator."))
     source: str = field(
@@ -546,6 +656,7 @@ class Recipe:
     data: DataSection = field(default_factory=DataSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    rl: RLSection = field(default_factory=RLSection)
     validation: ValidationSection = field(default_factory=ValidationSection)
     profiling: ProfilingSection = field(default_factory=ProfilingSection)
     torchtitan: dict[str, Any] = field(

@@ -144,11 +144,16 @@ def build_trainer_config(
 
     first_less, last_less = (1, 1)
     microbatch_size = 1
+    layers_per_stage = None
     if layout.pp > 1:
-        stages = layout.pp * stages_per_rank(par.pp_schedule)
+        stages = layout.pp * stages_per_rank(par.pp_schedule, par.pp_stages_per_rank)
         weights = pp_layer_weights(len(spec.model.layers), stages)
         assert weights is not None  # check_layout rejected uneven splits already
         first_less, last_less = weights
+        if par.pp_stages_per_rank:
+            # torchtitan derives the stage count from layers per stage, counting the
+            # embedding and output as `first_less` / `last_less` layers.
+            layers_per_stage = (len(spec.model.layers) + first_less + last_less) // stages
         n_mb = par.pp_microbatches or tr.local_batch_size
         microbatch_size = tr.local_batch_size // n_mb
 
@@ -186,6 +191,7 @@ def build_trainer_config(
             pipeline_parallel_microbatch_size=microbatch_size,
             pipeline_parallel_first_stage_less_layers=first_less,
             pipeline_parallel_last_stage_less_layers=last_less,
+            pipeline_parallel_layers_per_stage=layers_per_stage,
         ),
         dataloader=dataloader_config(recipe),
         metrics=TitanscaleMetrics.Config(

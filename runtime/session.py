@@ -22,7 +22,7 @@ from core.errors import ConfigError
 from core.models import model_shape
 from parallel.cluster import Cluster, load_cluster
 from parallel.planner import apply_plan, best_plan
-from recipe.loader import check_recipe, load_recipe
+from recipe.loader import check_recipe, effective_shape, load_recipe
 from recipe.schema import Recipe
 from runtime.build import KernelChoice, build_trainer_config, choose_kernels
 from runtime.platform import Platform
@@ -77,8 +77,7 @@ def _probe_writable(folder: Path, *, file: str, key: str) -> None:
 
 def checkpoint_bytes(recipe: Recipe) -> int:
     """Estimated size of one full checkpoint (all ranks together)."""
-    shape = model_shape(recipe.model.flavor, recipe.model.family)
-    return shape.total_params * CHECKPOINT_BYTES_PER_PARAM
+    return effective_shape(recipe).total_params * CHECKPOINT_BYTES_PER_PARAM  # a slice: its layers
 
 
 def check_environment(recipe: Recipe) -> None:

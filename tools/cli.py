@@ -26,8 +26,10 @@ __all__ = [
     "add_override_arg",
     "add_recipe_arg",
     "add_recipe_cluster_args",
+    "add_stack_arg",
     "exit_on_config_error",
     "load",
+    "load_stack_arg",
     "run",
 ]
 
@@ -77,6 +79,23 @@ def add_recipe_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=None, help="nodes in the job (default: the "
                    "recipe's world size / GPUs per node, else the profile's node count)")  # fmt: skip
     add_override_arg(p, "override a recipe key (repeatable), the same keys as train.py")
+
+
+def add_stack_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--stack",
+        default="torchtitan",
+        help="software-stack profile in stacks/ (torchtitan: what recipes run; megatron_te: "
+        "Megatron-Core + Transformer Engine, for published NeMo / Megatron-Bridge runs)",
+    )
+
+
+def load_stack_arg(args: argparse.Namespace) -> str:
+    """The --stack name, checked (a ConfigError naming the known profiles) before any work."""
+    from parallel.stacks import load_stack
+
+    load_stack(args.stack)
+    return args.stack
 
 
 def load(args: argparse.Namespace):

@@ -1,5 +1,5 @@
 """Test helpers: `runs` (train.py and tools as subprocesses), `tiny_data` (tiny sources and
-tokenizers), `doc_mask` (document-mask models), `checkpoints`, `job_scripts`, `mesh`, and the
+tokenizers), `doc_mask` (document-mask models), `checkpoints`, `job_scripts`, `mesh`, `tiny_llama` (RL), and the
 torchrun worker scripts.
 
 No module here may share a name with a project package (data, launch, ...): a worker script

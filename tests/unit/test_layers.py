@@ -13,7 +13,9 @@ from pathlib import Path
 from tests.helpers.runs import ROOT
 
 # Bottom first. A package may import itself and anything before it in this list.
-LAYERS = ("core", "recipe", "kernels", "data", "parallel", "launch", "runtime", "tools", "train")
+LAYERS = (
+    "core", "recipe", "kernels", "data", "parallel", "launch", "runtime", "rl", "tools", "train"
+)  # fmt: skip
 
 
 def _layer_of(module: str) -> str | None:
