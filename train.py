@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from torchtitan.tools.logging import init_logger
 
+    from posttrain import jobs
     from runtime import session
 
     init_logger()
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         loop.check(job)
         loop.run(job)
     else:
-        session.run(job)
+        jobs.run(job)
 
 
 if __name__ == "__main__":

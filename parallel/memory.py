@@ -17,6 +17,8 @@ What is counted (bytes, per GPU, on the pipeline rank that needs the most):
 - logits: the last stage's (tokens x vocab/tp) bf16 logits, fp32 upcast and fp32
   log-softmax (10 bytes per element eager; compiled cross-entropy keeps 6).
 - FP8 extras: FP8 copies of one block's weights and of the linear inputs.
+- LoRA (Workload.lora_rank): the frozen base keeps 4 bytes per parameter (no gradient, no
+  optimizer state), adapters 16; no gradient buffers for the base blocks.
 
 Reported memory is what torchtitan logs ("max reserved"): allocated peak x
 (1 + ALLOCATOR_FRAGMENTATION). Fitting needs that plus RUNTIME_OVERHEAD_GIB (CUDA context,
@@ -58,6 +60,7 @@ LOGIT_BYTES_COMPILED = 6
 
 # AdamW with fp32 master weights: param 4 + grad 4 + exp_avg 4 + exp_avg_sq 4.
 STATE_BYTES_PER_PARAM = 16
+FROZEN_BYTES_PER_PARAM = 4  # LoRA base: the fp32 parameter only
 
 
 def layer_activation_bytes(w: Workload, mode: str | None = None, st: Stack | None = None) -> float:
@@ -242,10 +245,6 @@ def memory_profile(w: Workload, st: Stack | None = None) -> MemoryProfile:
     return MemoryProfile(tuple(_memory_for_rank(w, r, st) for r in ranks))
 
 
-# LoRA adapters sit on the block's seven linears (wq, wk, wv, wo, w1, w2, w3).
-LORA_LINEARS = 7
-
-
 def _memory_for_rank(w: Workload, rank: int, st: Stack) -> MemoryEstimate:
     s = w.shape
     lay = w.layout
@@ -273,8 +272,9 @@ def _memory_for_rank(w: Workload, rank: int, st: Stack) -> MemoryEstimate:
     if w.lora_rank:
         # Frozen base: its weights only (sharded like the states); rank-r adapters on
         # the block's linears carry the full 16 B/param of trainable state.
-        adapters = layers * LORA_LINEARS * w.lora_rank * 2 * s.dim / t
-        states = params * elt + adapters * STATE_BYTES_PER_PARAM
+        # (torchtitan keeps the frozen base's fp32 parameter, sharded like the states.)
+        adapters = layers * w.lora_params_per_layer
+        states = params * FROZEN_BYTES_PER_PARAM + adapters * STATE_BYTES_PER_PARAM
         unsharded = (params if p > 1 else 2 * unit) * ag_bytes
     elif st.data_parallel == "distributed_optimizer" and lay.dp_shard == 1:
         # ZeRO-1 (Megatron distributed optimizer): bf16 weights and the gradient buffer

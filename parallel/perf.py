@@ -347,14 +347,16 @@ def layer_costs(
         x = min(k, n)
         tf = fl / (p_fwd * (1.0 if is_cpu else gemm_eff(st, fwd_kind, x, gpu)))
         fwd_mm += tf
-        # Backward: the input gradient always; the weight gradient only for trained
-        # weights (LoRA freezes the base: its adapters' GEMMs are rank-r, negligible).
-        wgrad = (
-            0.0
-            if w.lora_rank
-            else fl / (p_wgrad * (1.0 if is_cpu else gemm_eff(st, wgrad_kind, x, gpu)))
-        )
-        bwd_mm += tf + wgrad
+        if w.lora_rank:
+            # Frozen base: input gradients only (no weight-gradient GEMM). Adapters: x A^T then
+            # (.) B^T forward, their input and weight gradients backward, at rank-r efficiency.
+            r = w.lora_rank
+            lt = 2.0 * tok * r * (k + n)  # each token passes through one adapter
+            lt /= p_bf16 * (1.0 if is_cpu else gemm_eff(st, "bf16", r, gpu))
+            fwd_mm += lt
+            bwd_mm += tf + 2 * lt
+        else:
+            bwd_mm += tf + fl / (p_wgrad * (1.0 if is_cpu else gemm_eff(st, wgrad_kind, x, gpu)))
         if w.ac == "full" or (w.ac == "selective" and SAC_RECOMPUTED[i]):
             recompute_mm += tf
     qd = s.n_heads * s.head_dim
@@ -394,7 +396,8 @@ def layer_costs(
 
     head_flops = 2.0 * tok * s.dim * s.vocab_size / t
     head_eff = 1.0 if is_cpu else gemm_eff(st, "bf16", min(s.dim, s.vocab_size / t), gpu)
-    head = 3 * head_flops / (_peak("bf16", w, links) * head_eff)
+    # Output projection: forward, input gradient, weight gradient (frozen under LoRA).
+    head = (2 if w.lora_rank else 3) * head_flops / (_peak("bf16", w, links) * head_eff)
     # Loss over tok x vocab/tp logits: eager upcasts, log-softmax, grad (~20 B/elt);
     # compiled cross-entropy fuses to about a read and a write of each (8 B).
     lb = st.loss_bytes_compiled if w.compile else st.loss_bytes_eager
@@ -497,7 +500,8 @@ def predict(
     ag_bytes = lp * (1 if fp8_ag else elt)
     # Gradient bytes reduced per parameter (LoRA: the frozen base has no gradients).
     grad_b = 0.0 if w.lora_rank else max(st.grad_reduce_bytes, elt)
-    rs_bytes = lp * grad_b
+    # LoRA: only the adapters' gradients are reduced (fp32 in torchtitan).
+    rs_bytes = w.lora_params_per_layer * 4 if w.lora_rank else lp * grad_b
     slots = w.microbatches if p > 1 else w.grad_accum
     zero1 = st.data_parallel == "distributed_optimizer" and lay.dp_shard == 1
     opt_shards = fsdp
@@ -552,7 +556,11 @@ def predict(
         t_fsdp = max(0.0, gather - t_mb / 2) + max(0.0, reduce - t_mb / 2) + t_ag + t_rs + t_ar
         t_interf_fsdp = st.comm_sm_slowdown * (min(gather, t_mb / 2) + min(reduce, t_mb / 2))
 
-    local_params = 0.0 if w.lora_rank else s.total_params / (t * p * opt_shards)
+    local_params = (
+        s.n_layers * w.lora_params_per_layer / (p * opt_shards)
+        if w.lora_rank
+        else s.total_params / (t * p * opt_shards)
+    )
     t_opt = local_params * st.optimizer_bytes_per_param / links.hbm
     n = slots * layers_rank
     # Eager launches cost host time per kernel; it shows only when the host is slower than

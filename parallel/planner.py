@@ -35,7 +35,7 @@ from parallel.memory import MemoryProfile, memory_profile, runtime_overhead_gib
 from parallel.perf import Prediction, predict
 from parallel.placement import planned_traffic
 from parallel.stacks import load_stack
-from parallel.workload import Workload, linear_for, planned_spans
+from parallel.workload import Workload, linear_for, lora_fields, planned_spans
 from recipe.loader import check_layout, effective_shape
 from recipe.schema import Recipe
 
@@ -201,6 +201,7 @@ def search(
         compile=tr.compile,
         dtype=tr.dtype,
         stack=stack,
+        **lora_fields(recipe),
     )
     # Memory depends on dp only through dp_shard (the FSDP shard count); validity not on
     # dp at all. Both are cached across the dp_replicate x dp_shard factorisations.

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
+from typing import Any
 
+from torchtitan.components.lora import LoRAConverter
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
@@ -45,6 +48,35 @@ def choose_kernels(
         platform.device_type, platform.device_name, platform.compute_capability, detect_features()
     )
     return check_kernels(recipe, caps, cp=layout.cp if layout is not None else None)
+
+
+def lora_converter(recipe: Recipe) -> LoRAConverter.Config:
+    """`[lora]` as torchtitan's LoRA converter config."""
+    lo = recipe.lora
+    return LoRAConverter.Config(
+        rank=lo.rank, alpha=lo.alpha, target_modules=list(lo.target_modules)
+    )
+
+
+def keep_frozen(parallelize_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a model's parallelize function so parameters frozen before it stay frozen.
+
+    Why: torchtitan 0.3.0's spmd-types sharding (`Module._spmd_distribute_state`)
+    re-registers each parameter as `nn.Parameter(tensor)`, which resets requires_grad to
+    True: without this, LoRA's frozen base would train (and the optimizer would hold all of
+    it). Names are stable through parallelization (FSDP2 keeps FQNs), so the frozen set is
+    restored by name before the optimizer is built.
+    """
+
+    def parallelize(model: Any, *args: Any, **kwargs: Any) -> Any:
+        frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+        out = parallelize_fn(model, *args, **kwargs)
+        for n, p in (out if out is not None else model).named_parameters():
+            if n in frozen:
+                p.requires_grad_(False)
+        return out
+
+    return parallelize
 
 
 def model_spec(family: str, flavor: str) -> ModelSpec:
@@ -119,6 +151,9 @@ def dataloader_config(recipe: Recipe) -> TitanscaleDataLoader.Config:
         data_files=list(d.data_files),
         sources=[dataclasses.asdict(e) for e in d.sources],
         mix_window=d.mix_window,
+        format=d.format,
+        chat_template=d.chat_template,
+        truncate=d.truncate,
     )
 
 
@@ -141,6 +176,10 @@ def build_trainer_config(
     # After every change to the model's dimensions: attention backend + linear conversion
     # (torchtitan's converters), with the converted/skipped list kept for the log.
     spec.model = apply_kernels(spec.model, kernels, tp=layout.tp).model_config
+    if recipe.finetune.mode == "lora":
+        # Last converter: the base (incl. any quantized linears) frozen, adapters trained.
+        spec.model = lora_converter(recipe).build().convert(spec.model)
+        spec.parallelize_fn = keep_frozen(spec.parallelize_fn)
 
     first_less, last_less = (1, 1)
     microbatch_size = 1

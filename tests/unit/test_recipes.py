@@ -62,6 +62,15 @@ def test_recipe_builds_on_meta_device(path):
     ) == layout.world_size
     with torch.device("meta"):
         model = cfg.model_spec.model.build()
-    n = sum(p.numel() for p in model.parameters())
+    # Base weights = the shape's count; LoRA adapters (finetune.mode = "lora") on top, as
+    # the memory model counts them.
+    n = sum(p.numel() for name, p in model.named_parameters() if ".lora_" not in name)
     assert n == effective_shape(recipe).total_params
+    if recipe.finetune.mode == "lora":
+        from parallel.workload import Workload, lora_fields
+
+        w = Workload(shape=effective_shape(recipe), seq_len=8, local_batch_size=1,
+                     **lora_fields(recipe))  # fmt: skip
+        n_lora = sum(p.numel() for name, p in model.named_parameters() if ".lora_" in name)
+        assert n_lora == w.lora_params_per_layer * effective_shape(recipe).n_layers
     assert all(p.is_meta for p in model.parameters())

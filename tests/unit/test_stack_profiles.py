@@ -117,15 +117,24 @@ def test_lora_freezes_the_base():
     w = Workload(s, 4096, 2, Layout(dp_shard=8), ac="selective")
     lw = w.with_(lora_rank=16)
     full, lora = estimate_memory(w), estimate_memory(lw)
-    adapters = s.n_layers * 7 * 16 * 2 * s.dim
-    assert lora.states == pytest.approx((s.total_params * 2 + adapters * 16) / 8)
+    # A (r x in) and B (out x r) on each block linear: wqkv (fused), wo, w1, w3, w2.
+    qd, kv, d, f = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.dim, s.ffn_hidden
+    linears = [(d, qd + 2 * kv), (qd, d), (d, f), (d, f), (f, d)]
+    adapters = s.n_layers * sum(16 * (i + o) for i, o in linears)
+    # torchtitan keeps the frozen base's fp32 parameter (4 B) and nothing else for it; the
+    # adapters carry the usual 16 B/param (fp32 weight, gradient, two AdamW moments).
+    assert lora.states == pytest.approx((s.total_params * 4 + adapters * 16) / 8)
     assert lora.allocated < full.allocated
     c = load_cluster("hgx_h100_ib", nodes=1)
     w, lw = w.with_(ac="none"), lw.with_(ac="none")  # no recompute: fwd, dgrad, wgrad
     pf, pl = predict(w, c), predict(lw, c)
-    # No weight gradients: the matmul time drops by about a third (fwd 1, dgrad 1, wgrad 1).
-    assert pl.breakdown["matmul_s"] == pytest.approx(pf.breakdown["matmul_s"] * 2 / 3, rel=0.02)
-    assert pl.breakdown["optimizer_s"] == 0
+    # No weight gradients: the base's matmul time drops by a third (fwd 1, dgrad 1, wgrad 1);
+    # the rank-16 adapter GEMMs (0.5% of the FLOPs, but skinny and so at low efficiency) add
+    # some of it back, never more than a tenth of the full run's matmul time.
+    base = pf.breakdown["matmul_s"] * 2 / 3
+    assert base < pl.breakdown["matmul_s"] < base + pf.breakdown["matmul_s"] / 10
+    # The optimizer touches the adapters only (well under 1% of the parameters).
+    assert 0 < pl.breakdown["optimizer_s"] < pf.breakdown["optimizer_s"] / 100
 
 
 def test_blackwell_is_not_hopper():
