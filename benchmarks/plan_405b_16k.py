@@ -13,14 +13,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from parallel.axes import Layout  # noqa: E402
+from core.axes import Layout  # noqa: E402
+from core.models import model_shape  # noqa: E402
 from parallel.calibration import megatron_flops_per_token  # noqa: E402
 from parallel.cluster import load_cluster  # noqa: E402
 from parallel.perf import predict  # noqa: E402
 from parallel.planner import search  # noqa: E402
 from parallel.workload import Workload  # noqa: E402
 from recipe.loader import load_recipe  # noqa: E402
-from recipe.models import model_shape  # noqa: E402
 
 NODES = 2048  # x 8 = 16,384 H100
 GBS = 2048  # x 8192 = 16M tokens per step (Meta's batch)

@@ -16,10 +16,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main() -> None:
-    from recipe.cli import add_override_arg
+    from tools.cli import add_override_arg, add_recipe_arg
 
     p = argparse.ArgumentParser()
-    p.add_argument("--recipe", default=None)
+    add_recipe_arg(p)
     add_override_arg(p)
     args = p.parse_args()
     from runtime.platform import bridge_torch

@@ -40,10 +40,10 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
 from torchtitan.tools.logging import logger
 
+from core.errors import ConfigError
 from data.chat import CHAT_BAD_REASONS, ChatRenderer, make_renderer
 from data.packing import PACKINGS, Piece, Row, make_packer, materialize
 from data.sources import BAD_REASONS, RAW_RECORD, Source, open_source
-from recipe.errors import ConfigError
 
 BAD_RECORD_POLICIES = ("skip", "fail")
 STREAMING_MODES = ("auto", "always", "never")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from recipe.errors import ConfigError
+from core.errors import ConfigError
 
 BAD_REASONS = ("undecodable", "invalid_json", "missing_field", "not_text", "empty")
 KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "text"}

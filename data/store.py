@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from recipe.errors import ConfigError
+from core.errors import ConfigError
 
 FORMAT = "titanscale-token-store"
 FORMAT_VERSION = 1

@@ -15,12 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from parallel.axes import Layout
+from core.axes import Layout
+from core.models import ModelShape, model_shape
 from parallel.cluster import Cluster, load_cluster
 from parallel.perf import Prediction, predict
 from parallel.stacks import Stack, load_stack
 from parallel.workload import Workload
-from recipe.models import ModelShape, model_shape
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from core.models import pp_layer_weights
 from parallel.stacks import Stack, load_stack
 from parallel.workload import Workload
-from recipe.models import pp_layer_weights
 
 GIB = 2**30
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from core.hardware import GPUS, peak_flops
 from parallel.cluster import Cluster
-from parallel.hardware import GPUS, peak_flops
 from parallel.memory import MemoryEstimate, estimate_memory, rank_stages, stage_layers
 from parallel.stacks import Stack, load_stack
 from parallel.workload import GroupSpan, Workload, planned_spans
@@ -98,6 +98,14 @@ class Prediction:
 
 # ----------------------------------------------------------------------------------------
 # Building blocks
+
+
+def sp_collectives_per_layer(ac: str) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) of sequence-parallel TP per layer per microbatch.
+
+    2 all-gathers + 2 reduce-scatters forward, the mirror image backward; the recompute
+    repeats the forward's (selective saves reduce-scatter outputs only)."""
+    return 4 + (2 if ac in ("full", "selective") else 0), 4 + (2 if ac == "full" else 0)
 
 
 def gemm_eff(st: Stack, linear: str, x: float, gpu: str = "H100") -> float:
@@ -367,10 +375,7 @@ def layer_costs(
     tp_total = 0.0
     if t > 1:
         ag = 1 if w.linear == "fp8_tensorwise" else elt
-        # SP: 2 all-gathers + 2 reduce-scatters forward, the mirror image backward; the
-        # recompute repeats the forward's (selective saves reduce-scatter outputs only).
-        n_ag = 4 + (2 if w.ac in ("full", "selective") else 0)
-        n_rs = 4 + (2 if w.ac == "full" else 0)
+        n_ag, n_rs = sp_collectives_per_layer(w.ac)
         tp_total = n_ag * coll_time("all_gather", act * ag, span_tp, links)
         tp_total += n_rs * coll_time("reduce_scatter", act * elt, span_tp, links)
     overlaps = st.tp_overlap == "always" or (w.async_tp and w.compile)
@@ -619,8 +624,7 @@ def _collectives(w: Workload, layers_rank: int) -> list[Collective]:
     if t > 1:
         act = tok * s.dim
         ag = 1 if w.linear == "fp8_tensorwise" else elt
-        n_ag = 4 + (2 if w.ac in ("full", "selective") else 0)
-        n_rs = 4 + (2 if w.ac == "full" else 0)
+        n_ag, n_rs = sp_collectives_per_layer(w.ac)
         out.append(Collective("tp", "all_gather", act * ag, n_ag * layers_rank * micro, "SP"))
         out.append(Collective("tp", "reduce_scatter", act * elt, n_rs * layers_rank * micro, "SP"))
     if c > 1:

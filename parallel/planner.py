@@ -27,16 +27,16 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
-from parallel.axes import Layout
+from core.axes import Layout
+from core.errors import ConfigError
+from core.models import PP_SCHEDULES
 from parallel.cluster import Cluster
 from parallel.memory import MemoryProfile, memory_profile, runtime_overhead_gib
 from parallel.perf import Prediction, predict
 from parallel.placement import planned_traffic
 from parallel.stacks import load_stack
 from parallel.workload import Workload, linear_for, lora_fields, planned_spans
-from recipe.errors import ConfigError
 from recipe.loader import check_layout, effective_shape, uses_cuda_graphs
-from recipe.models import PP_SCHEDULES
 from recipe.schema import Recipe
 
 AC_MODES = ("none", "selective", "full")

@@ -18,7 +18,7 @@ from typing import Any
 
 import tomllib
 
-from recipe.errors import ConfigError, did_you_mean
+from core.errors import ConfigError, did_you_mean
 
 STACK_DIR = Path(__file__).resolve().parent.parent / "stacks"
 DEFAULT_STACK = "torchtitan"

@@ -15,14 +15,11 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from parallel.axes import MESH_ORDER, Layout
+from core.axes import MESH_ORDER, Layout
+from core.models import ModelShape, stages_per_rank
+from kernels.caps import auto_linear, simulated_caps
 from parallel.cluster import Cluster
 from recipe.loader import effective_shape, uses_cuda_graphs
-from recipe.models import ModelShape, stages_per_rank
-
-# Linear backends the models know. fp8_tensorwise is not a recipe choice (removed from
-# torchtitan) but is what torchtitan's 2024-25 FP8 benchmarks ran.
-LINEARS = ("bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_rowwise_gw_hp", "mxfp8")
 
 
 @dataclass(frozen=True)
@@ -35,7 +32,7 @@ class Workload:
     pp_schedule: str = "1F1B"
     pp_microbatches: int = 0  # 0 = one sequence per microbatch
     ac: str = "none"  # none | selective | full
-    linear: str = "bf16"
+    linear: str = "bf16"  # a core.linear_backends name, or fp8_tensorwise (published runs)
     compile: bool = False
     dtype: str = "bfloat16"
     async_tp: bool = False
@@ -98,14 +95,11 @@ class Workload:
 
 
 def linear_for(recipe_linear: str, gpu: str) -> str:
-    """Resolve `kernels.linear = "auto"`: the fastest linear the GPU supports."""
+    """Resolve `kernels.linear = "auto"` for a profile's GPU kind: the same rule recipe
+    validation applies to the real device (kernels.caps.auto_linear)."""
     if recipe_linear != "auto":
         return recipe_linear
-    if gpu in ("B200", "GB200"):
-        return "mxfp8"
-    if gpu in ("H100", "H200"):
-        return "fp8_rowwise"
-    return "bf16"
+    return auto_linear(simulated_caps(gpu)).name
 
 
 def workload_from_recipe(

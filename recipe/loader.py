@@ -13,17 +13,27 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from parallel.axes import Layout, resolve_layout
-from recipe.errors import ConfigError
-from recipe.models import ModelShape, model_shape, pp_layer_weights, stages_per_rank
+from core.axes import Layout, resolve_layout
+from core.errors import ConfigError
+from core.models import ModelShape, model_shape, pp_layer_weights, stages_per_rank
+from core.typed_toml import apply_override, build_dataclass, read_with_bases, resolve_named
 from recipe.schema import Recipe
-from recipe.toml_schema import apply_override, build_dataclass, read_with_bases
 
-DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "debug.toml"
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+DEFAULT_RECIPE = RECIPES_DIR / "debug.toml"
+
+
+def resolve_recipe_path(path_or_name: str | Path | None) -> str | Path:
+    """A path (returned as given, so messages show it as the user wrote it), or a recipe name
+    from recipes/ ("llama3_8b"); None = the debug recipe."""
+    if not path_or_name:
+        return DEFAULT_RECIPE
+    resolved = resolve_named(path_or_name, RECIPES_DIR)
+    return path_or_name if Path(path_or_name) == resolved else resolved
 
 
 def load_recipe_dict(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    data = read_with_bases(path)
+    data = read_with_bases(resolve_recipe_path(path))
     for o in overrides:
         data = apply_override(data, o, Recipe)
     return data
@@ -31,7 +41,7 @@ def load_recipe_dict(path: str | Path, overrides: Sequence[str] = ()) -> dict[st
 
 def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Recipe:
     """Load, merge bases, apply overrides and check every key and type."""
-    path = path or DEFAULT_RECIPE
+    path = resolve_recipe_path(path)
     data = load_recipe_dict(path, overrides)
     # An override's key is named with --set; a file's key with the file.
     recipe = build_dataclass(Recipe, data, file=str(path), prefix="")

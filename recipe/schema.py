@@ -3,7 +3,8 @@
 Sections: [job] [model] [training] [parallel] [kernels] [data] [checkpoint] [metrics]
 [finetune] [lora] [[adapters]] [validation] [profiling] [rl] [torchtitan].
 Field-local checks (ranges, choices) run in `__post_init__` and raise ConfigError with the
-key; checks that need several sections or the world size live in `recipe.validate`.
+key; checks that need several sections or the world size live in `recipe.loader`
+(`check_recipe`, `check_layout`).
 Extend this contract by adding fields; never rename one (users' recipes depend on them).
 """
 
@@ -12,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from recipe.errors import ConfigError
-from recipe.models import FAMILIES, check_flavor
-from recipe.toml_schema import doc
+from core.errors import ConfigError
+from core.linear_backends import LinearChoice
+from core.models import FAMILIES, check_flavor
+from core.typed_toml import doc
 
 
 def _positive(name: str, value: int | float, *, allow_zero: bool = False) -> None:
@@ -267,7 +269,7 @@ class KernelsSection:
             "auto (flex on CUDA, dense on CPU)."
         ),
     )
-    linear: Literal["auto", "bf16", "fp8_rowwise", "fp8_rowwise_gw_hp", "mxfp8"] = field(
+    linear: LinearChoice = field(
         default="bf16",
         metadata=doc(
             "Linear backend: bf16 (plain), fp8_rowwise / fp8_rowwise_gw_hp (SM89+), mxfp8 "

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from recipe.errors import ConfigError
+from core.errors import ConfigError
 from rl.envs import Environment, Task, load_callable, make_env
 from rl.generator import Generator, SamplingParams, vllm_generator
 from rl.losses import BUILTIN_LOSSES, LossConfig, LossFn, get_loss, group_advantages

@@ -26,12 +26,12 @@ from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.tools.profiler import Profiler
 from torchtitan.trainer import Trainer
 
+from core.axes import Layout
+from core.models import pp_layer_weights, stages_per_rank
 from data.loader import TitanscaleDataLoader
 from kernels.caps import DeviceCaps, detect_features
 from kernels.registry import KernelChoice, apply_kernels, check_kernels
-from parallel.axes import Layout
 from recipe.loader import first_step_timeout_s, uses_cuda_graphs
-from recipe.models import pp_layer_weights, stages_per_rank
 from recipe.schema import Recipe
 from runtime.checkpoint import AtomicCheckpointManager
 from runtime.metrics import TitanscaleMetrics

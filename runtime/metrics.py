@@ -10,7 +10,7 @@ the loss):
 - mfu_doc_masked_pct: the same with attention FLOPs counted only for the (query, key) pairs
   the document mask keeps (labelled; torchtitan's count charges every row's full L x L).
 - mfu_pct = tflops_per_gpu / the dense BF16 peak of this GPU, whatever the linears' precision
-  (parallel.hardware; torchtitan's and Megatron's convention); null on CPU or an unknown GPU
+  (core.hardware; torchtitan's and Megatron's convention); null on CPU or an unknown GPU
   ("n/a" on the console). mfu_at_precision_peak_pct: the same against the peak of the linears'
   precision (FP8/MXFP8: twice BF16's on Hopper/Blackwell); equal to mfu_pct for BF16.
 The summary's median excludes the first `summary_skip_steps` steps (compile, allocator and
@@ -31,9 +31,9 @@ import torch
 from torchtitan.components.metrics import MetricsProcessor, _get_metrics_rank
 from torchtitan.tools.logging import logger
 
+from core.hardware import peak_flops
+from core.models import model_shape
 from data.accounting import doc_masked_flops
-from parallel.hardware import peak_flops
-from recipe.models import model_shape
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -3,7 +3,7 @@
 `Platform.detect()` says where we run; `platform.apply()` adapts torchtitan 0.3.0 to it. On
 CUDA `apply()` changes nothing: torchtitan's own code paths run as shipped. On CPU (gloo) it
 answers, item by item, the places where torchtitan assumes CUDA (file:line in torchtitan
-0.3.0; see ../shared/notes/torchtitan-0.3.0-on-cpu.md):
+0.3.0; see docs/torchtitan_on_cpu.md):
 
 1. tools/utils.py:55 picks `device_type = ... or "cuda"` at import and five modules copy it
    by name; without a GPU the Trainer calls torch.cuda.set_device and dies. -> "cpu" and

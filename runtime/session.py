@@ -17,12 +17,12 @@ from typing import Any
 
 from torchtitan.trainer import Trainer
 
-from parallel.axes import Layout
+from core.axes import Layout
+from core.errors import ConfigError
+from core.models import model_shape
 from parallel.cluster import Cluster, load_cluster
 from parallel.planner import apply_plan, best_plan
-from recipe.errors import ConfigError
 from recipe.loader import check_recipe, effective_shape, load_recipe
-from recipe.models import model_shape
 from recipe.schema import Recipe
 from runtime.build import KernelChoice, build_trainer_config, choose_kernels
 from runtime.platform import BRIDGED, Platform, check_pipeline_step

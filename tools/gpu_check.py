@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from recipe.errors import exit_on_config_error
+from tools.cli import add_override_arg, run
 
 ROOT = Path(__file__).resolve().parent.parent
 OURS = re.compile(r"step\s+(\d+)\s+loss\s+([\d.]+)\s+tok/s/gpu ([\d,]+)")
@@ -209,7 +209,6 @@ def prepare_tokenizer(dest: Path, vocab_size: int) -> Path:
     return dest
 
 
-@exit_on_config_error
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT") or "outputs/gpu_check")
@@ -224,8 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="linear backends to run (default: bf16 fp8_rowwise, + mxfp8 on SM100)")  # fmt: skip
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--prepare-tokenizer", default=None, metavar="DIR")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="recipe override for every run, e.g. training.cuda_graphs=off")  # fmt: skip
+    add_override_arg(p, "recipe override for every run, e.g. training.cuda_graphs=off")
     a = p.parse_args(argv)
     recipe = "recipes/debug.toml" if a.cpu_smoke else "recipes/gpu_slice_70b.toml"
     from recipe.loader import effective_shape, load_recipe
@@ -282,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         d["stages"].append({"name": "probe", "exit_code": res["exit_code"],
                             "timed_out": res["timed_out"], "wall_s": res["wall_s"], "note": note})  # fmt: skip
     d["probe"] = probe
-    from parallel.hardware import peak_flops
+    from core.hardware import peak_flops
 
     device = probe.get("gpu_name", "cpu")
     bf16_peak = peak_flops(device, "bf16")
@@ -352,4 +350,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run(main)

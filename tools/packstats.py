@@ -18,8 +18,8 @@ import argparse
 import json
 import sys
 
-from recipe.cli import add_override_arg
-from recipe.errors import ConfigError, exit_on_config_error
+from core.errors import ConfigError, exit_on_config_error
+from tools.cli import add_override_arg, add_recipe_arg, run
 
 FLAG_KEYS = {
     "data": "data.source",
@@ -35,7 +35,7 @@ FLAG_KEYS = {
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--recipe", default=None, help="recipe TOML (default: recipes/debug.toml)")
+    add_recipe_arg(p)
     add_override_arg(p)
     p.add_argument("--data", help="'stdlib' or a .jsonl/.json/.parquet/.txt file or folder")
     p.add_argument("--tokenizer", help="tokenizer folder, or 'embedded'")
@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> dict:
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={value}")
+    from core.models import model_shape
     from recipe.loader import load_recipe
-    from recipe.models import model_shape
 
     recipe = load_recipe(args.recipe, overrides)
     from data.sources import check_source
@@ -189,4 +189,4 @@ def _rank_rows_once(recipe, tokenizer, *, dp: int, rank: int, rows: int) -> dict
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -18,8 +18,8 @@ import argparse
 import json
 import sys
 
-from recipe.errors import ConfigError, exit_on_config_error
-from tools._common import add_recipe_cluster_args, add_stack_arg, load, load_stack_arg
+from core.errors import ConfigError, exit_on_config_error
+from tools.cli import add_recipe_cluster_args, add_stack_arg, load, load_stack_arg, run
 
 
 def _fmt_plan_row(i: int, p) -> str:
@@ -45,7 +45,7 @@ HEADER = (
 def fabric_for(args, cluster):
     from pathlib import Path
 
-    from parallel.cluster import fabric_from_slurm
+    from launch.slurm import fabric_from_slurm
 
     if args.slurm_topology or args.nodelist:
         text = None
@@ -215,4 +215,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

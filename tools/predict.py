@@ -20,8 +20,8 @@ import json
 import sys
 from pathlib import Path
 
-from recipe.errors import exit_on_config_error
-from tools._common import add_recipe_cluster_args, add_stack_arg, load, load_stack_arg
+from core.errors import exit_on_config_error
+from tools.cli import add_recipe_cluster_args, add_stack_arg, load, load_stack_arg, run
 
 
 def predict_recipe(recipe, cluster, stack: str = "torchtitan") -> tuple[dict, object]:
@@ -275,4 +275,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

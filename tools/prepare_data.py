@@ -23,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from recipe.errors import ConfigError, exit_on_config_error
+from core.errors import ConfigError, exit_on_config_error
+from tools.cli import run
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -166,4 +167,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

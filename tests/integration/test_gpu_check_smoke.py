@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import ROOT, child_env
+from tests.helpers.runs import ROOT, child_env
 
 
 @pytest.mark.slow
@@ -22,7 +22,7 @@ def test_cpu_smoke_end_to_end(tmp_path):
     env["OUT"] = str(out)
     env["TMPDIR"] = str(tmp_path)
     cmd = ["bash", str(ROOT / "tools" / "gpu_check.sh"), "--cpu-smoke", "--work", str(work),
-           "--linears", "fp8_rowwise", "--tests", "tests/test_doc_mask.py"]  # fmt: skip
+           "--linears", "fp8_rowwise", "--tests", "tests/integration/test_doc_mask.py"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     files = sorted(p.name for p in out.iterdir())

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from parallel.axes import Layout
+from core.axes import Layout
+from core.models import model_shape
 from parallel.cluster import load_cluster
 from parallel.memory import estimate_memory
 from parallel.perf import predict
 from parallel.planner import search
 from parallel.workload import Workload
 from recipe.loader import load_recipe
-from recipe.models import model_shape
 
 
 def test_lora_params_per_layer_equal_torchtitans_trainable_count():

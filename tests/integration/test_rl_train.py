@@ -9,7 +9,7 @@ import os
 import pytest
 
 from runtime.metrics import read_trajectory
-from tests.conftest import run_train
+from tests.helpers.runs import run_train
 
 pytestmark = pytest.mark.slow  # 1-2.5 min each on 2 loaded cores (three train.py runs)
 

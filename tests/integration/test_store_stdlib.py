@@ -25,7 +25,7 @@ from data.sources import open_source
 from data.store import TokenStore, is_store
 from data.store_stream import StoreStream
 from data.tokenizer import resolve_tokenizer
-from tests.conftest import FAST, ROOT, child_env, read_losses, run_train
+from tests.helpers.runs import FAST, ROOT, child_env, read_losses, run_train
 
 RECORDS = 90  # the first 90 stdlib files: ~0.4M tokens
 

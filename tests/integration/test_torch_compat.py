@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, child_env, free_port, read_losses, run_train
+from tests.helpers.runs import ROOT, child_env, free_port, read_losses, run_train
 
 WORKER = ROOT / "tests" / "integration" / "_old_torch_worker.py"
 FAST = ["training.seq_len=128", "training.steps=3", "metrics.tensorboard=false"]

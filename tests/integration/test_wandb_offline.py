@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import read_losses, run_train
+from tests.helpers.runs import read_losses, run_train
 
 pytestmark = pytest.mark.slow  # training runs: ~30-120 s on 2 shared cores
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from recipe.errors import ConfigError
+from core.errors import ConfigError
 from recipe.loader import check_recipe, load_recipe
 from tools import predict as predict_cli
 
@@ -102,13 +102,13 @@ def test_async_tp_refused_on_cpu_before_any_process_group(monkeypatch):
 def test_planner_prices_cuda_graphs_for_small_blocks():
     """Host launch time shows only where a block's GPU work is shorter than its launches
     (debug model on an H100), and CUDA graphs remove it."""
+    from core.models import model_shape
     from parallel.cluster import load_cluster
     from parallel.perf import predict
     from parallel.workload import Workload
-    from recipe.models import model_shape
 
     c = load_cluster("hgx_h100_ib", nodes=1)
-    from parallel.axes import Layout
+    from core.axes import Layout
 
     w = Workload(model_shape("debugmodel"), 256, 1, Layout(dp_shard=8), compile=True)
     eager = predict(w, c)

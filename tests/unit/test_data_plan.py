@@ -12,7 +12,7 @@ import pytest
 
 from data.packing import make_packer
 from data.plan import make_plan
-from tests._data_helpers import random_lengths
+from tests.helpers.tiny_data import random_lengths
 
 
 def packer_rows(packing: str, pairs: list[int], seq_len: int, epochs: int, window: int = 8):

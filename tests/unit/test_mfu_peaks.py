@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from parallel.hardware import gpu_kind, mfu_pair, peak_flops
+from core.hardware import gpu_kind, mfu_pair, peak_flops
 
 # name torch reports -> (dense BF16, dense FP8) TFLOP/s, from the datasheets' sparse figures
 DATASHEET = {

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from recipe.errors import ConfigError
+from core.errors import ConfigError
 from recipe.loader import load_recipe
 
 

@@ -9,7 +9,7 @@ import torch
 from rl.generator import Generator, SamplingParams, vllm_generator
 from rl.mismatch import mismatch_stats
 from rl.policy import forward_logits, full_state_dict, token_logprobs
-from tests._rl_helpers import tiny_llama
+from tests.helpers.tiny_llama import tiny_llama
 
 PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13]]
 

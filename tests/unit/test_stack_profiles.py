@@ -8,7 +8,9 @@ import json
 import pytest
 import tomllib
 
-from parallel.axes import Layout
+from core.axes import Layout
+from core.errors import ConfigError
+from core.models import model_shape
 from parallel.cluster import load_cluster
 from parallel.memory import (
     STATE_BYTES_PER_PARAM,
@@ -20,9 +22,7 @@ from parallel.perf import predict
 from parallel.planner import TOKENS_PER_STEP_CEILING, search
 from parallel.stacks import STACK_DIR, load_stack, parse_stack, stack_names
 from parallel.workload import Workload, workload_from_recipe
-from recipe.errors import ConfigError
 from recipe.loader import check_recipe, load_recipe
-from recipe.models import model_shape
 
 
 def test_profiles_load_and_cite_every_constant():

@@ -17,13 +17,13 @@ import pytest
 import torch
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
+from core.errors import ConfigError
 from data.loader import PackedStream, TitanscaleDataLoader
 from data.sources import check_source
 from data.store import TokenStore, is_store, prepare
 from data.store_stream import MixedStream, MixSource, PlannedRows, StoreStream, mix_counts
-from recipe.errors import ConfigError
-from tests._data_helpers import ListSource, lockstep, make_tokenizer_dir
-from tests._data_helpers import same_rows as same
+from tests.helpers.tiny_data import ListSource, lockstep, make_tokenizer_dir
+from tests.helpers.tiny_data import same_rows as same
 
 SEQ = 48
 WORDS = ["alpha", "beta", "gamma", "delta", "(", ")", "x", "y", "def", "return"]
