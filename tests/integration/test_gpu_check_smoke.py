@@ -1,9 +1,8 @@
 """tools/gpu_check.sh --cpu-smoke end to end: probe, gpu-marked tests (skipping here), ours
 and torchtitan's stock Trainer on the debug model with emulated FP8; the report lands in
 $OUT as at most 6 files, run folders elsewhere, both MFU fields in metrics.jsonl and
-summary.json. Trimmed to one backend and one test file to stay short (4.3 min measured on 2
-cores under load average 9; three interpreter starts and two short trainings when idle);
-the full GPU check runs the same code with every stage."""
+summary.json. Trimmed to one backend and one test file to stay short (53 s on the 2-core
+machine, 4.3 min under load average 9); the full GPU check runs the same code, every stage."""
 
 from __future__ import annotations
 
