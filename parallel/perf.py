@@ -565,11 +565,14 @@ def predict(
     n = slots * layers_rank
     # Eager launches cost host time per kernel; it shows only when the host is slower than
     # the GPU work it launches (small blocks, narrow TP shards). A CUDA graph replays the
-    # step from one launch, so that exposed time goes to 0.
-    host_exposed = 0.0
+    # step from one launch, so that exposed time goes to 0. The GPU work the host races
+    # includes the exposed FSDP collectives (they run while the host is still launching):
+    # counting them against compute only would charge the same wait twice, and then a slower
+    # TP group (more GPU work, less host wait) could predict a faster step.
+    host_launch = 0.0
     if not (links.is_cpu or w.cuda_graphs):
         per_block = st.kernels_per_block_compiled if w.compile else st.kernels_per_block_eager
-        host_exposed = max(0.0, per_block * st.kernel_launch_s - L.total)
+        host_launch = max(0.0, n * per_block * st.kernel_launch_s - n * L.total - t_fsdp)
     breakdown = {
         "matmul_s": n * (L.fwd_mm + L.bwd_mm + L.recompute_mm),
         "attention_s": n * L.attention,
@@ -582,7 +585,7 @@ def predict(
         "pp_p2p_s": t_p2p,
         "pp_bubble_s": t_bubble,
         "optimizer_s": t_opt,
-        "host_launch_s": n * host_exposed,
+        "host_launch_s": host_launch,
     }
     step = sum(breakdown.values())
 

@@ -124,7 +124,9 @@ def test_tp_placed_over_infiniband_is_never_faster_than_on_nvlink(d, tp, dp):
     assert spans["tp"].in_nvlink
     ib = dict(spans)
     ib["tp"] = GroupSpan(size=tp, domains=tp, per_domain=1, nodes=tp, ring_node_hops=tp)
-    assert predict(w, c, ib).tokens_per_sec_per_gpu <= predict(w, c, spans).tokens_per_sec_per_gpu
+    # Host-launch-bound steps tie (the host sets the pace on both): allow rounding only.
+    ib_tps = predict(w, c, ib).tokens_per_sec_per_gpu
+    assert ib_tps <= predict(w, c, spans).tokens_per_sec_per_gpu * (1 + 1e-9)
 
 
 @settings(max_examples=30, deadline=None)
