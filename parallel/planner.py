@@ -179,157 +179,22 @@ def search(
     recipe: Recipe, cluster: Cluster, nodes: int | None = None, stack: str = "torchtitan"
 ) -> SearchResult:
     """All candidates, fitting plans ranked by predicted tokens/s per GPU, priced on
-    `stack` (a profile in stacks/; recipes run torchtitan)."""
+    `stack` (a profile in stacks/; recipes run torchtitan). The steps: degrees
+    (`_degrees`), the schedule options each passes the layout checks with
+    (`_Search.options`), memory (`_Search.fit`), then the prediction (`_Search.price`)."""
     cluster, world = world_for(recipe, cluster, nodes)
-    shape = effective_shape(recipe)
-    tr = recipe.training
-    linear = linear_for(recipe.kernels.linear, cluster.gpu)
-    hbm_gib = cluster.hbm_bytes / 2**30
-    overhead = runtime_overhead_gib(cluster.gpu)
-    dom = cluster.nvlink_domain_gpus
     gbs, warning = planned_global_batch(recipe, world)
-    derived = tr.global_batch_size == -1
-    zero1_stack = load_stack(stack).data_parallel == "distributed_optimizer"
-    plans: list[Plan] = []
-    rejected: list[Rejected] = []
-    candidates = 0
-    base = Workload(
-        shape=shape,
-        seq_len=tr.seq_len,
-        local_batch_size=tr.local_batch_size,
-        linear=linear,
-        compile=tr.compile,
-        dtype=tr.dtype,
-        # Only tp > 1 layouts have TP collectives to overlap (perf.layer_costs).
-        async_tp=recipe.parallel.async_tp,
-        stack=stack,
-        **lora_fields(recipe),
-    )
-    # Memory depends on dp only through dp_shard (the FSDP shard count); validity not on
-    # dp at all. Both are cached across the dp_replicate x dp_shard factorisations.
-    valid: dict[tuple, str] = {}
-    profiles: dict[tuple, MemoryProfile] = {}
-
-    def why_invalid(layout: Layout, sched: str, mbs: int, local: int) -> str:
-        key = (layout.tp, layout.cp, layout.pp, sched, mbs, local)
-        if key not in valid:
-            try:
-                check_layout(_layout_recipe(recipe, sched, mbs, local), layout)
-                valid[key] = ""
-            except ConfigError as e:
-                valid[key] = f"invalid: {e.detail}"
-        return valid[key]
-
-    for inner in _divisors(min(world, dom)):
-        if world % inner or dom % inner:
+    derived = recipe.training.global_batch_size == -1
+    run = _Search(recipe, cluster, stack)
+    for tp, cp, pp, dp in _degrees(world, cluster.nvlink_domain_gpus):
+        if gbs % dp and not derived:
             continue
-        for tp in _divisors(inner):
-            cp = inner // tp
-            for pp in _divisors(world // inner):
-                dp = world // (inner * pp)
-                if gbs % dp and not derived:
-                    continue
-                # A derived batch (no global_batch_size in the recipe) is held at the
-                # largest multiple of dp not above it, so worlds it does not divide plan too.
-                share = gbs // dp
-                if share == 0:
-                    continue
-                if pp > 1:
-                    schedules = list(PP_SCHEDULES)
-                    locals_ = [share]
-                else:
-                    schedules = [recipe.parallel.pp_schedule]
-                    locals_ = sorted(_divisors(share), reverse=True)
-                options = []  # (schedule, microbatches) that pass the layout checks
-                probe = Layout(pp=pp, dp_shard=dp, cp=cp, tp=tp)
-                for sched in schedules:
-                    mb_opts = [0]
-                    if pp > 1:
-                        mb_opts = [m for m in _divisors(share) if m >= pp or sched == "GPipe"]
-                        mb_opts = mb_opts or [share]
-                    for mbs in mb_opts:
-                        reason = why_invalid(probe, sched, mbs, locals_[-1])
-                        options.append((sched, mbs, reason))
-                for rep in _divisors(dp):
-                    layout = Layout(pp=pp, dp_replicate=rep, dp_shard=dp // rep, cp=cp, tp=tp)
-                    spans = None
-                    for sched, mbs, reason in options:
-                        sched_out = sched if pp > 1 else None
-                        if reason:
-                            candidates += 1
-                            rejected.append(Rejected(layout, sched_out, mbs, "-", reason))
-                            continue
-                        for ac in AC_MODES:
-                            candidates += 1
-                            if pp > 1 and sched in ZERO_BUBBLE and ac != "none":
-                                rejected.append(
-                                    Rejected(
-                                        layout,
-                                        sched,
-                                        mbs,
-                                        ac,
-                                        "unsupported: torchtitan's zero-bubble schedules "
-                                        "cannot run with activation checkpointing",
-                                    )
-                                )
-                                continue
-                            fit = None
-                            last_reason = ""
-                            # A ZeRO-1 stack (no FSDP) shards its optimizer over the replicas:
-                            # its memory depends on dp_replicate, so price the real layout.
-                            zero1 = zero1_stack and rep == dp
-                            for local in locals_:
-                                mkey = (tp, cp, pp, sched, mbs, ac, local, zero1)
-                                accum = 1 if pp > 1 else share // local
-                                prof = profiles.get(mkey)
-                                if prof is None:
-                                    prof = profiles[mkey] = memory_profile(
-                                        dataclasses.replace(
-                                            base,
-                                            layout=layout if zero1 else probe,
-                                            local_batch_size=local,
-                                            pp_schedule=sched if pp > 1 else "1F1B",
-                                            pp_microbatches=mbs,
-                                            ac=ac,
-                                        )
-                                    )
-                                need = prof.required_gib((dp // rep) * cp, overhead)
-                                if need <= hbm_gib:
-                                    fit = (local, accum, prof.at((dp // rep) * cp))
-                                    break
-                                last_reason = (
-                                    f"memory: needs {need:.1f} GiB of "
-                                    f"{hbm_gib:.1f} (local batch {local})"
-                                )
-                            if fit is None:
-                                rejected.append(Rejected(layout, sched_out, mbs, ac, last_reason))
-                                continue
-                            local, accum, mem = fit
-                            w = dataclasses.replace(
-                                base,
-                                cuda_graphs=uses_cuda_graphs(recipe, pp, recipe.kernels.attention),
-                                layout=layout,
-                                local_batch_size=local,
-                                grad_accum=accum,
-                                pp_schedule=sched if pp > 1 else "1F1B",
-                                pp_microbatches=mbs,
-                                ac=ac,
-                            )
-                            if spans is None:
-                                spans = planned_spans(layout, cluster)
-                            pred = predict(w, cluster, spans, memory=mem)
-                            plans.append(
-                                Plan(
-                                    layout=layout,
-                                    pp_schedule=sched_out,
-                                    microbatches=w.microbatches if pp > 1 else w.grad_accum,
-                                    activation_checkpoint=ac,
-                                    local_batch_size=local,
-                                    global_batch_size=w.tokens_per_step // w.seq_len,
-                                    prediction=pred,
-                                )
-                            )
-    plans.sort(
+        # A derived batch (no global_batch_size in the recipe) is held at the largest
+        # multiple of dp not above it, so worlds it does not divide plan too.
+        share = gbs // dp
+        if share:
+            run.layouts(tp, cp, pp, dp, share)
+    run.plans.sort(
         key=lambda p: (
             -p.tokens_per_sec_per_gpu,
             p.memory_gib,
@@ -337,12 +202,179 @@ def search(
         )
     )
     return SearchResult(
-        plans=plans,
-        rejected=rejected,
+        plans=run.plans,
+        rejected=run.rejected,
         world_size=world,
-        candidates=candidates,
+        candidates=run.candidates,
         warnings=[warning] if warning else [],
     )
+
+
+def _degrees(world: int, dom: int):
+    """(tp, cp, pp, dp) with tp x cp inside one NVLink domain and pp x dp the rest."""
+    for inner in _divisors(min(world, dom)):
+        if world % inner or dom % inner:
+            continue
+        for tp in _divisors(inner):
+            for pp in _divisors(world // inner):
+                yield tp, inner // tp, pp, world // (inner * pp)
+
+
+_ZERO_BUBBLE_WITH_AC = (
+    "unsupported: torchtitan's zero-bubble schedules cannot run with activation checkpointing"
+)
+
+
+class _Search:
+    """One search's fixed inputs, caches and results. Memory depends on dp only through
+    dp_shard (the FSDP shard count), validity not on dp at all: both are cached across the
+    dp_replicate x dp_shard factorisations."""
+
+    def __init__(self, recipe: Recipe, cluster: Cluster, stack: str) -> None:
+        tr = recipe.training
+        self.recipe, self.cluster = recipe, cluster
+        self.hbm_gib = cluster.hbm_bytes / 2**30
+        self.overhead = runtime_overhead_gib(cluster.gpu)
+        self.zero1_stack = load_stack(stack).data_parallel == "distributed_optimizer"
+        self.base = Workload(
+            shape=effective_shape(recipe),
+            seq_len=tr.seq_len,
+            local_batch_size=tr.local_batch_size,
+            linear=linear_for(recipe.kernels.linear, cluster.gpu),
+            compile=tr.compile,
+            dtype=tr.dtype,
+            # Only tp > 1 layouts have TP collectives to overlap (perf.layer_costs).
+            async_tp=recipe.parallel.async_tp,
+            stack=stack,
+            **lora_fields(recipe),
+        )
+        self.valid: dict[tuple, str] = {}
+        self.profiles: dict[tuple, MemoryProfile] = {}
+        self.plans: list[Plan] = []
+        self.rejected: list[Rejected] = []
+        self.candidates = 0
+
+    def why_invalid(self, layout: Layout, sched: str, mbs: int, local: int) -> str:
+        key = (layout.tp, layout.cp, layout.pp, sched, mbs, local)
+        if key not in self.valid:
+            try:
+                check_layout(_layout_recipe(self.recipe, sched, mbs, local), layout)
+                self.valid[key] = ""
+            except ConfigError as e:
+                self.valid[key] = f"invalid: {e.detail}"
+        return self.valid[key]
+
+    def options(self, probe: Layout, share: int, smallest_local: int) -> list[tuple]:
+        """(schedule, microbatches, reason) for every schedule option of these degrees;
+        reason is '' where the layout checks pass."""
+        pp = probe.pp
+        schedules = list(PP_SCHEDULES) if pp > 1 else [self.recipe.parallel.pp_schedule]
+        out = []
+        for sched in schedules:
+            mb_opts = [0]
+            if pp > 1:
+                mb_opts = [m for m in _divisors(share) if m >= pp or sched == "GPipe"]
+                mb_opts = mb_opts or [share]
+            for mbs in mb_opts:
+                out.append((sched, mbs, self.why_invalid(probe, sched, mbs, smallest_local)))
+        return out
+
+    def layouts(self, tp: int, cp: int, pp: int, dp: int, share: int) -> None:
+        """Every dp_replicate x dp_shard split, schedule and AC mode of these degrees."""
+        # With pp the whole share is one pipelined step; without, the largest local batch
+        # that fits (the rest is gradient accumulation).
+        locals_ = [share] if pp > 1 else sorted(_divisors(share), reverse=True)
+        probe = Layout(pp=pp, dp_shard=dp, cp=cp, tp=tp)
+        options = self.options(probe, share, locals_[-1])
+        for rep in _divisors(dp):
+            layout = Layout(pp=pp, dp_replicate=rep, dp_shard=dp // rep, cp=cp, tp=tp)
+            spans = None  # the planned spans, computed once per layout when first needed
+            for sched, mbs, reason in options:
+                sched_out = sched if pp > 1 else None
+                if reason:
+                    self.candidates += 1
+                    self.rejected.append(Rejected(layout, sched_out, mbs, "-", reason))
+                    continue
+                for ac in AC_MODES:
+                    self.candidates += 1
+                    if pp > 1 and sched in ZERO_BUBBLE and ac != "none":
+                        self.rejected.append(Rejected(layout, sched, mbs, ac, _ZERO_BUBBLE_WITH_AC))
+                        continue
+                    fit, why = self.fit(layout, probe, sched, mbs, ac, locals_, share)
+                    if fit is None:
+                        self.rejected.append(Rejected(layout, sched_out, mbs, ac, why))
+                        continue
+                    if spans is None:
+                        spans = planned_spans(layout, self.cluster)
+                    self.price(layout, sched, mbs, ac, fit, spans)
+
+    def fit(
+        self,
+        layout: Layout,
+        probe: Layout,
+        sched: str,
+        mbs: int,
+        ac: str,
+        locals_: list[int],
+        share: int,
+    ) -> tuple[Any, str]:
+        """((local batch, accumulation, memory), '') for the largest local batch that fits,
+        or (None, the last memory reason)."""
+        pp, dp, cp = layout.pp, layout.dp_replicate * layout.dp_shard, layout.cp
+        rep = layout.dp_replicate
+        # A ZeRO-1 stack (no FSDP) shards its optimizer over the replicas: its memory
+        # depends on dp_replicate, so price the real layout.
+        zero1 = self.zero1_stack and rep == dp
+        last_reason = ""
+        for local in locals_:
+            mkey = (layout.tp, cp, pp, sched, mbs, ac, local, zero1)
+            accum = 1 if pp > 1 else share // local
+            prof = self.profiles.get(mkey)
+            if prof is None:
+                prof = self.profiles[mkey] = memory_profile(
+                    dataclasses.replace(
+                        self.base,
+                        layout=layout if zero1 else probe,
+                        local_batch_size=local,
+                        pp_schedule=sched if pp > 1 else "1F1B",
+                        pp_microbatches=mbs,
+                        ac=ac,
+                    )
+                )
+            need = prof.required_gib((dp // rep) * cp, self.overhead)
+            if need <= self.hbm_gib:
+                return (local, accum, prof.at((dp // rep) * cp)), ""
+            last_reason = (
+                f"memory: needs {need:.1f} GiB of {self.hbm_gib:.1f} (local batch {local})"
+            )
+        return None, last_reason
+
+    def price(self, layout: Layout, sched: str, mbs: int, ac: str, fit: tuple, spans) -> None:
+        """The performance model's prediction of one fitting candidate, kept as a Plan."""
+        local, accum, mem = fit
+        pp = layout.pp
+        recipe = self.recipe
+        w = dataclasses.replace(
+            self.base,
+            cuda_graphs=uses_cuda_graphs(recipe, pp, recipe.kernels.attention),
+            layout=layout,
+            local_batch_size=local,
+            grad_accum=accum,
+            pp_schedule=sched if pp > 1 else "1F1B",
+            pp_microbatches=mbs,
+            ac=ac,
+        )
+        self.plans.append(
+            Plan(
+                layout=layout,
+                pp_schedule=sched if pp > 1 else None,
+                microbatches=w.microbatches if pp > 1 else w.grad_accum,
+                activation_checkpoint=ac,
+                local_batch_size=local,
+                global_batch_size=w.tokens_per_step // w.seq_len,
+                prediction=predict(w, self.cluster, spans, memory=mem),
+            )
+        )
 
 
 def add_traffic(plans: list[Plan], cluster: Cluster) -> None:
