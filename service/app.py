@@ -9,7 +9,6 @@ server-side; the service keeps serving.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
@@ -269,15 +268,5 @@ def create_app(service: Service, api_keys: list[str] | None) -> FastAPI:
         if outcome.proto is not None:
             raise ServiceError(406, "this result is served as protobuf only (Accept: " + PROTO + ")")
         return outcome_json(outcome)
-
-    async def _sweep() -> None:
-        while True:
-            await asyncio.sleep(30)
-            service.futures.sweep()
-            service.expire_sessions()
-
-    @app.on_event("startup")
-    async def _start_sweeper() -> None:
-        app.state.sweeper = asyncio.create_task(_sweep())
 
     return app

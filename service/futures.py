@@ -91,6 +91,6 @@ class FutureStore:
                 del self._futures[k]
         return len(old)
 
-    def pending(self) -> list[Future]:
+    def all(self) -> list[Future]:
         with self._lock:
-            return [f for f in self._futures.values() if f.outcome is None]
+            return list(self._futures.values())

@@ -1,0 +1,413 @@
+"""The backend on torchtitan: one frozen base model, LoRA adapters that take turns on it.
+
+Built from a recipe through the same pieces as train.py: torchtitan's model registry, the
+project's kernel choice (`kernels.registry.apply_kernels`: dense attention on CPU, flex on
+GPU) and torchtitan's `LoRAConverter`, which turns every targeted `Linear` into a LoRA linear
+with a frozen base. Losses are the RL layer's (`rl.losses`, sum-aggregated as Tinker defines
+them), per-token logprobs its `rl.policy.forward_logits`, sampling its KV-cache
+`rl.generator.Generator`.
+
+Several adapters, one base: each adapter owns its own LoRA tensors (rank, seed, targets) and
+its own AdamW state; before an adapter's operation its tensors are bound into the converted
+modules by reference (no copy), so the base is shared and never trained. Operations run one
+at a time (the scheduler's worker), so adapters take turns and an adapter's numbers never
+depend on the others: running four sessions at once gives each the losses it gets alone.
+A module an adapter does not target (train_mlp / train_attn / train_unembed = false) gets a
+rank-0 pair: its LoRA branch adds exactly zero.
+
+Not done here (the SFT issue's [[adapters]] / PEFT export will supersede this module's
+adapter bookkeeping): PEFT key names in saved weights, multi-GPU sharding of the base (the
+service holds one device), the base loaded from a checkpoint (it is initialised from
+`training.seed`). The sampler holds one deep copy of the model (a second base in memory).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from rl.generator import Generator
+from rl.generator import SamplingParams as GenParams
+from rl.losses import BUILTIN_LOSSES, LossBatch, LossConfig
+from rl.policy import forward_logits
+from service.backend import BaseModelInfo
+from service.errors import ServiceError, bad_request
+from service.types import (
+    AdamParams,
+    Datum,
+    FwdBwdResult,
+    LoraSpec,
+    SampledSeq,
+    SampleResult,
+    SamplingParams,
+)
+
+LORA_ALPHA = 32.0  # scaling = alpha / rank, as in PEFT; fixed for every adapter
+
+
+def _category(fqn: str) -> str:
+    if ".attention." in fqn:
+        return "attn"
+    if ".feed_forward." in fqn or ".moe." in fqn:
+        return "mlp"
+    return "unembed"
+
+
+def _targets(spec: LoraSpec, fqn: str) -> bool:
+    return {"attn": spec.train_attn, "mlp": spec.train_mlp, "unembed": spec.train_unembed}[
+        _category(fqn)
+    ]
+
+
+@dataclass
+class _Adapter:
+    spec: LoraSpec
+    a: dict[str, nn.Parameter]  # module fqn -> lora_a weight [rank, in]
+    b: dict[str, nn.Parameter]  # module fqn -> lora_b weight [out, rank]
+    opt: torch.optim.Optimizer
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for d in (self.a, self.b) for p in d.values() if p.requires_grad]
+
+    def state(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for fqn in self.a:
+            if self.a[fqn].requires_grad:
+                out[f"{fqn}.lora_a.weight"] = self.a[fqn].detach().cpu().contiguous()
+                out[f"{fqn}.lora_b.weight"] = self.b[fqn].detach().cpu().contiguous()
+        return out
+
+
+def build_lora_model(recipe, device: torch.device) -> tuple[nn.Module, BaseModelInfo]:
+    """The recipe's model with every Linear LoRA-converted (placeholder rank 1), initialised
+    from training.seed, on `device`."""
+    from torchtitan.components.lora import LoRAConverter
+    from torchtitan.models.llama3 import model_registry
+
+    from kernels.registry import apply_kernels
+    from runtime.build import choose_kernels
+    from runtime.platform import Platform
+
+    platform = Platform.detect()
+    spec = model_registry(recipe.model.flavor)
+    if recipe.model.layers:
+        spec.model.layers = spec.model.layers[: recipe.model.layers]
+    if recipe.model.vocab_size:
+        spec.model.vocab_size = recipe.model.vocab_size
+        spec.model.tok_embeddings.num_embeddings = recipe.model.vocab_size
+        spec.model.lm_head.out_features = recipe.model.vocab_size
+    cfg = apply_kernels(spec.model, choose_kernels(recipe, platform)).model_config
+    cfg = LoRAConverter.Config(rank=1, alpha=LORA_ALPHA).build().convert(cfg)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[recipe.training.dtype]
+    torch.manual_seed(recipe.training.seed)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = cfg.build()
+        model.to_empty(device=device)
+        with torch.no_grad():
+            model.init_weights(buffer_device=device)
+    finally:
+        torch.set_default_dtype(prev)
+    vocab = model.tok_embeddings.weight.shape[0]
+    info = BaseModelInfo(
+        name=f"titanscale/{recipe.job.name}",
+        max_context=recipe.training.seq_len,
+        vocab_size=int(vocab),
+        arch=f"llama3-{recipe.model.flavor}",
+    )
+    return model, info
+
+
+class TitanLoraBackend:
+    max_lora_rank = 128
+
+    def __init__(self, model: nn.Module, info: BaseModelInfo, *, devices: int = 1):
+        self.model = model
+        self.info = info
+        self.devices = devices
+        self.device = next(model.parameters()).device
+        self.modules = {
+            fqn: m for fqn, m in model.named_modules() if hasattr(m, "lora_a") and hasattr(m, "lora_b")
+        }
+        for p in model.parameters():
+            p.requires_grad_(False)  # the base is frozen; adapters bring their own tensors
+        self.adapters: dict[str, _Adapter] = {}
+        self._samplers: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._ids = itertools.count()
+        self._generator: Generator | None = None
+        self._gen_modules: dict[str, nn.Module] = {}
+
+    @classmethod
+    def from_recipe(cls, recipe) -> TitanLoraBackend:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if device.type == "cpu":
+            # torchtitan builds attention masks with a torch.compile'd create_block_mask, which
+            # recompiles for every new sequence length (~30 s each on CPU). The CPU attention
+            # backend (dense) only evaluates the mask's mask_mod, so eager is exact and cheap.
+            import torch._dynamo.config
+
+            torch._dynamo.config.disable = True
+        model, info = build_lora_model(recipe, device)
+        return cls(model, info)
+
+    def base_model(self) -> BaseModelInfo:
+        return self.info
+
+    # --- adapters -----------------------------------------------------------------------------
+
+    def _new_tensors(self, spec: LoraSpec, gen: torch.Generator) -> tuple[dict, dict]:
+        a, b = {}, {}
+        dt = next(self.model.parameters()).dtype
+        for fqn, m in self.modules.items():
+            w = m.weight
+            out_f, in_f = w.shape
+            r = spec.rank if _targets(spec, fqn) else 0
+            ta = torch.empty(r, in_f, dtype=torch.float32)
+            if r:  # the init torchtitan's LoRALinear uses: kaiming-uniform A, zero B
+                bound = 1.0 / math.sqrt(in_f)  # kaiming_uniform_(a=sqrt(5)) on [r, in]
+                ta.uniform_(-bound, bound, generator=gen)
+            a[fqn] = nn.Parameter(ta.to(self.device, dt), requires_grad=r > 0)
+            b[fqn] = nn.Parameter(torch.zeros(out_f, r, dtype=dt, device=self.device), requires_grad=r > 0)
+        return a, b
+
+    def create_adapter(self, adapter: str, spec: LoraSpec) -> None:
+        gen = torch.Generator().manual_seed(
+            spec.seed if spec.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        )
+        a, b = self._new_tensors(spec, gen)
+        params = [p for d in (a, b) for p in d.values() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        self.adapters[adapter] = _Adapter(spec, a, b, opt)
+
+    def drop_adapter(self, adapter: str) -> None:
+        self.adapters.pop(adapter, None)
+
+    def _adapter(self, adapter: str) -> _Adapter:
+        ad = self.adapters.get(adapter)
+        if ad is None:
+            raise ServiceError(404, f"adapter {adapter} is not loaded")
+        return ad
+
+    @staticmethod
+    def _bind(modules: dict[str, nn.Module], a: dict, b: dict, rank: int) -> None:
+        """Point every LoRA module at this adapter's tensors (by reference, no copy)."""
+        for fqn, m in modules.items():
+            m.lora_a.weight = a[fqn]
+            m.lora_b.weight = b[fqn]
+            m._lora_scaling = LORA_ALPHA / rank if rank else 0.0
+
+    # --- training -----------------------------------------------------------------------------
+
+    def _batch(self, data: list[Datum]):
+        B, L = len(data), max(d.tokens.size for d in data)
+        tokens = torch.zeros(B, L, dtype=torch.long)
+        targets = torch.zeros(B, L, dtype=torch.long)
+        valid = torch.zeros(B, L, dtype=torch.float32)
+        extra: dict[str, torch.Tensor] = {}
+        for i, d in enumerate(data):
+            n = d.tokens.size
+            tokens[i, :n] = torch.from_numpy(d.tokens)
+            targets[i, :n] = torch.from_numpy(d.inputs["target_tokens"])
+            valid[i, :n] = 1.0
+            for k, v in d.inputs.items():
+                if k == "target_tokens":
+                    continue
+                extra.setdefault(k, torch.zeros(B, L, dtype=torch.float32))[i, :n] = torch.from_numpy(v)
+        dev = self.device
+        return tokens.to(dev), targets.to(dev), valid.to(dev), {k: v.to(dev) for k, v in extra.items()}
+
+    def forward_backward(
+        self,
+        adapter: str,
+        data: list[Datum],
+        loss_fn: str,
+        loss_config: dict[str, float | str],
+        *,
+        forward_only: bool,
+    ) -> FwdBwdResult:
+        ad = self._adapter(adapter)
+        cfg = _loss_config(loss_fn, loss_config)
+        self._bind(self.modules, ad.a, ad.b, ad.spec.rank)
+        tokens, targets, valid, extra = self._batch(data)
+        with torch.set_grad_enabled(not forward_only):
+            logits = forward_logits(self.model, tokens).float()
+            logp = F.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            if loss_fn == "cross_entropy":
+                batch = LossBatch(mask=extra.get("weights", valid) * valid)
+            else:
+                batch = LossBatch(
+                    mask=valid, advantages=extra["advantages"], sampling_logprobs=extra["logprobs"]
+                )
+            loss = BUILTIN_LOSSES[loss_fn](logp, batch, cfg)
+            if not forward_only:
+                loss.backward()
+        lp = logp.detach().cpu().numpy()
+        outputs = [{"logprobs": lp[i, : d.tokens.size].astype(np.float32)} for i, d in enumerate(data)]
+        return FwdBwdResult(outputs, {"loss:sum": float(loss.detach())})
+
+    def optim_step(self, adapter: str, params: AdamParams) -> dict[str, float]:
+        ad = self._adapter(adapter)
+        ps = ad.trainable()
+        norm = 0.0
+        if params.grad_clip_norm > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(ps, params.grad_clip_norm))
+        for g in ad.opt.param_groups:
+            g.update(
+                lr=params.learning_rate,
+                betas=(params.beta1, params.beta2),
+                eps=params.eps,
+                weight_decay=params.weight_decay,
+            )
+        ad.opt.step()
+        ad.opt.zero_grad(set_to_none=True)
+        return {"grad_norm:mean": norm} if params.grad_clip_norm > 0 else {}
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def _write_adapter(self, ad: _Adapter, folder: Path) -> None:
+        save_file(ad.state(), str(folder / "adapter_model.safetensors"))
+        targets = sorted({_category(f) for f in ad.a if ad.a[f].requires_grad})
+        (folder / "adapter_config.json").write_text(
+            json.dumps({"r": ad.spec.rank, "lora_alpha": LORA_ALPHA, "targets": targets}, indent=1)
+        )
+
+    def save_state(self, adapter: str, folder: Path) -> None:
+        ad = self._adapter(adapter)
+        self._write_adapter(ad, folder)
+        torch.save(ad.opt.state_dict(), folder / "optimizer.pt")
+
+    def _read_adapter(self, folder: Path) -> dict[str, torch.Tensor]:
+        return load_file(str(folder / "adapter_model.safetensors"), device=str(self.device))
+
+    def load_state(self, adapter: str, folder: Path, *, optimizer: bool) -> None:
+        ad = self._adapter(adapter)
+        state = self._read_adapter(folder)
+        with torch.no_grad():
+            for fqn in ad.a:
+                if not ad.a[fqn].requires_grad:
+                    continue
+                ka, kb = f"{fqn}.lora_a.weight", f"{fqn}.lora_b.weight"
+                if ka not in state or state[ka].shape != ad.a[fqn].shape:
+                    raise bad_request("path", f"checkpoint lacks a matching {ka}")
+                ad.a[fqn].copy_(state[ka])
+                ad.b[fqn].copy_(state[kb])
+        if optimizer:
+            ad.opt.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+        else:
+            ad.opt.state.clear()
+
+    def save_sampler_weights(self, adapter: str, folder: Path) -> None:
+        self._write_adapter(self._adapter(adapter), folder)
+
+    # --- sampling -----------------------------------------------------------------------------
+
+    def _store_sampler(self, rank: int, a: dict, b: dict) -> str:
+        handle = f"sampler-{next(self._ids)}"
+        self._samplers[handle] = {"rank": rank, "a": a, "b": b}  # type: ignore[assignment]
+        return handle
+
+    def snapshot(self, adapter: str) -> str:
+        ad = self._adapter(adapter)
+        a = {k: v.detach().clone() for k, v in ad.a.items()}
+        b = {k: v.detach().clone() for k, v in ad.b.items()}
+        return self._store_sampler(ad.spec.rank, a, b)
+
+    def load_sampler(self, folder: Path, spec: LoraSpec) -> str:
+        state = self._read_adapter(folder)
+        empty = replace(spec, seed=0)
+        a0, b0 = self._new_tensors(empty, torch.Generator().manual_seed(0))
+        a, b = {}, {}
+        for fqn in a0:
+            ka, kb = f"{fqn}.lora_a.weight", f"{fqn}.lora_b.weight"
+            a[fqn] = state[ka] if ka in state else a0[fqn].detach()[:0]
+            b[fqn] = state[kb] if kb in state else b0[fqn].detach()[:, :0]
+        return self._store_sampler(spec.rank, a, b)
+
+    def drop_sampler(self, handle: str) -> None:
+        self._samplers.pop(handle, None)
+
+    def _gen(self) -> Generator:
+        if self._generator is None:
+            self._generator = Generator.from_model(self.model)
+            self._gen_modules = {
+                fqn: m for fqn, m in self._generator.model.named_modules() if fqn in self.modules
+            }
+        return self._generator
+
+    def sample(
+        self,
+        handle: str | None,
+        prompt: list[int],
+        num_samples: int,
+        params: SamplingParams,
+        *,
+        prompt_logprobs: bool,
+    ) -> SampleResult:
+        if params.top_k > 0:
+            raise bad_request("sampling_params.top_k", "top-k sampling is not served (use top_p)")
+        gen = self._gen()
+        if handle is None:  # the base model: rank-0 everywhere
+            a0, b0 = self._new_tensors(LoraSpec(rank=1, train_mlp=False, train_attn=False,
+                                                train_unembed=False), torch.Generator())
+            rank, a, b = 0, a0, b0
+        else:
+            s = self._samplers.get(handle)
+            if s is None:
+                raise ServiceError(404, "sampler weights are not loaded")
+            rank, a, b = s["rank"], s["a"], s["b"]  # type: ignore[assignment]
+        frozen = lambda d: {k: nn.Parameter(v, requires_grad=False) for k, v in d.items()}  # noqa: E731
+        self._bind(self._gen_modules, frozen(a), frozen(b), rank)
+        gp = GenParams(
+            max_tokens=params.max_tokens,
+            # temperature 0 means greedy in the SDK; the generator needs > 0: near-greedy.
+            temperature=max(params.temperature, 1e-6),
+            top_p=params.top_p,
+            n=num_samples,
+            stop_tokens=params.stop_tokens or (),
+            seed=params.seed,
+        )
+        samples = gen.generate([prompt], gp)
+        seqs = [
+            SampledSeq(
+                np.asarray(s.tokens, dtype=np.int32),
+                np.asarray(s.logprobs, dtype=np.float32),
+                "stop" if s.finish_reason == "stop" else "length",
+            )
+            for s in samples
+        ]
+        plp = None
+        if prompt_logprobs:
+            toks = torch.tensor([prompt], dtype=torch.long, device=self.device)
+            with torch.no_grad():
+                lg = forward_logits(gen.model, toks).float()
+                lp = F.log_softmax(lg[0, :-1], -1).gather(-1, toks[0, 1:, None]).squeeze(-1)
+            plp = np.concatenate([[np.nan], lp.cpu().numpy()]).astype(np.float32)
+        return SampleResult(seqs, plp)
+
+
+def _loss_config(loss_fn: str, cfg: dict[str, float | str]) -> LossConfig:
+    """Tinker's loss_fn_config (ratio thresholds, e.g. clip_low_threshold=0.8) as the RL
+    layer's LossConfig (epsilons), summed over tokens as Tinker's losses are."""
+    allowed = {"clip_low_threshold", "clip_high_threshold"} if loss_fn in ("ppo", "cispo") else set()
+    for k, v in cfg.items():
+        if k not in allowed:
+            raise bad_request(f"loss_fn_config.{k}", f"not a setting of loss {loss_fn!r}")
+        if not isinstance(v, float) or not math.isfinite(v) or v <= 0:
+            raise bad_request(f"loss_fn_config.{k}", f"expected a positive number, got {v!r}")
+    low = float(cfg.get("clip_low_threshold", 0.8))
+    high = float(cfg.get("clip_high_threshold", 1.2))
+    if not low <= 1.0 <= high:
+        raise bad_request("loss_fn_config", f"need clip_low_threshold <= 1 <= clip_high_threshold")
+    return LossConfig(clip_low=1.0 - low, clip_high=high - 1.0, aggregation="sum")
