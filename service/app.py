@@ -76,8 +76,11 @@ def create_app(service: Service, api_keys: list[str] | None) -> FastAPI:
             return JSONResponse({"detail": "content-length: not an integer"}, 400)
         if length > service.limits.max_body_bytes:
             return JSONResponse(
-                {"detail": f"body: {length} bytes exceed the limit of "
-                 f"{service.limits.max_body_bytes}"}, 413
+                {
+                    "detail": f"body: {length} bytes exceed the limit of "
+                    f"{service.limits.max_body_bytes}"
+                },
+                413,
             )
         try:
             return await call_next(request)
@@ -266,7 +269,9 @@ def create_app(service: Service, api_keys: list[str] | None) -> FastAPI:
         if outcome.proto is not None and PROTO in request.headers.get("accept", ""):
             return Response(outcome.proto, media_type=PROTO)
         if outcome.proto is not None:
-            raise ServiceError(406, "this result is served as protobuf only (Accept: " + PROTO + ")")
+            raise ServiceError(
+                406, "this result is served as protobuf only (Accept: " + PROTO + ")"
+            )
         return outcome_json(outcome)
 
     return app

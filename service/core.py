@@ -6,8 +6,9 @@ adapters and sampling are the backend's (the same objects train.py uses).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -137,10 +138,9 @@ class Service:
 
         for m in models:
             self.scheduler.close_lane(m.model_id)
-        try:
+        # Shutting down (503): the process is about to free everything anyway.
+        with contextlib.suppress(ServiceError):
             self.scheduler.submit(Op(session_id, "free", run))
-        except ServiceError:
-            pass  # shutting down: the process is about to free everything anyway
 
     # --- training -----------------------------------------------------------------------------
 
@@ -148,7 +148,9 @@ class Service:
         self.registry.session(body.session_id)
         self.check_base_model(body.base_model)
         if body.optimizer_config.type != "adamw":
-            raise bad_request("optimizer_config.type", f"{body.optimizer_config.type!r}: only adamw")
+            raise bad_request(
+                "optimizer_config.type", f"{body.optimizer_config.type!r}: only adamw"
+            )
         spec = wire.lora_spec(body.lora_config, max_rank=self.backend.max_lora_rank)
         model_id = f"{body.session_id}:train:{body.model_seq_id}"
         with self.registry.lock:
@@ -183,6 +185,7 @@ class Service:
             max_len=self.info.max_context,
             max_data=self.limits.max_data,
         )
+        wire.check_loss_config(req.loss_fn, req.loss_fn_config)
         forward_only = req.forward_only or forward_only_path
         cfg = dict(req.loss_fn_config)
 
@@ -208,8 +211,12 @@ class Service:
     def save_weights(self, body: wire.SaveWeightsBody) -> Future:
         m = self.registry.model(body.model_id)
         ref = CheckpointRef(m.model_id, "weights", check_name(body.path or "", "path"))
-        meta = {"base_model": m.base_model, "lora": m.lora.to_json(), "kind": "training",
-                "user_metadata": body.user_metadata}
+        meta = {
+            "base_model": m.base_model,
+            "lora": m.lora.to_json(),
+            "kind": "training",
+            "user_metadata": body.user_metadata,
+        }
 
         def run() -> Outcome:
             path = self.storage.save(
@@ -227,11 +234,17 @@ class Service:
     def save_for_sampler(self, body: wire.SaveForSamplerBody) -> Future:
         m = self.registry.model(body.model_id)
         if body.kind != "snapshot":
-            raise bad_request("kind", f"{body.kind!r} sampling clients are not served; use snapshot")
+            raise bad_request(
+                "kind", f"{body.kind!r} sampling clients are not served; use snapshot"
+            )
         if body.path is not None:
             ref = CheckpointRef(m.model_id, "sampler_weights", check_name(body.path, "path"))
-            meta = {"base_model": m.base_model, "lora": m.lora.to_json(), "kind": "sampler",
-                    "user_metadata": body.user_metadata}
+            meta = {
+                "base_model": m.base_model,
+                "lora": m.lora.to_json(),
+                "kind": "sampler",
+                "user_metadata": body.user_metadata,
+            }
 
             def run() -> Outcome:
                 path = self.storage.save(
@@ -290,17 +303,26 @@ class Service:
                 self.backend.create_adapter(model_id, spec)
                 m.ready = True
                 self.backend.load_state(model_id, folder, optimizer=body.optimizer)
-                return Outcome(json={"path": body.path, "model_id": model_id, "type": "load_weights"})
+                return Outcome(
+                    json={"path": body.path, "model_id": model_id, "type": "load_weights"}
+                )
 
             m.create_future = self.scheduler.submit(
-                Op(body.session_id, "load_state", run, model_id, 0,
-                   on_error=lambda: self._unregister(model_id))
+                Op(
+                    body.session_id,
+                    "load_state",
+                    run,
+                    model_id,
+                    0,
+                    on_error=lambda: self._unregister(model_id),
+                )
             )
             return m.create_future
         if body.model_id is None or body.seq_id is None:
             raise bad_request("model_id", "either model_id+seq_id or session_id+model_seq_id")
         m = self.registry.model(body.model_id)
-        if LoraSpec(**meta["lora"]) != m.lora:
+        saved = LoraSpec(**meta["lora"])
+        if replace(saved, seed=None) != replace(m.lora, seed=None):  # the init seed may differ
             raise bad_request("path", f"checkpoint LoRA {meta['lora']} differs from this model's")
 
         def run_existing() -> Outcome:
@@ -346,13 +368,17 @@ class Service:
         if prompt.size == 0:
             raise bad_request("prompt", "no tokens")
         if body.num_samples > self.limits.max_samples:
-            raise bad_request("num_samples", f"{body.num_samples} exceeds {self.limits.max_samples}")
+            raise bad_request(
+                "num_samples", f"{body.num_samples} exceeds {self.limits.max_samples}"
+            )
         for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
             if getattr(body, name):
                 raise bad_request(name, "not served by this service")
         if body.target_prompt_logprobs is not None:
             raise bad_request("target_prompt_logprobs", "not served by this service")
         sp = body.sampling_params
+        if sp.top_k > 0:
+            raise bad_request("sampling_params.top_k", "top-k sampling is not served (use top_p)")
         max_tokens = sp.max_tokens or 16
         if prompt.size + max_tokens > self.info.max_context:
             raise bad_request(
@@ -360,8 +386,12 @@ class Service:
                 f"prompt {prompt.size} + max_tokens {max_tokens} exceed {self.info.max_context}",
             )
         stop: tuple[int, ...] | None = None
-        if isinstance(sp.stop, str) or (isinstance(sp.stop, list) and sp.stop and isinstance(sp.stop[0], str)):
-            raise bad_request("sampling_params.stop", "stop strings need a tokenizer; pass token ids")
+        if isinstance(sp.stop, str) or (
+            isinstance(sp.stop, list) and sp.stop and isinstance(sp.stop[0], str)
+        ):
+            raise bad_request(
+                "sampling_params.stop", "stop strings need a tokenizer; pass token ids"
+            )
         if isinstance(sp.stop, list):
             stop = tuple(int(t) for t in sp.stop)
         params = SamplingParams(
@@ -392,4 +422,3 @@ def outcome_json(o: Outcome) -> dict[str, Any]:
         return {"error": o.error, "category": o.category}
     assert o.json is not None
     return o.json
-

@@ -13,7 +13,7 @@ Decoding never raises anything but `ServiceError(400)` naming the message and fi
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -196,9 +196,7 @@ def _decode_datum(buf: bytes, where: str) -> tuple[np.ndarray, dict[str, np.ndar
                     for n3, wt3, v3 in _fields(text, where + ".model_input.encoded_text"):
                         if n3 == 1:
                             raw = _bytes(v3, wt3, where + ".model_input.encoded_text.tokens")
-                            tokens.append(
-                                _frombuffer(raw, np.int32, where + ".model_input.tokens")
-                            )
+                            tokens.append(_frombuffer(raw, np.int32, where + ".model_input.tokens"))
                 elif n2 in (2, 3):
                     raise bad_request(
                         where + ".model_input",
@@ -313,9 +311,7 @@ def encode_forward_backward_output(
     record = _str_field(1, "ArrayRecord")
     if outputs:
         for name in outputs[0]:
-            entry = _str_field(1, name) + _len_field(
-                2, _batched_tensor([o[name] for o in outputs])
-            )
+            entry = _str_field(1, name) + _len_field(2, _batched_tensor([o[name] for o in outputs]))
             record += _len_field(2, entry)
     record += _int_field(3, len(outputs))
     out = _str_field(1, "ArrayRecord") + _len_field(2, record)
@@ -325,7 +321,7 @@ def encode_forward_backward_output(
 
 
 def encode_sample_response(
-    sequences: list[tuple[np.ndarray, np.ndarray, str]], prompt_logprobs: np.ndarray | None
+    sequences: Sequence[tuple[np.ndarray, np.ndarray, str]], prompt_logprobs: np.ndarray | None
 ) -> bytes:
     """`SampleResponse`: (tokens, logprobs, stop reason) per sequence, optional prompt logprobs."""
     out = b""

@@ -48,7 +48,9 @@ def read_api_keys(path: str) -> list[str]:
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
-        raise ConfigError(f"cannot read API key file ({e.strerror})", key="--api-key-file") from None
+        raise ConfigError(
+            f"cannot read API key file ({e.strerror})", key="--api-key-file"
+        ) from None
     keys = [s.strip() for s in lines if s.strip() and not s.strip().startswith("#")]
     if not keys:
         raise ConfigError(f"{path} holds no keys (one per line)", key="--api-key-file")
@@ -88,8 +90,11 @@ class _DrainingServer(uvicorn.Server):
             return
         self._draining = True
         self.service.draining = True
-        log.info("service: %s received; draining (up to %.0f s)", signal.Signals(sig).name,
-                 self.opts.drain_s)
+        log.info(
+            "service: %s received; draining (up to %.0f s)",
+            signal.Signals(sig).name,
+            self.opts.drain_s,
+        )
         threading.Thread(target=self._drain, name="service-drain", daemon=True).start()
 
     def _drain(self) -> None:
@@ -98,14 +103,17 @@ class _DrainingServer(uvicorn.Server):
         end = time.monotonic() + self.opts.fetch_grace_s
         while time.monotonic() < end:
             unfetched = [
-                f for f in self.service.futures.all() if f.outcome is not None and f.retrieved_at is None
+                f
+                for f in self.service.futures.all()
+                if f.outcome is not None and f.retrieved_at is None
             ]
             if not unfetched:
                 break
             time.sleep(0.1)
         for sid, u in sorted(self.service.scheduler.usage.items()):
-            log.info("service.usage session=%s device_s=%.3f ops=%s", sid, u.device_seconds,
-                     dict(u.ops))
+            log.info(
+                "service.usage session=%s device_s=%.3f ops=%s", sid, u.device_seconds, dict(u.ops)
+            )
         self.should_exit = True
 
 
@@ -122,7 +130,11 @@ async def serve(backend: Backend, opts: ServeOptions) -> None:
     )
     app = create_app(service, keys)
     config = uvicorn.Config(
-        app, host=opts.host, port=opts.port, access_log=False, log_level="warning",
+        app,
+        host=opts.host,
+        port=opts.port,
+        access_log=False,
+        log_level="warning",
         timeout_graceful_shutdown=5,
     )
     server = _DrainingServer(config, service, opts)
@@ -137,8 +149,13 @@ async def serve(backend: Backend, opts: ServeOptions) -> None:
     info = backend.base_model()
     log.info(
         "service: serving %s (max context %d, vocab %d) on http://%s:%d, storage %s, auth %s",
-        info.name, info.max_context, info.vocab_size, opts.host, opts.port,
-        Path(opts.storage).resolve(), f"{len(keys)} key(s)" if keys else "off (loopback only)",
+        info.name,
+        info.max_context,
+        info.vocab_size,
+        opts.host,
+        opts.port,
+        Path(opts.storage).resolve(),
+        f"{len(keys)} key(s)" if keys else "off (loopback only)",
     )
     try:
         await server.serve()

@@ -23,10 +23,10 @@ service holds one device), the base loaded from a checkpoint (it is initialised 
 
 from __future__ import annotations
 
-import copy
 import itertools
 import json
 import math
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -88,6 +88,15 @@ class _Adapter:
         return out
 
 
+@dataclass
+class _Snapshot:
+    """Frozen adapter tensors a sampler samples with."""
+
+    rank: int
+    a: dict[str, torch.Tensor]
+    b: dict[str, torch.Tensor]
+
+
 def build_lora_model(recipe, device: torch.device) -> tuple[nn.Module, BaseModelInfo]:
     """The recipe's model with every Linear LoRA-converted (placeholder rank 1), initialised
     from training.seed, on `device`."""
@@ -139,12 +148,14 @@ class TitanLoraBackend:
         self.devices = devices
         self.device = next(model.parameters()).device
         self.modules = {
-            fqn: m for fqn, m in model.named_modules() if hasattr(m, "lora_a") and hasattr(m, "lora_b")
+            fqn: m
+            for fqn, m in model.named_modules()
+            if hasattr(m, "lora_a") and hasattr(m, "lora_b")
         }
         for p in model.parameters():
             p.requires_grad_(False)  # the base is frozen; adapters bring their own tensors
         self.adapters: dict[str, _Adapter] = {}
-        self._samplers: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._samplers: dict[str, _Snapshot] = {}
         self._ids = itertools.count()
         self._generator: Generator | None = None
         self._gen_modules: dict[str, nn.Module] = {}
@@ -156,9 +167,9 @@ class TitanLoraBackend:
             # torchtitan builds attention masks with a torch.compile'd create_block_mask, which
             # recompiles for every new sequence length (~30 s each on CPU). The CPU attention
             # backend (dense) only evaluates the mask's mask_mod, so eager is exact and cheap.
-            import torch._dynamo.config
-
-            torch._dynamo.config.disable = True
+            # torch.compile reads this when torchtitan's attention module is imported, which
+            # build_lora_model does next (the first torchtitan import of `tools.serve`).
+            os.environ["TORCHDYNAMO_DISABLE"] = "1"
         model, info = build_lora_model(recipe, device)
         return cls(model, info)
 
@@ -179,7 +190,9 @@ class TitanLoraBackend:
                 bound = 1.0 / math.sqrt(in_f)  # kaiming_uniform_(a=sqrt(5)) on [r, in]
                 ta.uniform_(-bound, bound, generator=gen)
             a[fqn] = nn.Parameter(ta.to(self.device, dt), requires_grad=r > 0)
-            b[fqn] = nn.Parameter(torch.zeros(out_f, r, dtype=dt, device=self.device), requires_grad=r > 0)
+            b[fqn] = nn.Parameter(
+                torch.zeros(out_f, r, dtype=dt, device=self.device), requires_grad=r > 0
+            )
         return a, b
 
     def create_adapter(self, adapter: str, spec: LoraSpec) -> None:
@@ -204,9 +217,9 @@ class TitanLoraBackend:
     def _bind(modules: dict[str, nn.Module], a: dict, b: dict, rank: int) -> None:
         """Point every LoRA module at this adapter's tensors (by reference, no copy)."""
         for fqn, m in modules.items():
-            m.lora_a.weight = a[fqn]
-            m.lora_b.weight = b[fqn]
-            m._lora_scaling = LORA_ALPHA / rank if rank else 0.0
+            m.lora_a.weight = a[fqn]  # type: ignore[union-attr]
+            m.lora_b.weight = b[fqn]  # type: ignore[union-attr]
+            m._lora_scaling = LORA_ALPHA / rank if rank else 0.0  # type: ignore[assignment]
 
     # --- training -----------------------------------------------------------------------------
 
@@ -224,9 +237,16 @@ class TitanLoraBackend:
             for k, v in d.inputs.items():
                 if k == "target_tokens":
                     continue
-                extra.setdefault(k, torch.zeros(B, L, dtype=torch.float32))[i, :n] = torch.from_numpy(v)
+                extra.setdefault(k, torch.zeros(B, L, dtype=torch.float32))[i, :n] = (
+                    torch.from_numpy(v)
+                )
         dev = self.device
-        return tokens.to(dev), targets.to(dev), valid.to(dev), {k: v.to(dev) for k, v in extra.items()}
+        return (
+            tokens.to(dev),
+            targets.to(dev),
+            valid.to(dev),
+            {k: v.to(dev) for k, v in extra.items()},
+        )
 
     def forward_backward(
         self,
@@ -254,7 +274,9 @@ class TitanLoraBackend:
             if not forward_only:
                 loss.backward()
         lp = logp.detach().cpu().numpy()
-        outputs = [{"logprobs": lp[i, : d.tokens.size].astype(np.float32)} for i, d in enumerate(data)]
+        outputs = [
+            {"logprobs": lp[i, : d.tokens.size].astype(np.float32)} for i, d in enumerate(data)
+        ]
         return FwdBwdResult(outputs, {"loss:sum": float(loss.detach())})
 
     def optim_step(self, adapter: str, params: AdamParams) -> dict[str, float]:
@@ -315,7 +337,7 @@ class TitanLoraBackend:
 
     def _store_sampler(self, rank: int, a: dict, b: dict) -> str:
         handle = f"sampler-{next(self._ids)}"
-        self._samplers[handle] = {"rank": rank, "a": a, "b": b}  # type: ignore[assignment]
+        self._samplers[handle] = _Snapshot(rank, a, b)
         return handle
 
     def snapshot(self, adapter: str) -> str:
@@ -359,14 +381,16 @@ class TitanLoraBackend:
             raise bad_request("sampling_params.top_k", "top-k sampling is not served (use top_p)")
         gen = self._gen()
         if handle is None:  # the base model: rank-0 everywhere
-            a0, b0 = self._new_tensors(LoraSpec(rank=1, train_mlp=False, train_attn=False,
-                                                train_unembed=False), torch.Generator())
+            a0, b0 = self._new_tensors(
+                LoraSpec(rank=1, train_mlp=False, train_attn=False, train_unembed=False),
+                torch.Generator(),
+            )
             rank, a, b = 0, a0, b0
         else:
             s = self._samplers.get(handle)
             if s is None:
                 raise ServiceError(404, "sampler weights are not loaded")
-            rank, a, b = s["rank"], s["a"], s["b"]  # type: ignore[assignment]
+            rank, a, b = s.rank, s.a, s.b
         frozen = lambda d: {k: nn.Parameter(v, requires_grad=False) for k, v in d.items()}  # noqa: E731
         self._bind(self._gen_modules, frozen(a), frozen(b), rank)
         gp = GenParams(
@@ -398,16 +422,9 @@ class TitanLoraBackend:
 
 
 def _loss_config(loss_fn: str, cfg: dict[str, float | str]) -> LossConfig:
-    """Tinker's loss_fn_config (ratio thresholds, e.g. clip_low_threshold=0.8) as the RL
-    layer's LossConfig (epsilons), summed over tokens as Tinker's losses are."""
-    allowed = {"clip_low_threshold", "clip_high_threshold"} if loss_fn in ("ppo", "cispo") else set()
-    for k, v in cfg.items():
-        if k not in allowed:
-            raise bad_request(f"loss_fn_config.{k}", f"not a setting of loss {loss_fn!r}")
-        if not isinstance(v, float) or not math.isfinite(v) or v <= 0:
-            raise bad_request(f"loss_fn_config.{k}", f"expected a positive number, got {v!r}")
+    """Tinker's loss_fn_config (ratio thresholds, e.g. clip_low_threshold=0.8; checked by
+    service.wire.check_loss_config) as the RL layer's LossConfig (epsilons), summed over
+    tokens as Tinker's losses are."""
     low = float(cfg.get("clip_low_threshold", 0.8))
     high = float(cfg.get("clip_high_threshold", 1.2))
-    if not low <= 1.0 <= high:
-        raise bad_request("loss_fn_config", f"need clip_low_threshold <= 1 <= clip_high_threshold")
     return LossConfig(clip_low=1.0 - low, clip_high=high - 1.0, aggregation="sum")

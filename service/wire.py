@@ -253,7 +253,9 @@ def fwdbwd_data(
                 raise bad_request(f, f"required by loss {loss_fn!r}")
             arr = inputs[key]
             if arr.ndim != 1 or arr.size != n:
-                raise bad_request(f, f"expected shape [{n}] (one per input token), got {list(arr.shape)}")
+                raise bad_request(
+                    f, f"expected shape [{n}] (one per input token), got {list(arr.shape)}"
+                )
             if key == "target_tokens":
                 arr = arr.astype(np.int64)
                 check_tokens(arr, vocab=vocab, field=f)
@@ -264,3 +266,20 @@ def fwdbwd_data(
             clean[key] = arr
         out.append(Datum(tokens=tokens, inputs=clean))
     return out
+
+
+def check_loss_config(loss_fn: str, cfg: dict[str, float | str]) -> None:
+    """ppo / cispo take clip_low_threshold <= 1 <= clip_high_threshold (ratio bounds, as in
+    Tinker); the other losses take no settings."""
+    allowed = (
+        {"clip_low_threshold", "clip_high_threshold"} if loss_fn in ("ppo", "cispo") else set()
+    )
+    for k, v in cfg.items():
+        if k not in allowed:
+            raise bad_request(f"loss_fn_config.{k}", f"not a setting of loss {loss_fn!r}")
+        if not isinstance(v, float) or not math.isfinite(v) or v <= 0:
+            raise bad_request(f"loss_fn_config.{k}", f"expected a positive number, got {v!r}")
+    low = float(cfg.get("clip_low_threshold", 0.8))
+    high = float(cfg.get("clip_high_threshold", 1.2))
+    if not low <= 1.0 <= high:
+        raise bad_request("loss_fn_config", "need clip_low_threshold <= 1 <= clip_high_threshold")

@@ -26,11 +26,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key-file", default=None, help="API keys, one per line")
-    p.add_argument("--storage", default=None, help="checkpoint folder (default: <output_dir>/service)")
-    p.add_argument("--session-ttl", type=float, default=1800.0,
-                   help="seconds a session lives after its last request or heartbeat")
-    p.add_argument("--drain", type=float, default=60.0,
-                   help="seconds SIGTERM lets queued work finish before refusing the rest")
+    p.add_argument(
+        "--storage", default=None, help="checkpoint folder (default: <output_dir>/service)"
+    )
+    p.add_argument(
+        "--session-ttl",
+        type=float,
+        default=1800.0,
+        help="seconds a session lives after its last request or heartbeat",
+    )
+    p.add_argument(
+        "--drain",
+        type=float,
+        default=60.0,
+        help="seconds SIGTERM lets queued work finish before refusing the rest",
+    )
     p.add_argument("--max-body-mb", type=float, default=64.0, help="request size limit")
     add_override_arg(p)
     return p.parse_args(argv)
