@@ -103,7 +103,7 @@ class Service:
 
     def create_session(self, body: wire.CreateSessionBody) -> str:
         if self.draining:
-            raise ServiceError(503, "the service is shutting down")
+            raise ServiceError(410, "the service is shutting down; no new sessions")
         s = self.registry.new_session(body.user_metadata)
         log.info("service.session created %s", s.session_id)
         return s.session_id
@@ -138,7 +138,7 @@ class Service:
 
         for m in models:
             self.scheduler.close_lane(m.model_id)
-        # Shutting down (503): the process is about to free everything anyway.
+        # Shutting down (410): the process is about to free everything anyway.
         with contextlib.suppress(ServiceError):
             self.scheduler.submit(Op(session_id, "free", run))
 

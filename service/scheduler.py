@@ -84,7 +84,9 @@ class Scheduler:
     def submit(self, op: Op) -> Future:
         with self._cond:
             if not self._accepting:
-                raise ServiceError(503, "the service is shutting down; no new work accepted")
+                # 410, not 503: the SDK retries 5xx for five minutes, but the adapters live in
+                # this process and will not come back; 410 fails the call at once, with this.
+                raise ServiceError(410, "the service is shutting down; this request was not run")
             lane = self._lanes.get(op.lane) if op.lane is not None else None
             if op.lane is not None and op.seq_id is not None:
                 if lane is None:

@@ -1,7 +1,7 @@
 """Run the service: uvicorn on one event loop, the scheduler's worker thread beside it, and a
 drain on SIGTERM / SIGINT.
 
-Shutdown: the first signal stops new work (503), lets the worker finish what is queued
+Shutdown: the first signal stops new work (410: the SDK would retry a 503 for minutes), lets the worker finish what is queued
 for up to `drain_s` seconds, fails the rest with "the service shut down before this request
 ran", keeps answering `retrieve_future` until every finished result was fetched (or
 `fetch_grace_s` passed), then stops uvicorn and exits 0. Checkpoint saves are atomic
