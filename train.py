@@ -33,11 +33,12 @@ def main(argv: list[str] | None = None) -> None:
 
     from torchtitan.tools.logging import init_logger
 
+    from posttrain import jobs
     from runtime import session
 
     init_logger()
     job = session.prepare(args.recipe, args.overrides)
-    session.run(job)
+    jobs.run(job)
 
 
 if __name__ == "__main__":

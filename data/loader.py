@@ -37,8 +37,9 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
 from torchtitan.tools.logging import logger
 
+from data.chat import CHAT_BAD_REASONS, ChatRenderer, make_renderer
 from data.packing import PACKINGS, Piece, Row, make_packer, materialize
-from data.sources import BAD_REASONS, Source, open_source
+from data.sources import BAD_REASONS, RAW_RECORD, Source, open_source
 from recipe.errors import ConfigError
 
 BAD_RECORD_POLICIES = ("skip", "fail")
@@ -104,6 +105,8 @@ class PackedStream(IterableDataset, Stateful):
         bad_records: str = "skip",
         streaming: str = "auto",
         infinite: bool = True,
+        renderer: ChatRenderer | None = None,
+        truncate: bool = False,
     ) -> None:
         if packing not in PACKINGS:
             raise ConfigError(f"expected one of {PACKINGS}, got {packing!r}", key="data.packing")
@@ -114,10 +117,17 @@ class PackedStream(IterableDataset, Stateful):
             )
         if not 0 <= dp_rank < dp_world_size:
             raise ValueError(f"dp_rank {dp_rank} outside 0..{dp_world_size - 1}")
+        # SFT (`renderer` given): records are whole JSON lines, rendered by data.chat.
+        self.renderer = renderer
+        self.truncate = truncate
         self.source = (
             source
             if isinstance(source, Source)
-            else open_source(source, text_field=text_field, streaming=streaming)
+            else open_source(
+                source,
+                text_field=RAW_RECORD if renderer is not None else text_field,
+                streaming=streaming,
+            )
         )
         self.tokenizer = tokenizer
         self.seq_len = seq_len
@@ -137,6 +147,8 @@ class PackedStream(IterableDataset, Stateful):
             "window": window if packing == "bfd" else None,
             "vocab_size": tokenizer.get_vocab_size(),
         }
+        if renderer is not None:
+            self.fingerprint["format"] = f"sft:{renderer.template}:truncate={truncate}"
         self._reset()
 
     def _reset(self) -> None:
@@ -148,7 +160,7 @@ class PackedStream(IterableDataset, Stateful):
         self._queue: list[Row] = []  # rows decided, not yet consumed (global order)
         self._tokens: dict[int, np.ndarray] = {}
         self._rows_consumed = 0
-        self._bad = dict.fromkeys(BAD_REASONS, 0)
+        self._bad = dict.fromkeys(self._bad_reasons(), 0)
         self._finished = False
         self._prune_at = 2 * self.window + 64
 
@@ -170,9 +182,11 @@ class PackedStream(IterableDataset, Stateful):
                     exhausted = True
                 # A record has text xor a bad-record reason (data.sources contract).
                 texts = [t for _, t, _ in chunk if t is not None]
-                encoded = iter(encode_documents(self.tokenizer, texts)) if texts else iter(())
+                encoded = iter(self._encode(texts)) if texts else iter(())
                 for idx, text, bad in chunk:
                     ids = next(encoded) if text is not None else None
+                    if isinstance(ids, str):  # an SFT record that does not render
+                        bad, ids = ids, None
                     if ids is not None and len(ids) < 2:
                         bad = "empty"  # no next-token pair (a tokenizer without BOS/EOS)
                     self._next_record = idx + 1
@@ -208,6 +222,22 @@ class PackedStream(IterableDataset, Stateful):
             while self._queue:
                 yield self._take_group()
             self._finished = True
+
+    def _bad_reasons(self) -> tuple[str, ...]:
+        return BAD_REASONS + (CHAT_BAD_REASONS if self.renderer is not None else ())
+
+    def _encode(self, texts: list[str]) -> list[np.ndarray] | list[np.ndarray | str]:
+        """Token arrays (BOS + text + EOS), or for SFT records data.chat's masked encoding
+        (or the bad-record reason)."""
+        if self.renderer is None:
+            return encode_documents(self.tokenizer, texts)
+        out: list[np.ndarray | str] = []
+        for line in texts:
+            arr, _w, bad = self.renderer.render_line(
+                line, max_tokens=self.seq_len + 1, truncate=self.truncate
+            )
+            out.append(arr if arr is not None else str(bad))
+        return out
 
     def _record_bad(self, idx: int, reason: str) -> None:
         if self.bad_records == "fail":
@@ -324,7 +354,14 @@ class PackedStream(IterableDataset, Stateful):
         self._doc_seq = sd["doc_seq"]
         self._rows_consumed = sd["rows_consumed"]
         self._finished = sd["finished"]
-        self._bad = {**dict.fromkeys(BAD_REASONS, 0), **sd["bad"]}
+        self._bad = {**dict.fromkeys(self._bad_reasons(), 0), **sd["bad"]}
+
+
+def _tokenizer_folder(tokenizer: BaseTokenizer) -> str:
+    folder = getattr(tokenizer, "tokenizer_path", None)
+    if not folder:
+        raise ValueError("SFT rendering needs a tokenizer loaded from a folder")
+    return str(folder)
 
 
 class TitanscaleDataLoader(ParallelAwareDataloader):
@@ -352,6 +389,15 @@ class TitanscaleDataLoader(ParallelAwareDataloader):
 
         infinite: bool = True
         """Loop over the source when it runs out."""
+
+        format: str = "text"
+        """text (documents) | sft (chat / prompt-completion records, data.chat)."""
+
+        chat_template: str = "auto"
+        """sft: auto (the tokenizer's own chat template if it has one) | embedded | hf."""
+
+        truncate: bool = False
+        """sft: cut examples longer than seq_len + 1 tokens (else they are bad records)."""
 
         def __post_init__(self) -> None:
             if self.packing not in PACKINGS:
@@ -391,6 +437,12 @@ class TitanscaleDataLoader(ParallelAwareDataloader):
             bad_records=config.bad_records,
             streaming=config.streaming,
             infinite=config.infinite,
+            renderer=(
+                make_renderer(_tokenizer_folder(tokenizer), config.chat_template)
+                if config.format == "sft"
+                else None
+            ),
+            truncate=config.truncate,
         )
         super().__init__(
             self.stream,

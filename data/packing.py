@@ -365,8 +365,15 @@ def materialize(
     for p in row.pieces:
         t = tokens[p.doc]
         n = p.size
-        inp[o : o + n] = t[p.start : p.end]
-        lab[o : o + n] = t[p.start + 1 : p.end + 1]
+        seg = t[p.start : p.end + 1]
+        if seg.min() < 0:
+            # SFT examples store prompt tokens as -1 - id (data.chat): input is the id, and a
+            # pair whose next token is a prompt token is not trained.
+            inp[o : o + n] = np.where(seg[:-1] < 0, -1 - seg[:-1], seg[:-1])
+            lab[o : o + n] = np.where(seg[1:] < 0, IGNORE_INDEX, seg[1:])
+        else:
+            inp[o : o + n] = seg[:-1]
+            lab[o : o + n] = seg[1:]
         pos[o : o + n] = np.arange(n)
         o += n
     if o < L:

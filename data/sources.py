@@ -37,6 +37,8 @@ STREAM_ABOVE_BYTES = 1 << 30
 _BATCH = 256
 
 Record = tuple[int, "str | None", "str | None"]
+# text_field value meaning "the whole JSON record" (SFT: data.chat renders the line itself).
+RAW_RECORD = "*"
 
 
 def _classify_text(text: Any, *, check_replacement: bool) -> tuple[str | None, str | None]:
@@ -58,6 +60,8 @@ def classify_jsonl_line(line: str, text_field: str) -> tuple[str | None, str | N
         return None, "invalid_json"
     if not isinstance(obj, dict):
         return None, "invalid_json"
+    if text_field == RAW_RECORD:
+        return line, None
     if text_field not in obj:
         return None, "missing_field"
     return _classify_text(obj[text_field], check_replacement=False)

@@ -17,6 +17,8 @@ What is counted (bytes, per GPU, on the pipeline rank that needs the most):
 - logits: the last stage's (tokens x vocab/tp) bf16 logits, fp32 upcast and fp32
   log-softmax (10 bytes per element eager; compiled cross-entropy keeps 6).
 - FP8 extras: FP8 copies of one block's weights and of the linear inputs.
+- LoRA (Workload.lora_rank): the frozen base keeps 4 bytes per parameter (no gradient, no
+  optimizer state), adapters 16; no gradient buffers for the base blocks.
 
 Reported memory is what torchtitan logs ("max reserved"): allocated peak x
 (1 + ALLOCATOR_FRAGMENTATION). Fitting needs that plus RUNTIME_OVERHEAD_GIB (CUDA context,
@@ -57,6 +59,7 @@ LOGIT_BYTES_COMPILED = 6
 
 # AdamW with fp32 master weights: param 4 + grad 4 + exp_avg 4 + exp_avg_sq 4.
 STATE_BYTES_PER_PARAM = 16
+FROZEN_BYTES_PER_PARAM = 4  # LoRA base: the fp32 parameter only
 
 
 def layer_activation_bytes(w: Workload, mode: str | None = None) -> float:
@@ -244,14 +247,20 @@ def _memory_for_rank(w: Workload, rank: int) -> MemoryEstimate:
     params /= t
 
     states = params * STATE_BYTES_PER_PARAM  # divided by the FSDP shard count in `at`
+    if w.lora_rank:
+        # LoRA: the frozen base keeps its fp32 copy only (no gradient, no AdamW moments);
+        # the adapters carry the full 16 bytes per parameter.
+        states = params * FROZEN_BYTES_PER_PARAM
+        states += layers * w.lora_params_per_layer * STATE_BYTES_PER_PARAM
     fp8 = w.linear != "bf16"
     ag_bytes = 1 if (fp8 and w.fp8_all_gather) else w.bytes_per_param_compute
     unit: float = max(s.params_per_layer, head if has_last else 0, emb if has_first else 0) / t
+    grad_bytes = 0 if w.lora_rank else 4  # frozen weights get no gradient buffers
     if p > 1:
         # No reshard after forward under PP; gradients accumulate unsharded in fp32.
-        unsharded = params * (ag_bytes + 4)
+        unsharded = params * (ag_bytes + grad_bytes)
     else:
-        unsharded = unit * (2 * ag_bytes + w.bytes_per_param_compute + 4)
+        unsharded = unit * (2 * ag_bytes + (w.bytes_per_param_compute + 4 if grad_bytes else 0))
 
     tokens = w.tokens_per_microbatch / c  # per GPU of a tp group (tp shares tokens)
     per_layer_tok = layer_activation_bytes(w)

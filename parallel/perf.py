@@ -353,7 +353,16 @@ def layer_costs(w: Workload, links: Links, span_tp: GroupSpan, span_cp: GroupSpa
         x = min(k, n)
         tf = fl / (p_fwd * (1.0 if is_cpu else gemm_eff(fwd_kind, x)))
         fwd_mm += tf
-        bwd_mm += tf + fl / (p_wgrad * (1.0 if is_cpu else gemm_eff(wgrad_kind, x)))
+        if w.lora_rank:
+            # Frozen base: input gradients only. Adapters: x A^T then (.) B^T forward, their
+            # input and weight gradients backward, at rank-r efficiency.
+            r = w.lora_rank
+            lt = 2.0 * tok * r * (k + n)  # each token passes through one adapter
+            lt /= p_bf16 * (1.0 if is_cpu else gemm_eff("bf16", r))
+            fwd_mm += lt
+            bwd_mm += tf + 2 * lt
+        else:
+            bwd_mm += tf + fl / (p_wgrad * (1.0 if is_cpu else gemm_eff(wgrad_kind, x)))
         if w.ac == "full" or (w.ac == "selective" and SAC_RECOMPUTED[i]):
             recompute_mm += tf
     qd = s.n_heads * s.head_dim
@@ -392,7 +401,8 @@ def layer_costs(w: Workload, links: Links, span_tp: GroupSpan, span_cp: GroupSpa
 
     head_flops = 2.0 * tok * s.dim * s.vocab_size / t
     head_eff = 1.0 if is_cpu else gemm_eff("bf16", min(s.dim, s.vocab_size / t))
-    head = 3 * head_flops / (_peak("bf16", w, links) * head_eff)
+    # Output projection: forward, input gradient, weight gradient (frozen under LoRA).
+    head = (2 if w.lora_rank else 3) * head_flops / (_peak("bf16", w, links) * head_eff)
     # Loss over tok x vocab/tp logits: eager upcasts, log-softmax, grad (~20 B/elt);
     # compiled cross-entropy fuses to about a read and a write of each (8 B).
     loss_bytes = (8 if w.compile else 20) * (s.vocab_size / t) * (2 if w.dtype == "float32" else 1)
@@ -434,6 +444,7 @@ def cached_layer_costs(
         w.async_tp,
         w.cp_rotate,
         w.doc_len,
+        w.lora_rank,
         links,
         span_tp,
         span_cp,
@@ -487,7 +498,8 @@ def predict(
     lp = s.params_per_layer / t
     fp8_ag = w.fp8_all_gather and w.linear == "fp8_tensorwise"
     ag_bytes = lp * (1 if fp8_ag else elt)
-    rs_bytes = lp * 4  # torchtitan reduces gradients in fp32
+    # torchtitan reduces gradients in fp32; under LoRA only the adapters have any.
+    rs_bytes = (w.lora_params_per_layer if w.lora_rank else lp) * 4
     fs, rep = spans["fsdp"], spans["dp_replicate"]
     t_ag = coll_time("all_gather", ag_bytes, fs, links) if fsdp > 1 else 0.0
     t_rs = coll_time("reduce_scatter", rs_bytes, fs, links) if fsdp > 1 else 0.0
@@ -501,7 +513,8 @@ def predict(
         t_edges = t_ag + t_rs + t_ar
         if fsdp > 1:
             t_edges += coll_time("all_gather", emb * elt, fs, links)
-            t_edges += coll_time("reduce_scatter", emb * 4, fs, links)
+            if not w.lora_rank:
+                t_edges += coll_time("reduce_scatter", emb * 4, fs, links)
         fwd_cover = L.forward
         bwd_cover = L.total - fwd_cover
         exposed = max(0.0, t_ag - fwd_cover) + max(0.0, t_ag + t_rs + t_ar - bwd_cover)
@@ -522,7 +535,11 @@ def predict(
         t_p2p = slots * t_p2p_slot
         t_bubble = (p - 1) * BUBBLE_FACTOR[w.pp_schedule] / v * (t_mb + t_p2p_slot)
 
-    local_params = s.total_params / (t * p * fsdp)
+    local_params = (
+        s.n_layers * w.lora_params_per_layer / (p * fsdp)
+        if w.lora_rank
+        else s.total_params / (t * p * fsdp)
+    )
     t_opt = local_params * OPTIMIZER_BYTES_PER_PARAM / links.hbm
     n = slots * layers_rank
     breakdown = {

@@ -29,7 +29,7 @@ from parallel.cluster import Cluster
 from parallel.memory import MemoryProfile, memory_profile, runtime_overhead_gib
 from parallel.perf import Prediction, predict
 from parallel.placement import planned_traffic
-from parallel.workload import Workload, linear_for, planned_spans
+from parallel.workload import Workload, linear_for, lora_fields, planned_spans
 from recipe.errors import ConfigError
 from recipe.loader import check_layout
 from recipe.models import PP_SCHEDULES, model_shape
@@ -165,6 +165,7 @@ def search(recipe: Recipe, cluster: Cluster, nodes: int | None = None) -> Search
         linear=linear,
         compile=tr.compile,
         dtype=tr.dtype,
+        **lora_fields(recipe),
     )
     # Memory depends on dp only through dp_shard (the FSDP shard count); validity not on
     # dp at all. Both are cached across the dp_replicate x dp_shard factorisations.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 from parallel.axes import MESH_ORDER, Layout
 from parallel.cluster import Cluster
@@ -41,6 +42,22 @@ class Workload:
     cp_rotate: str = "allgather"  # torch CP: allgather (exposed) | alltoall (ring, overlapped)
     doc_len: int = 0  # mean document length under document masking; 0 = causal over seq
     virtual_stages: int = 0  # stages per pipeline rank; 0 = the schedule's default
+    # LoRA fine-tuning (finetune.mode = "lora"): the base frozen (no weight gradients, no
+    # optimizer state, fp32 master copy only), adapters of this rank on the block linears
+    # (wqkv, wo, w1, w3, w2), `lora_adapters` of them resident. 0 = every weight trained.
+    lora_rank: int = 0
+    lora_adapters: int = 1
+
+    @property
+    def lora_params_per_layer(self) -> int:
+        """Adapter parameters per block and GPU (A: r x in, B: out x r per linear; TP splits
+        one of the two, counted as split: an upper bound within a few percent)."""
+        if not self.lora_rank:
+            return 0
+        s, t = self.shape, self.layout.tp
+        qd, kv, d, f = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.dim, s.ffn_hidden
+        ios = [(d, qd + 2 * kv), (qd, d), (d, f), (d, f), (f, d)]
+        return self.lora_adapters * sum(self.lora_rank * (i + o) for i, o in ios) // t
 
     @property
     def microbatches(self) -> int:
@@ -108,7 +125,16 @@ def workload_from_recipe(recipe, layout: Layout, cluster: Cluster | None = None)
         linear=linear_for(recipe.kernels.linear, gpu),
         compile=tr.compile,
         dtype=tr.dtype,
+        **lora_fields(recipe),
     )
+
+
+def lora_fields(recipe) -> dict[str, Any]:
+    """Workload fields for a recipe's [finetune]/[lora] (the planner and tools.predict)."""
+    ft = getattr(recipe, "finetune", None)
+    if ft is None or ft.mode != "lora":
+        return {}
+    return {"lora_rank": recipe.lora.rank, "lora_adapters": max(1, len(recipe.adapters))}
 
 
 # ----------------------------------------------------------------------------------------

@@ -84,6 +84,7 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> Layout:
             file=f,
             key="model.layers",
         )
+    check_finetune(recipe)
     layout = recipe_degrees(recipe, world_size)
     if not recipe.parallel.auto:
         check_layout(recipe, layout)
@@ -102,6 +103,32 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> Layout:
             key="model.vocab_size",
         )
     return layout
+
+
+def check_finetune(recipe: Recipe) -> None:
+    """[data] format / [finetune] / [[adapters]] consistency."""
+    f = recipe.source
+    if recipe.data.format == "sft" and recipe.data.packing == "concat":
+        raise ConfigError(
+            "sft examples must not be split across rows: use packing 'bfd' (or 'none')",
+            file=f,
+            key="data.packing",
+        )
+    if recipe.adapters:
+        if recipe.finetune.mode != "lora":
+            raise ConfigError(
+                f"[[adapters]] need finetune.mode = 'lora', got {recipe.finetune.mode!r}",
+                file=f,
+                key="finetune.mode",
+            )
+        names = [a.name for a in recipe.adapters]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ConfigError(f"adapter names must be unique: {dup}", file=f, key="adapters")
+        if recipe.parallel.pp > 1 or recipe.parallel.tp > 1 or recipe.parallel.cp > 1:
+            raise ConfigError(
+                "[[adapters]] run in one process (no tp/pp/cp)", file=f, key="adapters"
+            )
 
 
 def effective_shape(recipe: Recipe) -> ModelShape:

@@ -1,6 +1,7 @@
 """The recipe contract: one dataclass per TOML section, every field documented.
 
-Sections: [job] [model] [training] [parallel] [kernels] [data] [checkpoint] [metrics].
+Sections: [job] [model] [training] [parallel] [kernels] [data] [checkpoint] [metrics]
+[finetune] [lora] [[adapters]].
 Field-local checks (ranges, choices) run in `__post_init__` and raise ConfigError with the
 key; checks that need several sections or the world size live in `recipe.validate`.
 Extend this contract by adding fields; never rename one (users' recipes depend on them).
@@ -244,6 +245,36 @@ class DataSection:
         ),
     )
 
+    format: Literal["text", "sft"] = field(
+        default="text",
+        metadata=doc(
+            "text: documents (pretraining). sft: JSON Lines of chats ({'messages': [{'role', "
+            "'content'}]}) or {'prompt', 'completion'} pairs, optional 'weight'; loss only on "
+            "assistant tokens (data.chat, docs/sft.md). Local .jsonl files or folders."
+        ),
+    )
+    chat_template: Literal["auto", "embedded", "hf"] = field(
+        default="auto",
+        metadata=doc(
+            "sft: auto = the tokenizer's own chat template (Hugging Face apply_chat_template) "
+            "where it has one, else the documented embedded template; or force either."
+        ),
+    )
+    truncate: bool = field(
+        default=False,
+        metadata=doc(
+            "sft: cut examples longer than seq_len + 1 tokens to fit a row; false = such "
+            "examples are bad records ('too_long', skipped and counted or fatal)."
+        ),
+    )
+    eval_source: str = field(
+        default="",
+        metadata=doc(
+            "sft: held-out JSON Lines scored before and after training by exact match of the "
+            "assistant answer under greedy decoding (posttrain.evaluate); '' = none."
+        ),
+    )
+
     def __post_init__(self) -> None:
         _positive("window", self.window)
 
@@ -302,6 +333,103 @@ class MetricsSection:
 
 
 @dataclass
+class FinetuneSection:
+    mode: Literal["off", "full", "lora"] = field(
+        default="off",
+        metadata=doc(
+            "off: pretraining. full: every weight trained (SFT on a loaded base). lora: the "
+            "base frozen, only [lora] adapters trained (torchtitan's LoRA converter); the "
+            "optimizer holds adapter parameters only. full/lora need data.format = 'sft' or a "
+            "checkpoint.load_from base."
+        ),
+    )
+    export_dir: str = field(
+        default="{output_dir}/export",
+        metadata=doc(
+            "Where exports go after training: <dir>/<adapter>/adapter_model.safetensors + "
+            "adapter_config.json (PEFT format) for LoRA; '{output_dir}' = job.output_dir."
+        ),
+    )
+    export_merged: bool = field(
+        default=False,
+        metadata=doc(
+            "Also write the merged model (base + scale * B A) as a Hugging Face folder "
+            "(model.safetensors + config.json) next to each adapter."
+        ),
+    )
+    eval_every: int = field(
+        default=0,
+        metadata=doc("Held-out exact match every N steps too (0 = at start and end only)."),
+    )
+    adapter_schedule: Literal["turns", "batched"] = field(
+        default="turns",
+        metadata=doc(
+            "[[adapters]]: 'turns' = adapters take turns on the shared base (each exactly as "
+            "if alone); 'batched' = one forward over every adapter's rows with a segmented "
+            "multi-LoRA matmul (benchmarks/adapters.md compares them)."
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        _positive("eval_every", self.eval_every, allow_zero=True)
+
+
+@dataclass
+class LoraSection:
+    rank: int = field(default=8, metadata=doc("Rank r of the adapter matrices A (r x in), B."))
+    alpha: float = field(default=16.0, metadata=doc("Scale: the adapter adds alpha/r * B A x."))
+    dropout: float = field(
+        default=0.0,
+        metadata=doc(
+            "Dropout on the adapter's input; torchtitan 0.3.0's LoRA layer has none, so only "
+            "0.0 is accepted (a non-zero value stops at load instead of being ignored)."
+        ),
+    )
+    target_modules: list[str] = field(
+        default_factory=lambda: ["wqkv", "wq", "wkv", "wk", "wv", "wo", "w1", "w2", "w3"],
+        metadata=doc(
+            "Linear layers to adapt, by the last name in torchtitan's module path (attention "
+            "wqkv/wq/wkv/wo, MLP w1/w2/w3, lm_head); names absent from the model are ignored."
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        _positive("rank", self.rank)
+        _positive("alpha", self.alpha)
+        if self.dropout != 0.0:
+            raise ConfigError(
+                f"expected 0.0, got {self.dropout}: torchtitan 0.3.0's LoRA layer has no dropout",
+                key="dropout",
+            )
+        if not self.target_modules:
+            raise ConfigError("expected at least one module name", key="target_modules")
+
+
+@dataclass
+class AdapterSection:
+    name: str = field(default="", metadata=doc("Adapter name (export folder, metrics prefix)."))
+    source: str = field(default="", metadata=doc("This adapter's SFT data (JSON Lines)."))
+    eval_source: str = field(default="", metadata=doc("Held-out JSON Lines ('' = none)."))
+    lr: float = field(default=1e-3, metadata=doc("Peak learning rate (AdamW, own state)."))
+    steps: int = field(default=10, metadata=doc("Optimizer steps for this adapter."))
+    warmup_steps: int = field(default=0, metadata=doc("Linear warmup steps."))
+    local_batch_size: int = field(default=0, metadata=doc("Rows per step; 0 = training's."))
+    seed: int = field(default=0, metadata=doc("Adapter initialisation seed."))
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(
+                f"expected a name of letters, digits, _ or -, got {self.name!r}", key="name"
+            )
+        if not self.source:
+            raise ConfigError("expected a data source", key="source")
+        _positive("lr", self.lr)
+        _positive("steps", self.steps)
+        _positive("warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("local_batch_size", self.local_batch_size, allow_zero=True)
+
+
+@dataclass
 class Recipe:
     """A whole recipe. `source` is the file it came from (for error messages)."""
 
@@ -313,6 +441,16 @@ class Recipe:
     data: DataSection = field(default_factory=DataSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    finetune: FinetuneSection = field(default_factory=FinetuneSection)
+    lora: LoraSection = field(default_factory=LoraSection)
+    adapters: list[AdapterSection] = field(
+        default_factory=list,
+        metadata=doc(
+            "[[adapters]]: several LoRA adapters trained on one frozen base in one job "
+            "(finetune.mode = 'lora'), each with its own data, lr, steps, optimizer state, "
+            "metrics and exports (posttrain.adapters)."
+        ),
+    )
     source: str = field(default="<defaults>", init=False, compare=False)
 
     @property

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+from torchtitan.components.lora import LoRAConverter
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.components.validate import Validator
@@ -45,6 +46,14 @@ def choose_kernels(
     return check_kernels(recipe, caps, cp=layout.cp if layout is not None else None)
 
 
+def lora_converter(recipe: Recipe) -> LoRAConverter.Config:
+    """`[lora]` as torchtitan's LoRA converter config."""
+    lo = recipe.lora
+    return LoRAConverter.Config(
+        rank=lo.rank, alpha=lo.alpha, target_modules=list(lo.target_modules)
+    )
+
+
 def build_trainer_config(
     recipe: Recipe,
     layout: Layout,
@@ -64,6 +73,9 @@ def build_trainer_config(
     # After every change to the model's dimensions: attention backend + linear conversion
     # (torchtitan's converters), with the converted/skipped list kept for the log.
     spec.model = apply_kernels(spec.model, kernels, tp=layout.tp).model_config
+    if recipe.finetune.mode == "lora":
+        # Last converter: the base (incl. any quantized linears) frozen, adapters trained.
+        spec.model = lora_converter(recipe).build().convert(spec.model)
 
     first_less, last_less = (1, 1)
     microbatch_size = 1
@@ -115,6 +127,9 @@ def build_trainer_config(
             pipeline_parallel_last_stage_less_layers=last_less,
         ),
         dataloader=TitanscaleDataLoader.Config(
+            format=recipe.data.format,
+            chat_template=recipe.data.chat_template,
+            truncate=recipe.data.truncate,
             source=recipe.data.source,
             packing=recipe.data.packing,
             text_field=recipe.data.text_field,

@@ -158,6 +158,16 @@ def safe_dcp_load(state_dict: dict[str, Any], checkpoint_id: str) -> None:
     )
 
 
+def drop_absent_adapter_keys(state_dict: dict[str, Any], checkpoint_id: str) -> dict[str, Any]:
+    """LoRA fine-tuning starts from a base checkpoint that has no adapter weights: leave the
+    model's `lora_a` / `lora_b` entries out of the load (they keep their initialisation,
+    B = 0, so the model starts as the base). Every other missing key still fails the load."""
+    if not any(".lora_" in k for k in state_dict):
+        return state_dict
+    present = SafeFileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    return {k: v for k, v in state_dict.items() if ".lora_" not in k or k in present}
+
+
 # ---------------------------------------------------------------------------- verification
 
 
@@ -454,6 +464,7 @@ class AtomicCheckpointManager(CheckpointManager):
         if from_hf:
             # safetensors: no pickle involved; torchtitan's HF reader as is.
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        state_dict = drop_absent_adapter_keys(state_dict, checkpoint_id)
         safe_dcp_load(state_dict, checkpoint_id)
         # As torchtitan: model states are flattened into the dict, so load them explicitly.
         if MODEL in self.states:

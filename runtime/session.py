@@ -162,6 +162,12 @@ def check_data_source(recipe: Recipe) -> None:
     from data.sources import check_source
 
     check_source(recipe.data.source, file=recipe.source)
+    if recipe.data.eval_source:
+        check_source(recipe.data.eval_source, file=recipe.source, key="data.eval_source")
+    for i, a in enumerate(recipe.adapters):
+        check_source(a.source, file=recipe.source, key=f"adapters[{i}].source")
+        if a.eval_source:
+            check_source(a.eval_source, file=recipe.source, key=f"adapters[{i}].eval_source")
 
 
 def cluster_for_job(recipe: Recipe, world_size: int, platform: Platform) -> Cluster | None:
@@ -232,8 +238,9 @@ def prepare(recipe_path: str | None, overrides: list[str]) -> Job:
     return Job(recipe, layout, platform, kernels, tokenizer_path, config, world_size, cluster, plan)
 
 
-def run(job: Job) -> dict[str, Any] | None:
-    """Train; returns the steady-state summary on the metrics rank (None elsewhere)."""
+def run(job: Job, trainer_cls: type | None = None, **trainer_kwargs: Any) -> dict[str, Any] | None:
+    """Train; returns the steady-state summary on the metrics rank (None elsewhere).
+    `trainer_cls`: a TitanscaleTrainer subclass (post-training passes its own)."""
     import torch
     from torchtitan.tools.logging import logger
 
@@ -251,7 +258,7 @@ def run(job: Job) -> dict[str, Any] | None:
         f"{' (emulated)' if job.kernels.emulated else ''} ({job.kernels.precision})"
     )
     fabric = job.cluster.fabric() if job.cluster else None
-    trainer = TitanscaleTrainer(job.config, fabric=fabric)
+    trainer = (trainer_cls or TitanscaleTrainer)(job.config, fabric=fabric, **trainer_kwargs)
     try:
         trainer.train()
     finally:

@@ -1,0 +1,90 @@
+"""Held-out exact match of SFT answers, by teacher forcing (one forward pass per batch).
+
+Greedy decoding produces a fixed answer a_1..a_n (ending in EOS) iff, for every k, a_k is the
+argmax of the model's next-token distribution given the prompt and a_1..a_{k-1}: that is
+exactly the argmax under teacher forcing at each answer position. So "every trained token is
+the argmax" is an exact, generator-free equivalent of "greedy decoding answers exactly"
+(ties in the argmax aside, which have probability ~0 in float32). Multi-turn examples are
+checked on every assistant turn with the true history.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from data.chat import BadChat, ChatRenderer, Example, decode_masked, parse_record
+
+
+def load_examples(path: str | Path) -> list[Example]:
+    """The usable examples of a JSON Lines file (bad lines are left out)."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            out.append(parse_record(json.loads(line)))
+        except (BadChat, ValueError):
+            continue
+    return out
+
+
+def model_logits(model: Any, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """torchtitan decoder forward with document masks derived from positions. Inside the
+    Trainer with ChunkedLossWrapper the decoder stops before its output projection (the loss
+    applies lm_head chunk by chunk); then the projection is applied here."""
+    out = model(x, pos, model.get_attention_masks(positions=pos))
+    if out.shape[-1] != model.lm_head.weight.shape[0]:
+        out = model.lm_head(out)
+    return out.full_tensor() if hasattr(out, "full_tensor") else out
+
+
+@torch.no_grad()
+def exact_match(
+    model: Any,
+    renderer: ChatRenderer,
+    examples: Sequence[Example],
+    *,
+    device: torch.device | str = "cpu",
+    batch_size: int = 32,
+    pad_id: int = 0,
+) -> dict[str, float]:
+    """{'exact_match': fraction of examples whose every trained token is the argmax,
+    'token_accuracy', 'examples'}; one example per row, padding as its own document."""
+    was_training = model.training
+    model.eval()
+    rows = []
+    for ex in examples:
+        ids_np, trained_np = decode_masked(renderer.render(ex))
+        rows.append((torch.as_tensor(ids_np), torch.as_tensor(trained_np)))
+    correct = tokens = tokens_ok = 0
+    try:
+        for i in range(0, len(rows), batch_size):
+            chunk = rows[i : i + batch_size]
+            L = max(len(r[0]) - 1 for r in chunk)
+            x = torch.full((len(chunk), L), pad_id, dtype=torch.long)
+            y = torch.zeros((len(chunk), L), dtype=torch.long)
+            m = torch.zeros((len(chunk), L), dtype=torch.bool)
+            pos = torch.zeros((len(chunk), L), dtype=torch.long)
+            for b, (ids, trained) in enumerate(chunk):
+                n = len(ids) - 1
+                x[b, :n], y[b, :n], m[b, :n] = ids[:-1], ids[1:], trained[1:]
+                pos[b, :n] = torch.arange(n)
+                pos[b, n:] = torch.arange(L - n)
+            logits = model_logits(model, x.to(device), pos.to(device)).float().cpu()
+            hit = (logits.argmax(-1) == y) | ~m
+            correct += int(hit.all(dim=1).sum())
+            tokens += int(m.sum())
+            tokens_ok += int((hit & m).sum())
+    finally:
+        model.train(was_training)
+    n = len(rows)
+    return {
+        "exact_match": correct / n if n else 0.0,
+        "token_accuracy": tokens_ok / tokens if tokens else 0.0,
+        "examples": n,
+    }

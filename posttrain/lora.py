@@ -1,0 +1,274 @@
+"""LoRA adapters on torchtitan models: find them, swap them, export them (PEFT) and merge them.
+
+torchtitan's LoRA converter (torchtitan.components.lora) replaces each target Linear with a
+subclass holding the frozen base `weight` and two trainable Linears `lora_a` (r x in,
+Kaiming-uniform) and `lora_b` (out x r, zeros), and computes base(x) + alpha/r * B(A(x)).
+The same math is PEFT's LoRA (`lora_A`, `lora_B`, scaling lora_alpha/r), so an adapter exports
+exactly, with two renamings:
+- module names follow torchtitan's Llama HF state-dict adapter (wo -> o_proj, w1 -> gate_proj,
+  w2 -> down_proj, w3 -> up_proj, lm_head -> lm_head);
+- the fused `wqkv` (one A, one B over [q; k; v] grouped per key/value head, as
+  torchtitan's FusedQKVLinear lays it out) becomes q_proj / k_proj / v_proj adapters that share
+  A and take their rows of B (B A x restricted to those output rows is exactly that), with
+  q/k rows reordered by the same permutation the HF adapter applies to q/k weights (obtained
+  by running row indices through `to_hf`, so it is torchtitan's permutation, not a copy).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_CONFIG = "adapter_config.json"
+_HF_NAMES = {"wo": "self_attn.o_proj", "w1": "mlp.gate_proj", "w2": "mlp.down_proj",
+             "w3": "mlp.up_proj"}  # fmt: skip
+
+
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, Any]]:
+    """(name, module) of every LoRA-converted linear, in model order."""
+    for name, m in model.named_modules():
+        if isinstance(getattr(m, "lora_a", None), nn.Module) and hasattr(m, "lora_b"):
+            yield name, m
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter weights (name -> full tensor, detached), A and B of every LoRA linear."""
+    out = {}
+    for name, m in lora_modules(model):
+        for part in ("lora_a", "lora_b"):
+            w = getattr(m, part).weight
+            w = w.full_tensor() if hasattr(w, "full_tensor") else w
+            out[f"{name}.{part}.weight"] = w.detach()
+    return out
+
+
+def base_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every non-adapter parameter and buffer (for the bit-identical-base check)."""
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in model.state_dict().items()
+        if ".lora_" not in k
+    }
+
+
+def init_adapter(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Fresh adapter weights as torchtitan's converter initialises them (A Kaiming-uniform
+    with a = sqrt(5), B zeros), drawn from `seed` on the CPU generator so that the same seed
+    gives the same adapter whatever else the job holds."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, m in lora_modules(model):
+        a = m.lora_a.weight
+        fan_in = a.shape[1]
+        # kaiming_uniform_(a=sqrt(5)): bound = sqrt(6 / ((1 + 5) * fan_in)) = 1 / sqrt(fan_in)
+        bound = 1.0 / math.sqrt(fan_in)
+        wa = (torch.rand(a.shape, generator=gen, dtype=torch.float32) * 2 - 1) * bound
+        out[f"{name}.lora_a.weight"] = wa.to(a.device, a.dtype)
+        b = m.lora_b.weight
+        out[f"{name}.lora_b.weight"] = torch.zeros(b.shape, dtype=b.dtype, device=b.device)
+    return out
+
+
+def bind_adapter(model: nn.Module, params: dict[str, nn.Parameter]) -> None:
+    """Point the model's LoRA linears at `params` (no copy: the adapter's own tensors get
+    the gradients). One frozen base serves any number of adapters this way."""
+    for name, m in lora_modules(model):
+        m.lora_a.weight = params[f"{name}.lora_a.weight"]
+        m.lora_b.weight = params[f"{name}.lora_b.weight"]
+
+
+# -- PEFT export -------------------------------------------------------------------------------
+def _row_permutation(adapter: Any, key: str, rows: int, cols: int) -> torch.Tensor | None:
+    """The row order `adapter.to_hf` gives tensor `key` (None when it keeps the order)."""
+    idx = torch.arange(rows, dtype=torch.float64).unsqueeze(1).expand(rows, cols).contiguous()
+    out = adapter.to_hf({key: idx})
+    (val,) = out.values()
+    perm = val[:, 0].round().long()
+    return None if torch.equal(perm, torch.arange(rows)) else perm
+
+
+def peft_tensors(
+    model_config: Any, adapter: dict[str, torch.Tensor], state_dict_adapter: Any
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Our adapter (lora_modules names) -> PEFT tensor names for transformers' Llama, and the
+    PEFT target module names used."""
+    attn = model_config.layers[0].attention
+    n_heads = attn.n_heads
+    n_kv = attn.n_kv_heads or n_heads
+    dim = model_config.dim
+    hd = attn.head_dim or dim // n_heads
+    hpk = n_heads // n_kv
+    out: dict[str, torch.Tensor] = {}
+    targets: set[str] = set()
+    perms: dict[str, torch.Tensor | None] = {}
+
+    def put(hf_module: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        base = f"base_model.model.{hf_module}"
+        out[f"{base}.lora_A.weight"] = a.contiguous()
+        out[f"{base}.lora_B.weight"] = b.contiguous()
+        targets.add(hf_module.rsplit(".", 1)[-1])
+
+    names = sorted({k.rsplit(".lora_", 1)[0] for k in adapter})
+    for name in names:
+        a = adapter[f"{name}.lora_a.weight"]
+        b = adapter[f"{name}.lora_b.weight"]
+        if name == "lm_head":
+            put("lm_head", a, b)
+            continue
+        m = re.fullmatch(r"layers\.(\d+)\.(attention|feed_forward)\.(.+)", name)
+        if m is None:
+            raise ValueError(f"no PEFT name for LoRA module {name!r}")
+        layer, rest = m.group(1), m.group(3)
+        prefix = f"model.layers.{layer}"
+        if rest in ("wo", "w1", "w2", "w3"):
+            put(f"{prefix}.{_HF_NAMES[rest]}", a, b)
+            continue
+        if rest == "qkv_linear.wqkv":
+            r = b.shape[1]
+            w = b.reshape(n_kv, hpk + 2, hd, r)  # FusedQKVLinear: per kv head [q.., k, v]
+            parts = {
+                "q": w[:, :hpk].reshape(-1, r),
+                "k": w[:, hpk].reshape(-1, r),
+                "v": w[:, hpk + 1].reshape(-1, r),
+            }
+        elif rest.startswith("qkv_linear.w") and rest[-1] in "qkv":
+            parts = {rest[-1]: b}
+        else:
+            raise ValueError(f"no PEFT name for LoRA module {name!r}")
+        for which, bp in parts.items():
+            key = f"layers.{layer}.attention.qkv_linear.w{which}.weight"
+            cols = dim
+            if which not in perms:
+                perms[which] = _row_permutation(state_dict_adapter, key, bp.shape[0], cols)
+            perm = perms[which]
+            put(f"{prefix}.self_attn.{which}_proj", a, bp[perm] if perm is not None else bp)
+    return out, sorted(targets)
+
+
+def export_peft(
+    folder: str,
+    *,
+    model_config: Any,
+    adapter: dict[str, torch.Tensor],
+    state_dict_adapter: Any,
+    rank: int,
+    alpha: float,
+    base_model: str = "",
+) -> str:
+    """Write adapter_model.safetensors + adapter_config.json (PEFT LoRA) into `folder`."""
+    from safetensors.torch import save_file
+
+    tensors, targets = peft_tensors(model_config, adapter, state_dict_adapter)
+    os.makedirs(folder, exist_ok=True)
+    save_file(
+        {k: v.detach().cpu().clone() for k, v in tensors.items()},
+        os.path.join(folder, PEFT_WEIGHTS),
+    )
+    cfg = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": targets,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
+    with open(os.path.join(folder, PEFT_CONFIG), "w") as f:
+        json.dump(cfg, f, indent=1)
+    return folder
+
+
+# -- merged model ------------------------------------------------------------------------------
+@torch.no_grad()
+def merge_into_hf(
+    hf_state: dict[str, torch.Tensor], peft: dict[str, torch.Tensor], scale: float
+) -> dict[str, torch.Tensor]:
+    """Fold PEFT adapters into an HF state dict: W + scale * B A for every adapted module
+    (in float32, cast back to W's dtype). Works on the full (gathered) state of any layout."""
+    out = dict(hf_state)
+    for key, a in peft.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+        b = peft[key.replace(".lora_A.", ".lora_B.")]
+        w = out[f"{module}.weight"]
+        out[f"{module}.weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+    return out
+
+
+def llama_hf_config(model_config: Any) -> dict[str, Any]:
+    """transformers LlamaConfig fields for a torchtitan Llama3 config (rope 'llama' scaling =
+    HF's rope_type 'llama3')."""
+    attn = model_config.layers[0].attention
+    rope = attn.rope
+    ff = model_config.layers[0].feed_forward
+    n_heads = attn.n_heads
+    cfg: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": model_config.dim,
+        "intermediate_size": ff.w1.out_features,
+        "num_hidden_layers": len(model_config.layers),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": attn.n_kv_heads or n_heads,
+        "head_dim": attn.head_dim or model_config.dim // n_heads,
+        "vocab_size": model_config.vocab_size,
+        "rms_norm_eps": model_config.norm.eps,
+        "rope_theta": float(rope.theta),
+        "max_position_embeddings": rope.max_seq_len,
+        "tie_word_embeddings": bool(getattr(model_config, "enable_weight_tying", False)),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    if getattr(rope, "scaling", None) == "llama":
+        cfg["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": rope.scaling_factor,
+            "low_freq_factor": rope.low_freq_factor,
+            "high_freq_factor": rope.high_freq_factor,
+            "original_max_position_embeddings": rope.original_max_position_embeddings,
+        }
+    return cfg
+
+
+def export_merged(
+    folder: str,
+    *,
+    base: dict[str, torch.Tensor],
+    adapter: dict[str, torch.Tensor],
+    model_config: Any,
+    state_dict_adapter: Any,
+    scale: float,
+    dtype: torch.dtype = torch.float32,
+) -> str:
+    """The merged model (base + adapter) as a Hugging Face folder (model.safetensors +
+    config.json). `base`: full torchtitan state dict without adapter keys."""
+    from safetensors.torch import save_file
+
+    peft, _ = peft_tensors(model_config, adapter, state_dict_adapter)
+    hf = merge_into_hf(state_dict_adapter.to_hf(dict(base)), peft, scale)
+    os.makedirs(folder, exist_ok=True)
+    save_file(
+        {k: v.detach().to(dtype).cpu().contiguous() for k, v in hf.items()},
+        os.path.join(folder, "model.safetensors"),
+    )
+    cfg = llama_hf_config(model_config)
+    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    return folder
