@@ -15,10 +15,13 @@ depend on the others: running four sessions at once gives each the losses it get
 A module an adapter does not target (train_mlp / train_attn / train_unembed = false) gets a
 rank-0 pair: its LoRA branch adds exactly zero.
 
-Not done here (the SFT issue's [[adapters]] / PEFT export will supersede this module's
-adapter bookkeeping): PEFT key names in saved weights, multi-GPU sharding of the base (the
-service holds one device), the base loaded from a checkpoint (it is initialised from
-`training.seed`). The sampler holds one deep copy of the model (a second base in memory).
+The adapter mechanics are the SFT layer's (`posttrain.lora`: `lora_modules`, `bind_adapter`;
+`posttrain.adapters.load_base` loads the base from `checkpoint.load_from`, else the base is
+initialised from `training.seed`). Per-adapter rank and targets are this module's addition
+(Tinker clients choose them); the scale is alpha / rank with alpha from the recipe's `[lora]`.
+Not done: PEFT key names in saved adapter weights (posttrain.lora.export_peft does it for
+recipe-shaped adapters), multi-GPU sharding of the base (the service holds one device). The
+sampler holds one deep copy of the model (a second base in memory).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from posttrain.lora import bind_adapter, lora_modules
 from rl.generator import Generator
 from rl.generator import SamplingParams as GenParams
 from rl.losses import BUILTIN_LOSSES, LossBatch, LossConfig
@@ -51,8 +55,6 @@ from service.types import (
     SampleResult,
     SamplingParams,
 )
-
-LORA_ALPHA = 32.0  # scaling = alpha / rank, as in PEFT; fixed for every adapter
 
 
 def _category(fqn: str) -> str:
@@ -72,20 +74,14 @@ def _targets(spec: LoraSpec, fqn: str) -> bool:
 @dataclass
 class _Adapter:
     spec: LoraSpec
-    a: dict[str, nn.Parameter]  # module fqn -> lora_a weight [rank, in]
-    b: dict[str, nn.Parameter]  # module fqn -> lora_b weight [out, rank]
+    params: dict[str, nn.Parameter]  # "<module>.lora_a.weight" [rank, in], ".lora_b" [out, rank]
     opt: torch.optim.Optimizer
 
     def trainable(self) -> list[nn.Parameter]:
-        return [p for d in (self.a, self.b) for p in d.values() if p.requires_grad]
+        return [p for p in self.params.values() if p.requires_grad]
 
     def state(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for fqn in self.a:
-            if self.a[fqn].requires_grad:
-                out[f"{fqn}.lora_a.weight"] = self.a[fqn].detach().cpu().contiguous()
-                out[f"{fqn}.lora_b.weight"] = self.b[fqn].detach().cpu().contiguous()
-        return out
+        return {k: p.detach().cpu().contiguous() for k, p in self.params.items() if p.requires_grad}
 
 
 @dataclass
@@ -93,8 +89,7 @@ class _Snapshot:
     """Frozen adapter tensors a sampler samples with."""
 
     rank: int
-    a: dict[str, torch.Tensor]
-    b: dict[str, torch.Tensor]
+    params: dict[str, torch.Tensor]
 
 
 def build_lora_model(recipe, device: torch.device) -> tuple[nn.Module, BaseModelInfo]:
@@ -116,7 +111,8 @@ def build_lora_model(recipe, device: torch.device) -> tuple[nn.Module, BaseModel
         spec.model.tok_embeddings.num_embeddings = recipe.model.vocab_size
         spec.model.lm_head.out_features = recipe.model.vocab_size
     cfg = apply_kernels(spec.model, choose_kernels(recipe, platform)).model_config
-    cfg = LoRAConverter.Config(rank=1, alpha=LORA_ALPHA).build().convert(cfg)
+    # Every linear gets a LoRA slot; each client's adapter decides which it trains.
+    cfg = LoRAConverter.Config(rank=1, alpha=recipe.lora.alpha).build().convert(cfg)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[recipe.training.dtype]
     torch.manual_seed(recipe.training.seed)
     prev = torch.get_default_dtype()
@@ -129,6 +125,10 @@ def build_lora_model(recipe, device: torch.device) -> tuple[nn.Module, BaseModel
             model.init_weights(buffer_device=device)
     finally:
         torch.set_default_dtype(prev)
+    if recipe.checkpoint.load_from:
+        from posttrain.adapters import load_base
+
+        load_base(model, recipe.checkpoint.load_from)
     vocab = model.tok_embeddings.weight.shape[0]
     info = BaseModelInfo(
         name=f"titanscale/{recipe.job.name}",
@@ -142,23 +142,19 @@ def build_lora_model(recipe, device: torch.device) -> tuple[nn.Module, BaseModel
 class TitanLoraBackend:
     max_lora_rank = 128
 
-    def __init__(self, model: nn.Module, info: BaseModelInfo, *, devices: int = 1):
+    def __init__(self, model: nn.Module, info: BaseModelInfo, *, alpha: float, devices: int = 1):
         self.model = model
         self.info = info
+        self.alpha = alpha
         self.devices = devices
         self.device = next(model.parameters()).device
-        self.modules = {
-            fqn: m
-            for fqn, m in model.named_modules()
-            if hasattr(m, "lora_a") and hasattr(m, "lora_b")
-        }
+        self.modules = dict(lora_modules(model))
         for p in model.parameters():
             p.requires_grad_(False)  # the base is frozen; adapters bring their own tensors
         self.adapters: dict[str, _Adapter] = {}
         self._samplers: dict[str, _Snapshot] = {}
         self._ids = itertools.count()
         self._generator: Generator | None = None
-        self._gen_modules: dict[str, nn.Module] = {}
 
     @classmethod
     def from_recipe(cls, recipe) -> TitanLoraBackend:
@@ -171,15 +167,15 @@ class TitanLoraBackend:
             # build_lora_model does next (the first torchtitan import of `tools.serve`).
             os.environ["TORCHDYNAMO_DISABLE"] = "1"
         model, info = build_lora_model(recipe, device)
-        return cls(model, info)
+        return cls(model, info, alpha=recipe.lora.alpha)
 
     def base_model(self) -> BaseModelInfo:
         return self.info
 
     # --- adapters -----------------------------------------------------------------------------
 
-    def _new_tensors(self, spec: LoraSpec, gen: torch.Generator) -> tuple[dict, dict]:
-        a, b = {}, {}
+    def _new_tensors(self, spec: LoraSpec, gen: torch.Generator) -> dict[str, nn.Parameter]:
+        out = {}
         dt = next(self.model.parameters()).dtype
         for fqn, m in self.modules.items():
             w = m.weight
@@ -189,20 +185,19 @@ class TitanLoraBackend:
             if r:  # the init torchtitan's LoRALinear uses: kaiming-uniform A, zero B
                 bound = 1.0 / math.sqrt(in_f)  # kaiming_uniform_(a=sqrt(5)) on [r, in]
                 ta.uniform_(-bound, bound, generator=gen)
-            a[fqn] = nn.Parameter(ta.to(self.device, dt), requires_grad=r > 0)
-            b[fqn] = nn.Parameter(
-                torch.zeros(out_f, r, dtype=dt, device=self.device), requires_grad=r > 0
-            )
-        return a, b
+            tb = torch.zeros(out_f, r, dtype=dt, device=self.device)
+            out[f"{fqn}.lora_a.weight"] = nn.Parameter(ta.to(self.device, dt), requires_grad=r > 0)
+            out[f"{fqn}.lora_b.weight"] = nn.Parameter(tb, requires_grad=r > 0)
+        return out
 
     def create_adapter(self, adapter: str, spec: LoraSpec) -> None:
         gen = torch.Generator().manual_seed(
             spec.seed if spec.seed is not None else int(torch.randint(0, 2**62, ()).item())
         )
-        a, b = self._new_tensors(spec, gen)
-        params = [p for d in (a, b) for p in d.values() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
-        self.adapters[adapter] = _Adapter(spec, a, b, opt)
+        params = self._new_tensors(spec, gen)
+        trainable = [p for p in params.values() if p.requires_grad]
+        opt = torch.optim.AdamW(trainable, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        self.adapters[adapter] = _Adapter(spec, params, opt)
 
     def drop_adapter(self, adapter: str) -> None:
         self.adapters.pop(adapter, None)
@@ -213,13 +208,12 @@ class TitanLoraBackend:
             raise ServiceError(404, f"adapter {adapter} is not loaded")
         return ad
 
-    @staticmethod
-    def _bind(modules: dict[str, nn.Module], a: dict, b: dict, rank: int) -> None:
-        """Point every LoRA module at this adapter's tensors (by reference, no copy)."""
-        for fqn, m in modules.items():
-            m.lora_a.weight = a[fqn]  # type: ignore[union-attr]
-            m.lora_b.weight = b[fqn]  # type: ignore[union-attr]
-            m._lora_scaling = LORA_ALPHA / rank if rank else 0.0  # type: ignore[assignment]
+    def _bind(self, model: nn.Module, params: dict, rank: int) -> None:
+        """Point every LoRA module at this adapter's tensors (by reference, no copy) and set
+        its scale alpha / rank (the converter fixed one rank; adapters here choose theirs)."""
+        bind_adapter(model, params)
+        for _, m in lora_modules(model):
+            m._lora_scaling = self.alpha / rank if rank else 0.0
 
     # --- training -----------------------------------------------------------------------------
 
@@ -259,7 +253,7 @@ class TitanLoraBackend:
     ) -> FwdBwdResult:
         ad = self._adapter(adapter)
         cfg = _loss_config(loss_fn, loss_config)
-        self._bind(self.modules, ad.a, ad.b, ad.spec.rank)
+        self._bind(self.model, ad.params, ad.spec.rank)
         tokens, targets, valid, extra = self._batch(data)
         with torch.set_grad_enabled(not forward_only):
             logits = forward_logits(self.model, tokens).float()
@@ -300,9 +294,9 @@ class TitanLoraBackend:
 
     def _write_adapter(self, ad: _Adapter, folder: Path) -> None:
         save_file(ad.state(), str(folder / "adapter_model.safetensors"))
-        targets = sorted({_category(f) for f in ad.a if ad.a[f].requires_grad})
+        targets = sorted({_category(k) for k, p in ad.params.items() if p.requires_grad})
         (folder / "adapter_config.json").write_text(
-            json.dumps({"r": ad.spec.rank, "lora_alpha": LORA_ALPHA, "targets": targets}, indent=1)
+            json.dumps({"r": ad.spec.rank, "lora_alpha": self.alpha, "targets": targets}, indent=1)
         )
 
     def save_state(self, adapter: str, folder: Path) -> None:
@@ -317,14 +311,12 @@ class TitanLoraBackend:
         ad = self._adapter(adapter)
         state = self._read_adapter(folder)
         with torch.no_grad():
-            for fqn in ad.a:
-                if not ad.a[fqn].requires_grad:
+            for k, p in ad.params.items():
+                if not p.requires_grad:
                     continue
-                ka, kb = f"{fqn}.lora_a.weight", f"{fqn}.lora_b.weight"
-                if ka not in state or state[ka].shape != ad.a[fqn].shape:
-                    raise bad_request("path", f"checkpoint lacks a matching {ka}")
-                ad.a[fqn].copy_(state[ka])
-                ad.b[fqn].copy_(state[kb])
+                if k not in state or state[k].shape != p.shape:
+                    raise bad_request("path", f"checkpoint lacks a matching {k}")
+                p.copy_(state[k])
         if optimizer:
             ad.opt.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
         else:
@@ -335,27 +327,23 @@ class TitanLoraBackend:
 
     # --- sampling -----------------------------------------------------------------------------
 
-    def _store_sampler(self, rank: int, a: dict, b: dict) -> str:
+    def _store_sampler(self, rank: int, params: dict[str, torch.Tensor]) -> str:
         handle = f"sampler-{next(self._ids)}"
-        self._samplers[handle] = _Snapshot(rank, a, b)
+        self._samplers[handle] = _Snapshot(rank, params)
         return handle
 
     def snapshot(self, adapter: str) -> str:
         ad = self._adapter(adapter)
-        a = {k: v.detach().clone() for k, v in ad.a.items()}
-        b = {k: v.detach().clone() for k, v in ad.b.items()}
-        return self._store_sampler(ad.spec.rank, a, b)
+        return self._store_sampler(
+            ad.spec.rank, {k: v.detach().clone() for k, v in ad.params.items()}
+        )
 
     def load_sampler(self, folder: Path, spec: LoraSpec) -> str:
         state = self._read_adapter(folder)
-        empty = replace(spec, seed=0)
-        a0, b0 = self._new_tensors(empty, torch.Generator().manual_seed(0))
-        a, b = {}, {}
-        for fqn in a0:
-            ka, kb = f"{fqn}.lora_a.weight", f"{fqn}.lora_b.weight"
-            a[fqn] = state[ka] if ka in state else a0[fqn].detach()[:0]
-            b[fqn] = state[kb] if kb in state else b0[fqn].detach()[:, :0]
-        return self._store_sampler(spec.rank, a, b)
+        # untargeted modules: the rank-0 pair of a fresh adapter of this shape
+        shape = self._new_tensors(replace(spec, seed=0), torch.Generator().manual_seed(0))
+        params = {k: state.get(k, p.detach()) for k, p in shape.items()}
+        return self._store_sampler(spec.rank, params)
 
     def drop_sampler(self, handle: str) -> None:
         self._samplers.pop(handle, None)
@@ -363,9 +351,6 @@ class TitanLoraBackend:
     def _gen(self) -> Generator:
         if self._generator is None:
             self._generator = Generator.from_model(self.model)
-            self._gen_modules = {
-                fqn: m for fqn, m in self._generator.model.named_modules() if fqn in self.modules
-            }
         return self._generator
 
     def sample(
@@ -381,18 +366,15 @@ class TitanLoraBackend:
             raise bad_request("sampling_params.top_k", "top-k sampling is not served (use top_p)")
         gen = self._gen()
         if handle is None:  # the base model: rank-0 everywhere
-            a0, b0 = self._new_tensors(
-                LoraSpec(rank=1, train_mlp=False, train_attn=False, train_unembed=False),
-                torch.Generator(),
-            )
-            rank, a, b = 0, a0, b0
+            none = LoraSpec(rank=1, train_mlp=False, train_attn=False, train_unembed=False)
+            rank, params_ = 0, dict[str, torch.Tensor](self._new_tensors(none, torch.Generator()))
         else:
-            s = self._samplers.get(handle)
-            if s is None:
+            snap = self._samplers.get(handle)
+            if snap is None:
                 raise ServiceError(404, "sampler weights are not loaded")
-            rank, a, b = s.rank, s.a, s.b
-        frozen = lambda d: {k: nn.Parameter(v, requires_grad=False) for k, v in d.items()}  # noqa: E731
-        self._bind(self._gen_modules, frozen(a), frozen(b), rank)
+            rank, params_ = snap.rank, dict(snap.params)
+        frozen = {k: nn.Parameter(v.detach(), requires_grad=False) for k, v in params_.items()}
+        self._bind(gen.model, frozen, rank)
         gp = GenParams(
             max_tokens=params.max_tokens,
             # temperature 0 means greedy in the SDK; the generator needs > 0: near-greedy.

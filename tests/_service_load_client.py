@@ -1,6 +1,7 @@
-"""One training client for the service load test: `python tests/_service_load_client.py URL KEY
-SEED STEPS OUT` trains a rank-4 adapter on SEED's data for STEPS steps through the tinker SDK
-and writes {"session_id", "model_id", "losses"} to OUT."""
+"""Training clients for the service load test: `python tests/_service_load_client.py URL KEY
+SEEDS STEPS OUT` trains, for each comma-separated seed in turn, a rank-4 adapter on that seed's
+data for STEPS steps through the tinker SDK (one ServiceClient = one session per seed) and
+writes {seed: {"session_id", "model_id", "losses"}} to OUT."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import tinker
 from tinker import types
 
 
-def main(url: str, key: str, seed: int, steps: int, out: str) -> None:
+def run(url: str, key: str, seed: int, steps: int) -> dict:
     rng = np.random.default_rng(seed)
     data = []
     for _ in range(2):
@@ -28,11 +29,13 @@ def main(url: str, key: str, seed: int, steps: int, out: str) -> None:
         opt = tc.optim_step(types.AdamParams(learning_rate=1e-3))
         losses.append(fb.result().metrics["loss:sum"])
         opt.result()
-    with open(out, "w") as f:
-        json.dump({"session_id": sc.holder.get_session_id(), "model_id": tc.model_id,
-                   "losses": losses}, f)
+    result = {"session_id": sc.holder.get_session_id(), "model_id": tc.model_id, "losses": losses}
     sc.close("success").result()
+    return result
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+    url, key, seeds, steps, out = sys.argv[1:6]
+    res = {int(s): run(url, key, int(s), int(steps)) for s in seeds.split(",")}
+    with open(out, "w") as f:
+        json.dump(res, f)
