@@ -67,6 +67,23 @@ def main(argv: list[str] | None = None) -> None:
         limits=Limits(max_body_bytes=int(args.max_body_mb * (1 << 20))),
     )
     check_exposure(opts)  # bad input before the model is built
+    base = recipe.checkpoint.load_from
+    if base:  # the base model's weights (else initialised from training.seed)
+        from runtime.checkpoint import verify_checkpoint
+
+        if not os.path.isdir(base):
+            raise ConfigError(
+                f"base checkpoint not found: {base} (train it first, see the recipe's header)",
+                file=recipe.source,
+                key="checkpoint.load_from",
+            )
+        problems = verify_checkpoint(base, checksums=False)
+        if problems:
+            raise ConfigError(
+                f"checkpoint {base} is damaged: " + "; ".join(problems),
+                file=recipe.source,
+                key="checkpoint.load_from",
+            )
     if opts.api_key_file:
         read_api_keys(opts.api_key_file)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
