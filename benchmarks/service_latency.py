@@ -31,9 +31,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _stats(ms: list[float]) -> dict[str, float]:
     a = np.asarray(ms)
-    return {k: round(float(v), 2) for k, v in {
-        "p50": np.percentile(a, 50), "p90": np.percentile(a, 90),
-        "p99": np.percentile(a, 99), "mean": a.mean()}.items()}
+    return {
+        k: round(float(v), 2)
+        for k, v in {
+            "p50": np.percentile(a, 50),
+            "p90": np.percentile(a, 90),
+            "p99": np.percentile(a, 99),
+            "mean": a.mean(),
+        }.items()
+    }
 
 
 def main() -> None:
@@ -53,9 +59,22 @@ def main() -> None:
     log = tmp / "server.log"
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.serve", "--recipe", "recipes/debug.toml", "--port",
-         str(port), "--storage", str(tmp / "storage")],
-        cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "tools.serve",
+            "--recipe",
+            "recipes/debug.toml",
+            "--port",
+            str(port),
+            "--storage",
+            str(tmp / "storage"),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):
@@ -70,9 +89,12 @@ def main() -> None:
         data = []
         for _ in range(args.batch):
             toks = rng.integers(0, 2048, args.tokens + 1).tolist()
-            data.append(types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
-                                    loss_fn_inputs={"target_tokens": toks[1:],
-                                                    "weights": [1.0] * args.tokens}))
+            data.append(
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(toks[:-1]),
+                    loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * args.tokens},
+                )
+            )
         for _ in range(5):  # warm-up, excluded
             tc.forward_backward(data, "cross_entropy").result()
         client_ms = []
@@ -84,8 +106,12 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(60)
-    walls = [float(m) * 1e3 for m in re.findall(
-        r"kind=forward_backward .*?wall_s=([0-9.]+)", log.read_text(errors="replace"))][5:]
+    walls = [
+        float(m) * 1e3
+        for m in re.findall(
+            r"kind=forward_backward .*?wall_s=([0-9.]+)", log.read_text(errors="replace")
+        )
+    ][5:]
     import tinker as _t
     import torch
 
@@ -98,8 +124,11 @@ def main() -> None:
         "server_op_ms": _stats(walls),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}",
         "load_average_at_end": os.getloadavg(),
-        "versions": {"torch": torch.__version__, "tinker": _t.__version__,
-                     "python": platform.python_version()},
+        "versions": {
+            "torch": torch.__version__,
+            "tinker": _t.__version__,
+            "python": platform.python_version(),
+        },
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

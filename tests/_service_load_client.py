@@ -18,9 +18,12 @@ def run(url: str, key: str, seed: int, steps: int) -> dict:
     data = []
     for _ in range(2):
         toks = rng.integers(0, 2048, 33).tolist()
-        data.append(types.Datum(
-            model_input=types.ModelInput.from_ints(toks[:-1]),
-            loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * 32}))
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(toks[:-1]),
+                loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * 32},
+            )
+        )
     sc = tinker.ServiceClient(base_url=url, api_key=key)
     tc = sc.create_lora_training_client(base_model="titanscale/debug", rank=4, seed=seed).result()
     losses = []

@@ -25,10 +25,23 @@ def _run(server, tmp, groups: list[str], tag):
     procs = []
     for i, seeds in enumerate(groups):
         out = tmp / f"{tag}-{i}.json"
-        cmd = [sys.executable, str(ROOT / "tests" / "_service_load_client.py"), server.url, KEY,
-               seeds, str(STEPS), str(out)]
-        procs.append((out, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                            stderr=subprocess.STDOUT, text=True)))
+        cmd = [
+            sys.executable,
+            str(ROOT / "tests" / "_service_load_client.py"),
+            server.url,
+            KEY,
+            seeds,
+            str(STEPS),
+            str(out),
+        ]
+        procs.append(
+            (
+                out,
+                subprocess.Popen(
+                    cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                ),
+            )
+        )
     results = {}
     for out, p in procs:
         log, _ = p.communicate(timeout=600)
@@ -52,11 +65,17 @@ def test_four_clients_fifty_steps_each(tmp_path):
             assert len(b) == STEPS
             assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-5, (s, a, b)
             assert b[-1] < b[0]  # it trained
-            u = httpx.get(f"{server.url}/api/v1/sessions/{together[s]['session_id']}/usage",
-                          headers={"X-API-Key": KEY}).json()
+            u = httpx.get(
+                f"{server.url}/api/v1/sessions/{together[s]['session_id']}/usage",
+                headers={"X-API-Key": KEY},
+            ).json()
             # every step ran exactly once: no lost and no duplicated operation
-            assert u["ops"] == {"create_model": 1, "forward_backward": STEPS, "optim_step": STEPS,
-                                "free": 1}, u
+            assert u["ops"] == {
+                "create_model": 1,
+                "forward_backward": STEPS,
+                "optim_step": STEPS,
+                "free": 1,
+            }, u
             assert u["failed_ops"] == {}
         print(f"4 clients x {STEPS} steps together: {wall:.1f} s")
     finally:

@@ -16,8 +16,10 @@ from tests._service_helpers import BASE_MODEL, KEY, start_server  # noqa: E402
 
 def _datum():
     toks = [11, 402, 73, 9, 1500, 33, 2, 77, 640]
-    return types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
-                       loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * 8})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(toks[:-1]),
+        loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * 8},
+    )
 
 
 def _outcome(fut):
@@ -44,13 +46,18 @@ def test_sigterm_drains_and_keeps_saved_state(tmp_path):
     # In flight when the signal lands: some queued on the server, some not yet sent.
     futs = []
     for _ in range(8):
-        futs += [tc.forward_backward(d, "cross_entropy"),
-                 tc.optim_step(types.AdamParams(learning_rate=1e-2))]
+        futs += [
+            tc.forward_backward(d, "cross_entropy"),
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)),
+        ]
     late_save = tc.save_state("late")
     futs[0].result()
     a.proc.send_signal(signal.SIGTERM)
-    r = httpx.post(f"{a.url}/api/v1/create_session", json={"tags": [], "sdk_version": "x"},
-                   headers={"X-API-Key": KEY})
+    r = httpx.post(
+        f"{a.url}/api/v1/create_session",
+        json={"tags": [], "sdk_version": "x"},
+        headers={"X-API-Key": KEY},
+    )
     assert r.status_code == 410 and "shutting down" in r.text, r.text
     outcomes = [_outcome(f) for f in futs]
     late = _outcome(late_save)

@@ -36,8 +36,9 @@ def test_decode_matches_the_sdk_encoder():
     # 2-D torch tensors are sent sparse (CSR) by the SDK
     w = torch.tensor([[0.0, 0.25, 0.0, 1.0]])
     d2 = types.Datum(
-        model_input=types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[5, 6]),
-                                             types.EncodedTextChunk(tokens=[7, 8])]),
+        model_input=types.ModelInput(
+            chunks=[types.EncodedTextChunk(tokens=[5, 6]), types.EncodedTextChunk(tokens=[7, 8])]
+        ),
         loss_fn_inputs={"target_tokens": torch.tensor([[6, 7, 8, 9]]), "weights": w},
     )
     req = types.ForwardBackwardRequest(
@@ -50,7 +51,12 @@ def test_decode_matches_the_sdk_encoder():
     msg = forward_backward_request_to_proto(req)
     msg.forward_only = True
     got = proto.decode_forward_backward_request(msg.SerializeToString())
-    assert (got.model_id, got.seq_id, got.loss_fn, got.forward_only) == ("s-1:train:0", 7, "ppo", True)
+    assert (got.model_id, got.seq_id, got.loss_fn, got.forward_only) == (
+        "s-1:train:0",
+        7,
+        "ppo",
+        True,
+    )
     assert got.loss_fn_config == {"clip_low_threshold": 0.8, "tag": "x"}
     np.testing.assert_array_equal(got.data[0][0], [1, 2, 3])
     np.testing.assert_array_equal(got.data[0][1]["weights"], np.float32([0, 1, 0.5]))
@@ -66,11 +72,15 @@ def test_encode_is_read_back_by_the_sdk_decoder():
     )
     assert fb.metrics == {"loss:sum": 10.5}
     assert [o["logprobs"].data for o in fb.loss_fn_outputs] == [[-1, -2, -3], [-4.5]]
-    sr = deserialize_sample_response(proto.encode_sample_response(
-        [(np.int32([4, 5]), np.float32([-0.5, -0.25]), "stop"),
-         (np.int32([9]), np.float32([-1]), "length")],
-        np.float32([np.nan, -2.0]),
-    ))
+    sr = deserialize_sample_response(
+        proto.encode_sample_response(
+            [
+                (np.int32([4, 5]), np.float32([-0.5, -0.25]), "stop"),
+                (np.int32([9]), np.float32([-1]), "length"),
+            ],
+            np.float32([np.nan, -2.0]),
+        )
+    )
     assert [s.tokens for s in sr.sequences] == [[4, 5], [9]]
     assert [s.stop_reason for s in sr.sequences] == ["stop", "length"]
     assert sr.sequences[0].logprobs == [-0.5, -0.25] and sr.prompt_logprobs == [None, -2.0]
@@ -89,8 +99,16 @@ def test_bad_checkpoint_names(name):
         check_name(name)
 
 
-@pytest.mark.parametrize("path", ["tinker://../weights/x", "tinker://a/weights/..",
-                                  "tinker://a/other/x", "s3://a/weights/x", "tinker://a/weights"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "tinker://../weights/x",
+        "tinker://a/weights/..",
+        "tinker://a/other/x",
+        "s3://a/weights/x",
+        "tinker://a/weights",
+    ],
+)
 def test_bad_tinker_paths(path):
     with pytest.raises(ServiceError):
         parse_tinker_path(path)
@@ -160,9 +178,13 @@ def test_round_robin_across_sessions_and_accounting(sched):
     blocker = sched.submit(Op("x", "block", lambda: (gate.wait(5), Outcome(json={}))[1]))
     futs = []
     for i in range(3):
-        futs.append(sched.submit(Op("a", "op", lambda i=i: (order.append(f"a{i}"), Outcome(json={}))[1])))
+        futs.append(
+            sched.submit(Op("a", "op", lambda i=i: (order.append(f"a{i}"), Outcome(json={}))[1]))
+        )
     for i in range(3):
-        futs.append(sched.submit(Op("b", "op", lambda i=i: (order.append(f"b{i}"), Outcome(json={}))[1])))
+        futs.append(
+            sched.submit(Op("b", "op", lambda i=i: (order.append(f"b{i}"), Outcome(json={}))[1]))
+        )
     gate.set()
     for f in [blocker, *futs]:
         _wait(f)
@@ -175,7 +197,9 @@ def test_round_robin_across_sessions_and_accounting(sched):
 
 def test_failing_op_fails_only_its_future(sched):
     bad = sched.submit(Op("a", "op", lambda: 1 / 0))
-    user = sched.submit(Op("a", "op", lambda: (_ for _ in ()).throw(ServiceError(400, "no", field="f"))))
+    user = sched.submit(
+        Op("a", "op", lambda: (_ for _ in ()).throw(ServiceError(400, "no", field="f")))
+    )
     good = sched.submit(Op("b", "op", lambda: Outcome(json={"ok": 1})))
     assert _wait(bad).category == "server" and "ZeroDivisionError" in _wait(bad).error
     assert _wait(user).category == "user" and _wait(user).error == "f: no"
@@ -183,8 +207,10 @@ def test_failing_op_fails_only_its_future(sched):
 
 
 def test_drain_finishes_queued_work_and_refuses_new(sched):
-    done = [sched.submit(Op("a", "op", lambda: (time.sleep(0.05), Outcome(json={}))[1]))
-            for _ in range(3)]
+    done = [
+        sched.submit(Op("a", "op", lambda: (time.sleep(0.05), Outcome(json={}))[1]))
+        for _ in range(3)
+    ]
     sched.open_lane("m", first_seq=1)
     held = sched.submit(Op("a", "op", lambda: Outcome(json={}), "m", 5))  # waits for seq 1..4
     finished, refused = sched.drain(10)
