@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -63,6 +64,7 @@ def create_app(service: Service, api_keys: list[str] | None) -> FastAPI:
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]):
+        service.last_request = time.monotonic()
         if request.url.path != "/api/v1/healthz" and not authorized(request):
             return JSONResponse({"detail": "missing or invalid API key (X-API-Key)"}, 401)
         enc = request.headers.get("content-encoding", "identity").lower()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ class Service:
         self.scheduler = Scheduler(self.futures, devices=backend.devices)
         self.registry = Registry(session_ttl_s)
         self.draining = False
+        self.last_request = time.monotonic()  # set by the app on every request
 
     # --- immediate answers ------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ drain on SIGTERM / SIGINT.
 Shutdown: the first signal stops new work (410: the SDK would retry a 503 for minutes), lets the worker finish what is queued
 for up to `drain_s` seconds, fails the rest with "the service shut down before this request
 ran", keeps answering `retrieve_future` until every finished result was fetched (or
-`fetch_grace_s` passed), then stops uvicorn and exits 0. Checkpoint saves are atomic
+`fetch_grace_s` passed) and no request came for 2 s, then stops uvicorn and exits 0. Checkpoint saves are atomic
 (`service.storage`), so no reported save is lost and no partial one is left. A second
 signal exits at once.
 """
@@ -29,6 +29,7 @@ from service.core import Limits, Service
 from service.storage import CheckpointStore
 
 log = logging.getLogger("service")
+QUIET_S = 2.0  # no request for this long after a drain: the clients have stopped
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,9 @@ class _DrainingServer(uvicorn.Server):
     def _drain(self) -> None:
         finished, refused = self.service.scheduler.drain(self.opts.drain_s)
         log.info("service: drained: %d ops finished, %d refused", finished, refused)
+        # Stay up (refusing new work) until every finished result was fetched and clients have
+        # gone quiet: the SDK sends one training client's requests one after another, and a
+        # request that finds the port closed is retried for minutes instead of failing now.
         end = time.monotonic() + self.opts.fetch_grace_s
         while time.monotonic() < end:
             unfetched = [
@@ -107,7 +111,8 @@ class _DrainingServer(uvicorn.Server):
                 for f in self.service.futures.all()
                 if f.outcome is not None and f.retrieved_at is None
             ]
-            if not unfetched:
+            quiet = time.monotonic() - self.service.last_request > QUIET_S
+            if not unfetched and quiet:
                 break
             time.sleep(0.1)
         for sid, u in sorted(self.service.scheduler.usage.items()):
