@@ -16,14 +16,11 @@ import json
 import os
 import platform
 import re
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,38 +49,14 @@ def main() -> None:
     import tinker
     from tinker import types
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    sys.path.insert(0, str(ROOT))
+    from tests._service_helpers import KEY, start_server
+
     tmp = Path(tempfile.mkdtemp())
-    log = tmp / "server.log"
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tools.serve",
-            "--recipe",
-            "recipes/debug.toml",
-            "--port",
-            str(port),
-            "--storage",
-            str(tmp / "storage"),
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
+    server = start_server(tmp, sets=[])  # the full debug model
+    url, log = server.url, server.log
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        sc = tinker.ServiceClient(base_url=url, api_key="tml-bench")
+        sc = tinker.ServiceClient(base_url=url, api_key=KEY)
         tc = sc.create_lora_training_client(base_model="titanscale/debug", rank=8, seed=0).result()
         rng = np.random.default_rng(0)
         data = []
@@ -104,8 +77,7 @@ def main() -> None:
             client_ms.append((time.perf_counter() - t0) * 1e3)
         sc.close("success").result()
     finally:
-        proc.terminate()
-        proc.wait(60)
+        server.stop()
     walls = [
         float(m) * 1e3
         for m in re.findall(
@@ -122,7 +94,7 @@ def main() -> None:
         "n": args.n,
         "client_ms": _stats(client_ms),
         "server_op_ms": _stats(walls),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, OMP_NUM_THREADS=1",
         "load_average_at_end": os.getloadavg(),
         "versions": {
             "torch": torch.__version__,

@@ -54,6 +54,19 @@ def lora_converter(recipe: Recipe) -> LoRAConverter.Config:
     )
 
 
+def model_spec(recipe: Recipe):
+    """torchtitan's ModelSpec for `[model]` (flavor, layer and vocabulary overrides), before
+    kernels and converters; shared by the Trainer config and the service (service/)."""
+    spec = model_registry(recipe.model.flavor)
+    if recipe.model.layers:
+        spec.model.layers = spec.model.layers[: recipe.model.layers]
+    if recipe.model.vocab_size:
+        spec.model.vocab_size = recipe.model.vocab_size
+        spec.model.tok_embeddings.num_embeddings = recipe.model.vocab_size
+        spec.model.lm_head.out_features = recipe.model.vocab_size
+    return spec
+
+
 def build_trainer_config(
     recipe: Recipe,
     layout: Layout,
@@ -63,13 +76,7 @@ def build_trainer_config(
     tokenizer_path: str,
 ) -> Trainer.Config:
     tr, par = recipe.training, recipe.parallel
-    spec = model_registry(recipe.model.flavor)
-    if recipe.model.layers:
-        spec.model.layers = spec.model.layers[: recipe.model.layers]
-    if recipe.model.vocab_size:
-        spec.model.vocab_size = recipe.model.vocab_size
-        spec.model.tok_embeddings.num_embeddings = recipe.model.vocab_size
-        spec.model.lm_head.out_features = recipe.model.vocab_size
+    spec = model_spec(recipe)
     # After every change to the model's dimensions: attention backend + linear conversion
     # (torchtitan's converters), with the converted/skipped list kept for the log.
     spec.model = apply_kernels(spec.model, kernels, tp=layout.tp).model_config

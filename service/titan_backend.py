@@ -96,20 +96,13 @@ def build_lora_model(recipe, device: torch.device) -> tuple[nn.Module, BaseModel
     """The recipe's model with every Linear LoRA-converted (placeholder rank 1), initialised
     from training.seed, on `device`."""
     from torchtitan.components.lora import LoRAConverter
-    from torchtitan.models.llama3 import model_registry
 
     from kernels.registry import apply_kernels
-    from runtime.build import choose_kernels
+    from runtime.build import choose_kernels, model_spec
     from runtime.platform import Platform
 
     platform = Platform.detect()
-    spec = model_registry(recipe.model.flavor)
-    if recipe.model.layers:
-        spec.model.layers = spec.model.layers[: recipe.model.layers]
-    if recipe.model.vocab_size:
-        spec.model.vocab_size = recipe.model.vocab_size
-        spec.model.tok_embeddings.num_embeddings = recipe.model.vocab_size
-        spec.model.lm_head.out_features = recipe.model.vocab_size
+    spec = model_spec(recipe)
     cfg = apply_kernels(spec.model, choose_kernels(recipe, platform)).model_config
     # Every linear gets a LoRA slot; each client's adapter decides which it trains.
     cfg = LoRAConverter.Config(rank=1, alpha=recipe.lora.alpha).build().convert(cfg)
