@@ -220,3 +220,21 @@ def test_drain_finishes_queued_work_and_refuses_new(sched):
     with pytest.raises(ServiceError) as e:
         sched.submit(Op("a", "op", lambda: Outcome(json={})))
     assert e.value.status == 410
+
+
+def test_sessions_expire_and_free_their_models():
+    from service.sessions import Model, Registry
+    from service.types import LoraSpec
+
+    reg = Registry(ttl_s=0.05)
+    s = reg.new_session(None)
+    reg.add_model(Model(f"{s.session_id}:train:0", s.session_id, "b", LoraSpec(rank=1)))
+    assert reg.expired() == []
+    time.sleep(0.1)
+    assert reg.expired() == [s.session_id]
+    models, _ = reg.finish(s.session_id, "expired")
+    assert [m.model_id for m in models] == [f"{s.session_id}:train:0"]
+    with pytest.raises(ServiceError) as e:  # a finished session answers 410
+        reg.session(s.session_id)
+    assert e.value.status == 410
+    assert reg.finish(s.session_id, "again") == ([], [])  # first reason wins
