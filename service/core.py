@@ -23,6 +23,7 @@ from service.storage import CheckpointRef, CheckpointStore, check_name, parse_ti
 from service.types import LoraSpec, SamplingParams
 
 log = logging.getLogger("service")
+INTERNAL_OPS = ("free", "load_sampler")  # ops the service queues itself: no client polls them
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import uvicorn
 from recipe.errors import ConfigError
 from service.app import create_app
 from service.backend import Backend
-from service.core import Limits, Service
+from service.core import INTERNAL_OPS, Limits, Service
 from service.storage import CheckpointStore
 
 log = logging.getLogger("service")
@@ -109,7 +109,7 @@ class _DrainingServer(uvicorn.Server):
             unfetched = [
                 f
                 for f in self.service.futures.all()
-                if f.outcome is not None and f.retrieved_at is None
+                if f.outcome is not None and f.retrieved_at is None and f.kind not in INTERNAL_OPS
             ]
             quiet = time.monotonic() - self.service.last_request > QUIET_S
             if not unfetched and quiet:
