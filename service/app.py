@@ -22,6 +22,7 @@ from service import wire
 from service.core import Service, outcome_json
 from service.errors import ServiceError
 from service.futures import Future
+from service.storage import check_model_id
 
 log = logging.getLogger("service")
 PROTO = "application/x-protobuf"
@@ -211,11 +212,7 @@ def create_app(service: Service, api_keys: list[str] | None) -> FastAPI:
     @app.get("/api/v1/training_runs/{model_id}/checkpoints")
     async def checkpoints(model_id: str, request: Request):
         try:
-            parse_ok = wire.GetInfoBody(model_id=model_id)  # same id rules as everywhere
-            from service.storage import parse_tinker_path
-
-            parse_tinker_path(f"tinker://{parse_ok.model_id}/weights/x", "model_id")
-            items = service.storage.list(model_id)
+            items = service.storage.list(check_model_id(model_id))
         except ServiceError as e:
             return _error(e)
         return JSONResponse({"checkpoints": items, "cursor": None})
@@ -230,8 +227,8 @@ def create_app(service: Service, api_keys: list[str] | None) -> FastAPI:
 
     @route("POST", "/api/v1/join_sampling_session")
     async def join(request: Request):
-        sid = (await request.json()).get("sampling_session_id", "")
-        s = service.registry.sampler(str(sid))
+        b = wire.parse(wire.JoinSamplingSessionBody, await body(request))
+        s = service.registry.sampler(b.sampling_session_id)
         with service.registry.lock:
             n = s.clients
             s.clients += 1

@@ -41,6 +41,12 @@ def check_name(name: str, field: str = "path") -> str:
     return name
 
 
+def check_model_id(model_id: str, field: str = "model_id") -> str:
+    if not _MODEL_ID.match(model_id) or ".." in model_id:
+        raise bad_request(field, f"invalid model id {model_id!r}")
+    return model_id
+
+
 @dataclass(frozen=True)
 class CheckpointRef:
     model_id: str
@@ -61,9 +67,7 @@ def parse_tinker_path(path: str, field: str = "path") -> CheckpointRef:
             field, f"expected tinker://<model_id>/<weights|sampler_weights>/<name>, got {path!r}"
         )
     model_id, kind, name = parts
-    if not _MODEL_ID.match(model_id) or ".." in model_id:
-        raise bad_request(field, f"invalid model id in {path!r}")
-    return CheckpointRef(model_id, kind, check_name(name, field))
+    return CheckpointRef(check_model_id(model_id, field), kind, check_name(name, field))
 
 
 class CheckpointStore:

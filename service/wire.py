@@ -112,6 +112,10 @@ class CreateSamplingSessionBody(_Body):
     model_path: str | None = None
 
 
+class JoinSamplingSessionBody(_Body):
+    sampling_session_id: str
+
+
 class ChunkBody(_Body):
     type: str = "encoded_text"
     tokens: list[int] = []
