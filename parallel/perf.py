@@ -152,7 +152,8 @@ def model_flops_per_token(shape, seq_len: int) -> int:
     tied embeddings the output projection is the embedding matrix, counted once."""
     s = shape
     qd, kv, d, f = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.dim, s.ffn_hidden
-    per_layer = d * (qd + 2 * kv) + qd * d + 3 * d * f + 2 * d
+    qk_norm = 2 * s.head_dim if s.qk_norm else 0  # Qwen3's per-head q/k RMSNorm weights
+    per_layer = d * (qd + 2 * kv) + qd * d + 3 * d * f + 2 * d + qk_norm
     params = s.n_layers * per_layer + d + s.vocab_size * d
     return 6 * params + 12 * s.n_layers * s.n_heads * s.head_dim * seq_len
 

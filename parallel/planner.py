@@ -148,7 +148,7 @@ def _layout_recipe(recipe: Recipe, schedule: str, mbs: int, local: int) -> Recip
 def search(recipe: Recipe, cluster: Cluster, nodes: int | None = None) -> SearchResult:
     """All candidates, fitting plans ranked by predicted tokens/s per GPU."""
     cluster, world = world_for(recipe, cluster, nodes)
-    shape = model_shape(recipe.model.flavor)
+    shape = model_shape(recipe.model.flavor, recipe.model.family)
     tr = recipe.training
     linear = linear_for(recipe.kernels.linear, cluster.gpu)
     hbm_gib = cluster.hbm_bytes / 2**30

@@ -114,7 +114,7 @@ def workload_from_recipe(recipe, layout: Layout, cluster: Cluster | None = None)
     accum = 1 if gbs == -1 else max(1, gbs // per_micro)
     gpu = cluster.gpu if cluster else "H100"
     return Workload(
-        shape=model_shape(recipe.model.flavor),
+        shape=model_shape(recipe.model.flavor, recipe.model.family),
         seq_len=tr.seq_len,
         local_batch_size=tr.local_batch_size,
         layout=layout,

@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from data.chat import ChatRenderer, make_renderer
+from data.loader import _plain  # the loader's JSON encoding of its own state
 from posttrain.evaluate import exact_match, load_examples, model_logits
 from posttrain.lora import (
     adapter_state,
@@ -219,6 +220,7 @@ class AdapterJob:
             logits = model_logits(self.model, x.to(self.device), pos.to(self.device))
             loss, n = self._loss(logits, y.to(self.device))
             loss.backward()
+            loss = loss.detach()
             a.tokens += y.numel()
             a.trained_tokens += n
             out.append((a, float(loss), self._optim(a)))
@@ -352,12 +354,12 @@ class AdapterJob:
                 break
             t0 = time.perf_counter()
             results = step_fn(active)
-            dt = time.perf_counter() - t0
+            dt = time.perf_counter() - t0  # the round: one step of every active adapter
             for a, loss, norm in results:
                 a.step += 1
-                # Per-adapter time: its share of the round (turns: equal shares of the round
-                # are not exact per adapter, but the sum is the wall time the round took).
-                a.times.append(dt / len(results))
+                # Each adapter advances by one step per round: its tokens/s is its tokens over
+                # the round's wall time (the job's total is the sum over adapters).
+                a.times.append(dt)
                 if not math.isfinite(loss):
                     raise RuntimeError(f"adapter {a.spec.name}: loss is {loss} at step {a.step}")
                 if a.step % log_every == 0 or a.done:
@@ -399,13 +401,3 @@ class AdapterJob:
             json.dump(summary, f, indent=1)
         self._jsonl.close()
         return summary
-
-
-def _plain(obj: Any) -> Any:
-    import numpy as np
-
-    if isinstance(obj, np.ndarray):
-        return obj.tolist()
-    if isinstance(obj, np.generic):
-        return obj.item()
-    raise TypeError(f"{type(obj).__name__} is not JSON serializable")

@@ -30,13 +30,20 @@ def run(job: session.Job) -> dict[str, Any] | None:
     if r.finetune.mode == "off":
         return session.run(job)
     check(job)
-    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
-
     from data.chat import make_renderer
     from posttrain.evaluate import load_examples
 
     cfg = job.config.model_spec.model
-    sda = Llama3StateDictAdapter(cfg, None)
+    adapter_cls = job.config.model_spec.state_dict_adapter
+    sda = adapter_cls(cfg, None) if adapter_cls is not None else None
+    if r.finetune.export_merged and getattr(r.model, "family", "llama3") != "llama3":
+        # posttrain.lora.llama_hf_config writes a Llama config.json; other families' merged
+        # folders come from [checkpoint] export_hf after a merge (not wired yet).
+        raise ConfigError(
+            "export_merged writes Llama folders only; use family llama3 or turn it off",
+            file=r.source,
+            key="finetune.export_merged",
+        )
     if r.adapters:
         import torch
 

@@ -77,7 +77,7 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> Layout:
     `recipe_degrees`). Raises ConfigError naming the key."""
     f = recipe.source
     tr = recipe.training
-    n_layers = model_shape(recipe.model.flavor).n_layers
+    n_layers = model_shape(recipe.model.flavor, recipe.model.family).n_layers
     if recipe.model.layers > n_layers:
         raise ConfigError(
             f"{recipe.model.flavor} has {n_layers} layers; cannot keep {recipe.model.layers}",
@@ -133,7 +133,7 @@ def check_finetune(recipe: Recipe) -> None:
 
 def effective_shape(recipe: Recipe) -> ModelShape:
     """The flavor's shape with the recipe's `model.layers` / `model.vocab_size` applied."""
-    shape = model_shape(recipe.model.flavor)
+    shape = model_shape(recipe.model.flavor, recipe.model.family)
     return replace(
         shape,
         n_layers=recipe.model.layers or shape.n_layers,

@@ -1,7 +1,7 @@
 """The recipe contract: one dataclass per TOML section, every field documented.
 
 Sections: [job] [model] [training] [parallel] [kernels] [data] [checkpoint] [metrics]
-[finetune] [lora] [[adapters]].
+[finetune] [lora] [[adapters]] [validation] [profiling] [torchtitan].
 Field-local checks (ranges, choices) run in `__post_init__` and raise ConfigError with the
 key; checks that need several sections or the world size live in `recipe.validate`.
 Extend this contract by adding fields; never rename one (users' recipes depend on them).
@@ -10,9 +10,10 @@ Extend this contract by adding fields; never rename one (users' recipes depend o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from recipe.errors import ConfigError
+from recipe.models import FAMILIES, check_flavor
 from recipe.toml_schema import doc
 
 
@@ -56,8 +57,19 @@ class JobSection:
 
 @dataclass
 class ModelSection:
-    flavor: Literal["debugmodel", "1B", "3B", "8B", "70B", "405B"] = field(
-        default="debugmodel", metadata=doc("torchtitan llama3 flavor.")
+    family: str = field(
+        default="llama3",
+        metadata=doc(
+            "Model family (torchtitan's registry): llama3 | qwen3. MoE families and flavors "
+            "are refused (not supported yet)."
+        ),
+    )
+    flavor: str = field(
+        default="debugmodel",
+        metadata=doc(
+            "torchtitan flavor of the family. llama3: debugmodel, 1B, 3B, 8B, 70B, 405B; "
+            "qwen3: debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B."
+        ),
     )
     tokenizer: str = field(
         default="embedded",
@@ -83,6 +95,9 @@ class ModelSection:
     )
 
     def __post_init__(self) -> None:
+        problem = check_flavor(self.family, self.flavor)
+        if problem:
+            raise ConfigError(problem, key="family" if self.family not in FAMILIES else "flavor")
         _positive("vocab_size", self.vocab_size, allow_zero=True)
         _positive("layers", self.layers, allow_zero=True)
 
@@ -103,6 +118,26 @@ class TrainingSection:
     steps: int = field(default=10, metadata=doc("Optimizer steps to train."))
     lr: float = field(default=8e-4, metadata=doc("Peak learning rate (AdamW)."))
     warmup_steps: int = field(default=2, metadata=doc("Linear learning-rate warmup steps."))
+    lr_schedule: Literal["linear", "cosine", "wsd"] = field(
+        default="linear",
+        metadata=doc(
+            "Decay after warmup (torchtitan's scheduler): linear, cosine, or wsd "
+            "(warmup-stable-decay: the peak LR held, then a 1 - sqrt cooldown over the "
+            "last decay_ratio of the steps). Formula in docs/schedules.md."
+        ),
+    )
+    min_lr_ratio: float = field(
+        default=0.0,
+        metadata=doc("The LR decays to lr x min_lr_ratio (0 = to zero); in [0, 1]."),
+    )
+    decay_ratio: float = field(
+        default=-1.0,
+        metadata=doc(
+            "Fraction of training.steps spent decaying, at the end (the steps between "
+            "warmup and decay hold the peak LR); -1 = the schedule's default: every step "
+            "after warmup for linear and cosine, the last 20% for wsd. In (0, 1] otherwise."
+        ),
+    )
     weight_decay: float = field(default=0.1, metadata=doc("AdamW weight decay."))
     max_norm: float = field(default=1.0, metadata=doc("Gradient clipping norm."))
     dtype: Literal["bfloat16", "float32"] = field(
@@ -127,6 +162,15 @@ class TrainingSection:
         _positive("warmup_steps", self.warmup_steps, allow_zero=True)
         _positive("weight_decay", self.weight_decay, allow_zero=True)
         _positive("max_norm", self.max_norm)
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(
+                f"expected a value in [0, 1], got {self.min_lr_ratio}", key="min_lr_ratio"
+            )
+        if self.decay_ratio != -1.0 and not 0.0 < self.decay_ratio <= 1.0:
+            raise ConfigError(
+                f"expected -1 (the schedule's default) or a value in (0, 1], got {self.decay_ratio}",
+                key="decay_ratio",
+            )
         if self.warmup_steps > self.steps:
             raise ConfigError(
                 f"warmup_steps ({self.warmup_steps}) exceeds steps ({self.steps})",
@@ -305,6 +349,41 @@ class CheckpointSection:
             "(about 1 GB/s per core; each rank reads its share). Sizes are always checked."
         ),
     )
+    load_hf: str = field(
+        default="",
+        metadata=doc(
+            "A Hugging Face folder (config.json + *.safetensors) to initialise the model from "
+            "when no checkpoint of this run exists, through torchtitan's state-dict adapter. "
+            "Its config.json must describe the recipe's model (checked before start)."
+        ),
+    )
+    export_hf: bool = field(
+        default=False,
+        metadata=doc(
+            "Write a Hugging Face folder (safetensors + config.json + tokenizer files) of the "
+            "model at the end of training, under export_folder/step-N."
+        ),
+    )
+    export_hf_every_checkpoint: bool = field(
+        default=False,
+        metadata=doc("With export_hf: also export at every interval checkpoint."),
+    )
+    export_dtype: Literal["bfloat16", "float32"] = field(
+        default="bfloat16", metadata=doc("dtype of exported Hugging Face weights.")
+    )
+    export_folder: str = field(
+        default="",
+        metadata=doc("Folder for Hugging Face exports; '' = <job.output_dir>/hf."),
+    )
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = field(
+        default="disabled",
+        metadata=doc(
+            "torchtitan's checkpoint mode: disabled (save blocks training), async (a thread "
+            "writes while training goes on), async_with_pinned_mem (CUDA: staged to pinned "
+            "memory, written by a process). Async saves commit atomically (manifest, "
+            "rename) once written; the last step's save is always synchronous."
+        ),
+    )
 
     def __post_init__(self) -> None:
         _positive("interval", self.interval, allow_zero=True)
@@ -312,6 +391,18 @@ class CheckpointSection:
         if self.keep_latest == 1:
             # The newest checkpoint may still be being written; the one before must survive.
             raise ConfigError("expected 0 (keep all) or at least 2, got 1", key="keep_latest")
+        if self.load_hf and self.load_from:
+            raise ConfigError(
+                "load_from and load_hf both set; the model starts from one of them",
+                key="load_hf",
+            )
+        if self.export_hf_every_checkpoint and not self.export_hf:
+            raise ConfigError("needs export_hf = true", key="export_hf_every_checkpoint")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether torchtitan's checkpointer runs (saves at the last step at least)."""
+        return self.interval > 0 or bool(self.load_from or self.load_hf) or self.export_hf
 
 
 @dataclass
@@ -326,6 +417,21 @@ class MetricsSection:
             "warmup, first collectives)."
         ),
     )
+
+    wandb: bool = field(
+        default=False,
+        metadata=doc(
+            "Log to Weights & Biases (torchtitan's logger) from the metrics rank. "
+            "WANDB_MODE=offline writes the run under <output_dir>/tb/ for `wandb sync`. "
+            "A restarted or requeued job continues the same run (id kept in "
+            "<output_dir>/wandb_run_id)."
+        ),
+    )
+    wandb_project: str = field(default="titanscale", metadata=doc("W&B project."))
+    wandb_entity: str = field(
+        default="", metadata=doc("W&B entity (team or user); '' = the account's default.")
+    )
+    wandb_run_name: str = field(default="", metadata=doc("W&B run name; '' = job.name."))
 
     def __post_init__(self) -> None:
         _positive("log_every", self.log_every)
@@ -430,6 +536,71 @@ class AdapterSection:
 
 
 @dataclass
+class ValidationSection:
+    enable: bool = field(default=False, metadata=doc("Run torchtitan's validator."))
+    source: str = field(
+        default="",
+        metadata=doc(
+            "Held-out data, in the forms [data] source takes; '' = data.source read from its "
+            "start (measures fit to seen data, not generalisation)."
+        ),
+    )
+    text_field: str = field(default="text", metadata=doc("Record field holding the text."))
+    every: int = field(
+        default=100, metadata=doc("Validate at step 1 and every N steps (torchtitan's freq).")
+    )
+    steps: int = field(
+        default=10,
+        metadata=doc(
+            "Batches (of training.local_batch_size sequences per data-parallel rank) per "
+            "validation; the same rows every time."
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        _positive("every", self.every)
+        _positive("steps", self.steps)
+
+
+@dataclass
+class ProfilingSection:
+    trace: bool = field(
+        default=False,
+        metadata=doc(
+            "torch.profiler traces (torchtitan's profiler): one active step every `every` "
+            "steps after `warmup` profiled-but-discarded steps, written to "
+            "<output_dir>/profiling/traces/iteration_N/rankR_trace.json.gz (chrome://tracing, "
+            "Perfetto)."
+        ),
+    )
+    every: int = field(default=100, metadata=doc("Steps between traces (and snapshots)."))
+    warmup: int = field(
+        default=3, metadata=doc("Profiler warmup steps before each traced step; < every.")
+    )
+    memory_snapshot: bool = field(
+        default=False,
+        metadata=doc(
+            "CUDA allocator snapshots every `memory_snapshot_every` steps and at an out-of-"
+            "memory error, to <output_dir>/profiling/memory_snapshot "
+            "(https://pytorch.org/memory_viz). CUDA only."
+        ),
+    )
+    memory_snapshot_every: int = field(
+        default=0, metadata=doc("Steps between memory snapshots; 0 = `every`.")
+    )
+
+    def __post_init__(self) -> None:
+        _positive("every", self.every)
+        _positive("warmup", self.warmup, allow_zero=True)
+        _positive("memory_snapshot_every", self.memory_snapshot_every, allow_zero=True)
+        if self.trace and self.warmup + 1 > self.every:
+            raise ConfigError(
+                f"a trace needs warmup ({self.warmup}) + 1 traced step <= every ({self.every})",
+                key="warmup",
+            )
+
+
+@dataclass
 class Recipe:
     """A whole recipe. `source` is the file it came from (for error messages)."""
 
@@ -451,6 +622,17 @@ class Recipe:
             "metrics and exports (posttrain.adapters)."
         ),
     )
+    validation: ValidationSection = field(default_factory=ValidationSection)
+    profiling: ProfilingSection = field(default_factory=ProfilingSection)
+    torchtitan: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=doc(
+            "Escape hatch: dotted keys into torchtitan's Trainer.Config (e.g. "
+            "'training.gc_freq' = 50), applied last, over what the sections above set; "
+            "each checked against torchtitan's dataclasses before start (unknown key or "
+            "wrong type: exit 2). For options without a titanscale key."
+        ),
+    )
     source: str = field(default="<defaults>", init=False, compare=False)
 
     @property
@@ -462,3 +644,9 @@ class Recipe:
         import os
 
         return self.checkpoint.folder or os.path.join(self.output_dir, "checkpoint")
+
+    @property
+    def export_dir(self) -> str:
+        import os
+
+        return self.checkpoint.export_folder or os.path.join(self.output_dir, "hf")

@@ -289,6 +289,11 @@ def apply_override(
             )
         cls = types_[part]
         last = i == len(parts) - 1
+        if not last and get_origin(cls) is dict:
+            # A free-form table (e.g. [torchtitan]): the rest of the path are its keys,
+            # checked by whoever consumes the table.
+            cls = get_args(cls)[1]
+            break
         if not last and not dataclasses.is_dataclass(cls):
             raise ConfigError("not a section", file=source, key=".".join(parts[: i + 1]))
     value = parse_scalar(raw.strip())

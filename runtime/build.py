@@ -11,16 +11,18 @@ config chosen by the kernels layer.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 from torchtitan.components.lora import LoRAConverter
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-from torchtitan.components.validate import Validator
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import CommConfig, DebugConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.models.common.config_utils import decoder_vocab_size
-from torchtitan.models.llama3 import model_registry
+from torchtitan.protocols.model_spec import ModelSpec
+from torchtitan.tools.profiler import Profiler
 from torchtitan.trainer import Trainer
 
 from data.loader import TitanscaleDataLoader
@@ -32,6 +34,7 @@ from recipe.schema import Recipe
 from runtime.checkpoint import AtomicCheckpointManager
 from runtime.metrics import TitanscaleMetrics
 from runtime.platform import Platform
+from runtime.validation import TitanscaleValidator
 
 
 def choose_kernels(
@@ -54,10 +57,84 @@ def lora_converter(recipe: Recipe) -> LoRAConverter.Config:
     )
 
 
-def model_spec(recipe: Recipe):
-    """torchtitan's ModelSpec for `[model]` (flavor, layer and vocabulary overrides), before
+def keep_frozen(parallelize_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a model's parallelize function so parameters frozen before it stay frozen.
+
+    Why: torchtitan 0.3.0's spmd-types sharding (`Module._spmd_distribute_state`)
+    re-registers each parameter as `nn.Parameter(tensor)`, which resets requires_grad to
+    True: without this, LoRA's frozen base would train (and the optimizer would hold all of
+    it). Names are stable through parallelization (FSDP2 keeps FQNs), so the frozen set is
+    restored by name before the optimizer is built.
+    """
+
+    def parallelize(model: Any, *args: Any, **kwargs: Any) -> Any:
+        frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+        out = parallelize_fn(model, *args, **kwargs)
+        for n, p in (out if out is not None else model).named_parameters():
+            if n in frozen:
+                p.requires_grad_(False)
+        return out
+
+    return parallelize
+
+
+def model_spec(family: str, flavor: str) -> ModelSpec:
+    """torchtitan's ModelSpec (config, parallelize fn, HF adapter) for a recipe's model."""
+    if family == "qwen3":
+        from torchtitan.models.qwen3 import model_registry as qwen3_registry
+
+        return qwen3_registry(flavor)
+    from torchtitan.models.llama3 import model_registry as llama3_registry
+
+    return llama3_registry(flavor)
+
+
+# lr_schedule -> torchtitan's decay_type; wsd's cooldown is 1 - sqrt (Hägele et al. 2024,
+# "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations").
+_DECAY_TYPE = {"linear": "linear", "cosine": "cosine", "wsd": "sqrt"}
+WSD_DEFAULT_DECAY_RATIO = 0.2
+
+
+def lr_scheduler_config(recipe: Recipe) -> LRSchedulersContainer.Config:
+    """`[training]` lr_schedule / min_lr_ratio / decay_ratio as torchtitan's scheduler config."""
+    tr = recipe.training
+    ratio: float | None = tr.decay_ratio
+    if ratio == -1.0:
+        ratio = WSD_DEFAULT_DECAY_RATIO if tr.lr_schedule == "wsd" else None
+    if ratio is not None and ratio >= 1.0:
+        ratio = None  # every step after warmup (torchtitan would clip 1.0 with a warning)
+    return LRSchedulersContainer.Config(
+        warmup_steps=tr.warmup_steps,
+        decay_ratio=ratio,
+        decay_type=_DECAY_TYPE[tr.lr_schedule],  # type: ignore[arg-type]
+        min_lr_factor=tr.min_lr_ratio,
+    )
+
+
+def validator_config(recipe: Recipe) -> TitanscaleValidator.Config:
+    """`[validation]` as torchtitan's validator, reading through titanscale's loader (same
+    tokenizer, packing and seq_len as training; a finite pass over its source)."""
+    v, d = recipe.validation, recipe.data
+    return TitanscaleValidator.Config(
+        enable=v.enable,
+        freq=v.every,
+        steps=v.steps,
+        dataloader=TitanscaleDataLoader.Config(
+            source=v.source or d.source,
+            packing=d.packing,
+            text_field=v.text_field if v.source else d.text_field,
+            window=d.window,
+            bad_records=d.bad_records,
+            streaming=d.streaming,
+            infinite=False,
+        ),
+    )
+
+
+def recipe_model_spec(recipe: Recipe) -> ModelSpec:
+    """The ModelSpec for `[model]` (family, flavor, layer and vocabulary overrides), before
     kernels and converters; shared by the Trainer config and the service (service/)."""
-    spec = model_registry(recipe.model.flavor)
+    spec = model_spec(recipe.model.family, recipe.model.flavor)
     if recipe.model.layers:
         spec.model.layers = spec.model.layers[: recipe.model.layers]
     if recipe.model.vocab_size:
@@ -76,13 +153,14 @@ def build_trainer_config(
     tokenizer_path: str,
 ) -> Trainer.Config:
     tr, par = recipe.training, recipe.parallel
-    spec = model_spec(recipe)
+    spec = recipe_model_spec(recipe)
     # After every change to the model's dimensions: attention backend + linear conversion
     # (torchtitan's converters), with the converted/skipped list kept for the log.
     spec.model = apply_kernels(spec.model, kernels, tp=layout.tp).model_config
     if recipe.finetune.mode == "lora":
         # Last converter: the base (incl. any quantized linears) frozen, adapters trained.
         spec.model = lora_converter(recipe).build().convert(spec.model)
+        spec.parallelize_fn = keep_frozen(spec.parallelize_fn)
 
     first_less, last_less = (1, 1)
     microbatch_size = 1
@@ -97,8 +175,9 @@ def build_trainer_config(
     ac = {"none": None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}[
         tr.activation_checkpoint
     ]
-    ckpt_enabled = recipe.checkpoint.interval > 0 or bool(recipe.checkpoint.load_from)
-    return Trainer.Config(
+    ck = recipe.checkpoint
+    initial = ck.load_hf or ck.load_from
+    config = Trainer.Config(
         model_spec=spec,
         hf_assets_path=tokenizer_path,
         dump_folder=recipe.output_dir,
@@ -106,12 +185,7 @@ def build_trainer_config(
             loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))
         ),
         optimizer=default_adamw(lr=tr.lr, weight_decay=tr.weight_decay),
-        lr_scheduler=LRSchedulersContainer.Config(
-            warmup_steps=tr.warmup_steps,
-            decay_ratio=0.8,
-            decay_type="linear",
-            min_lr_factor=0.0,
-        ),
+        lr_scheduler=lr_scheduler_config(recipe),
         training=TrainingConfig(
             local_batch_size=tr.local_batch_size,
             global_batch_size=tr.global_batch_size,
@@ -152,22 +226,34 @@ def build_trainer_config(
             precision=kernels.precision,
             device_name=platform.device_name,
             flavor=recipe.model.flavor,
+            family=recipe.model.family,
+            enable_wandb=recipe.metrics.wandb,
+            wandb_project=recipe.metrics.wandb_project,
+            wandb_entity=recipe.metrics.wandb_entity,
+            wandb_run_name=recipe.metrics.wandb_run_name or recipe.job.name,
             n_layers=recipe.model.layers,
             disable_color_printing=True,
         ),
         checkpoint=AtomicCheckpointManager.Config(
-            enable=ckpt_enabled,
+            enable=ck.enabled,
             folder=os.path.abspath(recipe.checkpoint_dir),
-            interval=recipe.checkpoint.interval or tr.steps,
-            keep_latest_k=recipe.checkpoint.keep_latest,
-            initial_load_path=(
-                os.path.abspath(recipe.checkpoint.load_from)
-                if recipe.checkpoint.load_from
-                else None
-            ),
+            interval=ck.interval or tr.steps,
+            keep_latest_k=ck.keep_latest,
+            initial_load_path=os.path.abspath(initial) if initial else None,
             initial_load_model_only=True,
+            initial_load_in_hf=bool(ck.load_hf),
+            # The last save stays a full, resumable DCP checkpoint; the Hugging Face export
+            # is written next to it (AtomicCheckpointManager.export_hf) in export_dtype.
             last_save_model_only=False,
-            checksums=recipe.checkpoint.checksums,
+            export_dtype=ck.export_dtype,
+            async_mode=ck.async_mode,
+            checksums=ck.checksums,
+            export_hf=ck.export_hf,
+            export_hf_every_checkpoint=ck.export_hf_every_checkpoint,
+            export_folder=os.path.abspath(recipe.export_dir),
+            export_family=recipe.model.family,
+            export_base_config=os.path.abspath(ck.load_hf) if ck.load_hf else "",
+            tokenizer_dir=tokenizer_path,
         ),
         activation_checkpoint=ac,
         compile=CompileConfig(enable=tr.compile),
@@ -175,6 +261,22 @@ def build_trainer_config(
             init_timeout_seconds=recipe.job.init_timeout_s,
             train_timeout_seconds=recipe.job.collective_timeout_s,
         ),
-        validator=Validator.Config(enable=False),
+        validator=validator_config(recipe),
+        profiler=Profiler.Config(
+            enable_profiling=recipe.profiling.trace,
+            profile_freq=recipe.profiling.every,
+            profiler_warmup=recipe.profiling.warmup,
+            profiler_active=1,
+            enable_memory_snapshot=recipe.profiling.memory_snapshot,
+            memory_snapshot_freq=recipe.profiling.memory_snapshot_every or None,
+        ),
         debug=DebugConfig(seed=tr.seed),
     )
+    if recipe.torchtitan:
+        from torchtitan.tools.logging import logger
+
+        from runtime.torchtitan_overrides import apply_overrides
+
+        for line in apply_overrides(config, recipe.torchtitan, file=recipe.source):
+            logger.info(f"[torchtitan] override: {line}")
+    return config

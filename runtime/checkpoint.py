@@ -18,9 +18,21 @@
   code from the file. Here the metadata unpickler accepts only DCP's metadata classes,
   and non-tensor items load with `weights_only=True` (tensors already do).
 
+- Async saves (`checkpoint.async_mode`): torchtitan's `dcp.async_save` writes into
+  `step-N.partial` while training continues; when rank 0's save future completes (DCP has
+  gathered every rank's write results and written `.metadata`, so every file is on disk)
+  rank 0 checksums the files, writes the manifest and renames, in the saving thread. The
+  next save, the last step and `close` wait for that commit. A crash before it leaves a
+  `.partial`, as for a synchronous save. Cost: rank 0 alone reads the checkpoint once for
+  the checksums, off the training thread.
+- Hugging Face (`runtime.hf`): an HF initial load (`initial_load_in_hf`) goes to torchtitan's
+  reader unverified (safetensors hold no code); `export_hf` writes the model through
+  torchtitan's `dcp_save(to_hf=True)` into `<export_folder>/step-N.partial`, adds
+  config.json, tokenizer files and a manifest, and renames, after the DCP checkpoint.
+
 Costs: CRC32 runs at about 1 GB/s per core; each rank checksums only its own files on
 save and 1/world of the files on load (`checkpoint.checksums = false` skips it and keeps
-the size checks). Remote (fsspec) folders and async saves keep torchtitan's behaviour.
+the size checks). Remote (fsspec) folders keep torchtitan's behaviour.
 """
 
 from __future__ import annotations
@@ -31,8 +43,10 @@ import os
 import pickle
 import re
 import shutil
+import threading
 import time
 import zlib
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -297,10 +311,147 @@ class AtomicCheckpointManager(CheckpointManager):
         checksums: bool = True
         """CRC32 every checkpoint file on save (own files per rank) and verify on load."""
 
+        export_hf: bool = False
+        """Write a Hugging Face folder of the model after the last step's checkpoint."""
+
+        export_hf_every_checkpoint: bool = False
+        """Also export after every interval checkpoint."""
+
+        export_folder: str = ""
+        """Absolute folder for Hugging Face exports (step-N subfolders)."""
+
+        export_family: str = "llama3"
+        """Model family, for the exported config.json."""
+
+        export_base_config: str = ""
+        """Hugging Face folder the run started from; its config.json is kept on export."""
+
+        tokenizer_dir: str = ""
+        """Tokenizer folder whose files are copied into exports."""
+
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         self.checksums = config.checksums
         self.local = not filesystem.is_remote(getattr(self, "folder", "") or "")
+        self.xconfig = config
+        self._commit_done: threading.Event | None = None
+
+    # --- commit (shared by synchronous and async saves)
+
+    def _commit(self, tmp: str, final: str, step: int, crcs: dict[str, int]) -> None:
+        """Rank 0: manifest, then one rename of `tmp` to `final` (replacing a damaged one)."""
+        write_manifest(tmp, step, crcs)
+        old = None
+        if os.path.exists(final):
+            # A damaged step-N that a fallback skipped: replace it only once the new
+            # one is complete.
+            old = final + ".replaced"
+            if os.path.exists(old):
+                shutil.rmtree(old)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(os.path.dirname(final) or ".")
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+        logger.info(f"Checkpoint committed: {final}")
+
+    def _all_crcs(self, folder: str) -> dict[str, int]:
+        if not self.checksums:
+            return {}
+        return {
+            n: crc32_file(os.path.join(folder, n))
+            for n in sorted(os.listdir(folder))
+            if os.path.isfile(os.path.join(folder, n)) and n != MANIFEST
+        }
+
+    def _commit_when_written(self, fut: Future, tmp: str, final: str, step: int) -> None:
+        """Done-callback of an async save (rank 0, in the saving thread)."""
+        done = self._commit_done
+        try:
+            err = fut.exception()
+            if err is not None:
+                logger.error(f"Async checkpoint {final} failed ({err}); left as {tmp}")
+                return
+            self._commit(tmp, final, step, self._all_crcs(tmp))
+        except Exception as e:  # a failed commit must not kill the saving thread silently
+            logger.error(f"Committing async checkpoint {final} failed: {e}; left as {tmp}")
+        finally:
+            if done is not None:
+                done.set()
+
+    def _wait_for_saving(self, *, barrier: bool = True) -> None:
+        super()._wait_for_saving()
+        if self._commit_done is not None:
+            self._commit_done.wait()
+            self._commit_done = None
+        if barrier and _dist_on():
+            dist.barrier()  # every rank sees the commit before the next save or load
+
+    def _close(self) -> None:
+        # Finish (and commit) an async save in flight. No barrier: at shutdown after an
+        # error on another rank it could wait forever, and nothing loads after close.
+        if self.save_future is not None:
+            self._wait_for_saving(barrier=False)
+        super()._close()
+
+    # --- Hugging Face export
+
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        saved = super()._save(curr_step, last_step)
+        cfg = self.xconfig
+        if saved and cfg.export_hf and (last_step or cfg.export_hf_every_checkpoint):
+            self.export_hf(curr_step)
+        return saved
+
+    def export_hf(self, step: int) -> str:
+        """Write the model as a Hugging Face folder `<export_folder>/step-N` (atomic)."""
+        from runtime.hf import finish_export, hf_config, special_token_ids
+
+        cfg = self.xconfig
+        assert self.sd_adapter is not None, "this model family has no Hugging Face adapter"
+        final = os.path.join(cfg.export_folder, f"step-{step}")
+        tmp = final + PARTIAL
+        rank, _ = _rank_world()
+        begin = time.monotonic()
+        if rank == 0:
+            os.makedirs(cfg.export_folder, exist_ok=True)
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)
+        if _dist_on():
+            dist.barrier()
+        # As torchtitan's last-step model-only save: floating tensors cast to export_dtype.
+        states = {
+            k: v.to(self.export_dtype)
+            if isinstance(v, torch.Tensor) and v.is_floating_point()
+            else v
+            for k, v in self.states[MODEL].state_dict().items()
+        }
+        CheckpointManager.dcp_save(self, states, tmp, AsyncMode.DISABLED, True, to_hf=True)
+        if _dist_on():
+            dist.barrier()
+        if rank == 0:
+            shutil.rmtree(os.path.join(tmp, "sharded"), ignore_errors=True)
+            base = None
+            if cfg.export_base_config:
+                with open(os.path.join(cfg.export_base_config, "config.json")) as f:
+                    base = json.load(f)
+            dtype = str(self.export_dtype).removeprefix("torch.")
+            config = hf_config(
+                self.sd_adapter.model_config,
+                cfg.export_family,
+                dtype,
+                base=base,
+                token_ids=special_token_ids(cfg.tokenizer_dir),
+            )
+            finish_export(tmp, config, cfg.tokenizer_dir, step=step)
+            self._commit(tmp, final, step, self._all_crcs(tmp))
+            logger.info(
+                f"Hugging Face export ({dtype}) written to {final} in "
+                f"{time.monotonic() - begin:.1f} s"
+            )
+        if _dist_on():
+            dist.barrier()
+        return final
 
     # --- save
 
@@ -312,7 +463,7 @@ class AtomicCheckpointManager(CheckpointManager):
         enable_garbage_collection: bool = False,
         to_hf: bool = False,
     ):
-        if async_mode != AsyncMode.DISABLED or to_hf or not self.local:
+        if to_hf or not self.local:
             return super().dcp_save(
                 state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf
             )
@@ -325,6 +476,13 @@ class AtomicCheckpointManager(CheckpointManager):
             shutil.rmtree(tmp)  # left by a crash in this process's lifetime (e.g. ENOSPC)
         if _dist_on():
             dist.barrier()  # nobody writes into tmp before rank 0 has cleared it
+        if async_mode != AsyncMode.DISABLED:
+            ret = super().dcp_save(state_dict, tmp, async_mode, enable_garbage_collection, False)
+            fut = ret if isinstance(ret, Future) else getattr(ret, "upload_completion", None)
+            if rank == 0 and fut is not None:
+                self._commit_done = threading.Event()
+                fut.add_done_callback(lambda f: self._commit_when_written(f, tmp, final, step))
+            return ret
         ret = super().dcp_save(state_dict, tmp, async_mode, enable_garbage_collection, False)
         faults.inject("save", step)
         crcs: dict[str, int] = {}
@@ -338,20 +496,7 @@ class AtomicCheckpointManager(CheckpointManager):
             dist.all_gather_object(gathered, crcs)
             crcs = {k: v for d in gathered if d for k, v in d.items()}
         if rank == 0:
-            write_manifest(tmp, step, crcs)
-            old = None
-            if os.path.exists(final):
-                # A damaged step-N that a fallback skipped: replace it only once the new
-                # one is complete.
-                old = final + ".replaced"
-                if os.path.exists(old):
-                    shutil.rmtree(old)
-                os.replace(final, old)
-            os.replace(tmp, final)
-            _fsync_dir(os.path.dirname(final) or ".")
-            if old:
-                shutil.rmtree(old, ignore_errors=True)
-            logger.info(f"Checkpoint committed: {final}")
+            self._commit(tmp, final, step, crcs)
         if _dist_on():
             dist.barrier()  # every rank returns after the commit
         return ret
@@ -421,7 +566,7 @@ class AtomicCheckpointManager(CheckpointManager):
                         f"no loadable checkpoint in {self.folder} ({listing}); refusing to "
                         "start over from step 0 over them: move the folder away to start fresh"
                     )
-                if self.initial_load_path:
+                if self.initial_load_path and not self.initial_load_in_hf:
                     problems = self._verify(self.initial_load_path)
                     if problems:
                         raise CheckpointError(

@@ -101,20 +101,34 @@ class TitanscaleMetrics(MetricsProcessor):
         flavor: str = "debugmodel"
         """Model flavor, for the document-masked FLOP count."""
 
+        family: str = "llama3"
+        """Model family of `flavor`."""
+
         n_layers: int = 0
         """Layers actually built (model.layers); 0 = the flavor's."""
+
+        wandb_project: str = "titanscale"
+        """W&B project (with enable_wandb)."""
+
+        wandb_entity: str = ""
+        """W&B entity; '' = the account's default."""
+
+        wandb_run_name: str = ""
+        """W&B run name."""
 
     # Re-declared from the base class: mypy cannot infer them through torchtitan's slots.
     time_last_log: float
     ntokens_since_last_log: int
 
     def __init__(self, config: Config, **kwargs: Any):
+        if config.enable_wandb:
+            _wandb_env(config, kwargs)
         super().__init__(config, **kwargs)
         self.tconfig = config
         self.useful_ntokens_since_last_log = 0
         # (query, key) pairs the document mask keeps, summed over this interval's batches.
         self.doc_attn_pairs_since_last_log = 0
-        shape = model_shape(config.flavor)
+        shape = model_shape(config.flavor, config.family)
         self.shape = replace(shape, n_layers=config.n_layers or shape.n_layers)
         self.data_stats: dict[str, Any] | None = None
         self.last_logged_step = 0
@@ -225,6 +239,18 @@ class TitanscaleMetrics(MetricsProcessor):
         self.device_memory_monitor.reset_peak_stats()
         self.time_last_log = time.perf_counter()
 
+    def log_validation(
+        self, loss: float, step: int, extra_metrics: dict[str, Any] | None = None
+    ) -> None:
+        """torchtitan's validator result (mean loss per valid token over all data-parallel
+        ranks): a `validation` event in metrics.jsonl and validation/* in TensorBoard/W&B."""
+        ppl = math.exp(loss) if loss < 700 else math.inf
+        rec = {"step": step, "val_loss": loss, "val_perplexity": ppl}
+        self.write_event("validation", **rec)
+        self.logger.log({"validation/loss": loss, "validation/perplexity": ppl}, step)
+        if self.is_metrics_rank:
+            logger.info(f"validation step {step:4d}  loss {loss:8.5f}  perplexity {ppl:,.3f}")
+
     def finish(self) -> dict[str, Any] | None:
         """Write and print the steady-state summary (metrics rank only)."""
         if not self.is_metrics_rank:
@@ -267,6 +293,47 @@ class TitanscaleMetrics(MetricsProcessor):
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+
+
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def wandb_run_id(dump_folder: str) -> str:
+    """The W&B run id of the job writing to `dump_folder`: created at its first start, read
+    back by every restart or Slurm requeue, so they all log to one run."""
+    import uuid
+
+    path = os.path.join(dump_folder, WANDB_ID_FILE)
+    if os.path.exists(path):
+        with open(path) as f:
+            run_id = f.read().strip()
+        if run_id:
+            return run_id
+    os.makedirs(dump_folder, exist_ok=True)
+    run_id = uuid.uuid4().hex[:12]
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(run_id + "\n")
+    os.replace(tmp, path)
+    return run_id
+
+
+def _wandb_env(config: TitanscaleMetrics.Config, kwargs: dict[str, Any]) -> None:
+    """torchtitan's WandBLogger reads its settings from the environment: set them (on the
+    metrics rank, the only one that creates the logger) before it is built."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    metrics_rank = _get_metrics_rank(
+        parallel_dims=kwargs["parallel_dims"], pp_schedule=kwargs.get("pp_schedule", "1F1B")
+    )
+    if rank != metrics_rank and not config.save_for_all_ranks:
+        return
+    os.environ["WANDB_PROJECT"] = config.wandb_project
+    if config.wandb_entity:
+        os.environ["WANDB_TEAM"] = config.wandb_entity
+    if config.wandb_run_name:
+        os.environ["WANDB_RUN_NAME"] = config.wandb_run_name
+    os.environ["WANDB_RUN_ID"] = wandb_run_id(kwargs.get("dump_folder", "./outputs"))
+    os.environ.setdefault("WANDB_RESUME", "allow")  # same id again = continue that run
 
 
 def read_trajectory(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -77,7 +77,8 @@ def _probe_writable(folder: Path, *, file: str, key: str) -> None:
 
 def checkpoint_bytes(recipe: Recipe) -> int:
     """Estimated size of one full checkpoint (all ranks together)."""
-    return model_shape(recipe.model.flavor).total_params * CHECKPOINT_BYTES_PER_PARAM
+    shape = model_shape(recipe.model.flavor, recipe.model.family)
+    return shape.total_params * CHECKPOINT_BYTES_PER_PARAM
 
 
 def check_environment(recipe: Recipe) -> None:
@@ -89,13 +90,19 @@ def check_environment(recipe: Recipe) -> None:
     need, what = MIN_FREE_BYTES, "metrics"
     where, key = out, "job.output_dir"
     # runtime.build enables checkpointing (a save at the last step at least) for either.
-    if recipe.checkpoint.interval > 0 or recipe.checkpoint.load_from:
+    if recipe.checkpoint.enabled:
         where = Path(recipe.checkpoint_dir)
         key = "checkpoint.folder" if recipe.checkpoint.folder else "job.output_dir"
         _probe_writable(where, file=f, key=key)
         # One checkpoint is written in full before the oldest is pruned.
         need += checkpoint_bytes(recipe)
         what = f"metrics and one {checkpoint_bytes(recipe) / 2**30:.1f} GiB checkpoint"
+        if recipe.checkpoint.export_hf:
+            # The export's weights (2 or 4 bytes/parameter); assumed on the same disk.
+            per_param = 2 if recipe.checkpoint.export_dtype == "bfloat16" else 4
+            export = model_shape(recipe.model.flavor, recipe.model.family).total_params
+            need += export * per_param
+            what += f" and a {export * per_param / 2**30:.1f} GiB Hugging Face export"
     free = shutil.disk_usage(where).free
     if free < need:
         raise ConfigError(
@@ -112,6 +119,13 @@ def check_environment(recipe: Recipe) -> None:
             file=f,
             key="checkpoint.resume",
         )
+    if recipe.checkpoint.export_hf:
+        _probe_writable(Path(recipe.export_dir), file=f, key="checkpoint.export_folder")
+    if recipe.checkpoint.load_hf:
+        from recipe.loader import effective_shape
+        from runtime.hf import check_load_hf
+
+        check_load_hf(recipe.checkpoint.load_hf, effective_shape(recipe), file=f)
     if recipe.checkpoint.load_from:
         if not Path(recipe.checkpoint.load_from).is_dir():
             raise ConfigError(
@@ -148,6 +162,20 @@ def check_tokenizer(path: str, recipe: Recipe) -> None:
         ) from None
 
 
+def check_wandb(recipe: Recipe) -> None:
+    """W&B importable (torchtitan would log an error and train without it)."""
+    if not recipe.metrics.wandb:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            "the wandb package is not installed (pip install wandb, or metrics.wandb = false)",
+            file=recipe.source,
+            key="metrics.wandb",
+        )
+
+
 def check_faults() -> None:
     from runtime import faults
 
@@ -168,6 +196,8 @@ def check_data_source(recipe: Recipe) -> None:
         check_source(a.source, file=recipe.source, key=f"adapters[{i}].source")
         if a.eval_source:
             check_source(a.eval_source, file=recipe.source, key=f"adapters[{i}].eval_source")
+    if recipe.validation.enable and recipe.validation.source:
+        check_source(recipe.validation.source, file=recipe.source, key="validation.source")
 
 
 def cluster_for_job(recipe: Recipe, world_size: int, platform: Platform) -> Cluster | None:
@@ -221,17 +251,32 @@ def prepare(recipe_path: str | None, overrides: list[str]) -> Job:
     if recipe.parallel.auto:
         recipe, plan = apply_auto_plan(recipe, cluster)
     layout = check_recipe(recipe, world_size)
+    if recipe.profiling.memory_snapshot and platform.is_cpu:
+        raise ConfigError(
+            "memory snapshots record the CUDA caching allocator; this run is on CPU",
+            file=recipe.source,
+            key="profiling.memory_snapshot",
+        )
+    if recipe.checkpoint.async_mode == "async_with_pinned_mem" and platform.is_cpu:
+        raise ConfigError(
+            "async_with_pinned_mem stages to pinned host memory from a GPU; use 'async' on CPU",
+            file=recipe.source,
+            key="checkpoint.async_mode",
+        )
     kernels = choose_kernels(recipe, platform, layout)
     check_environment(recipe)
     check_data_source(recipe)
     from data.tokenizer import resolve_tokenizer
 
-    vocab = recipe.model.vocab_size or model_shape(recipe.model.flavor).vocab_size
+    vocab = (
+        recipe.model.vocab_size or model_shape(recipe.model.flavor, recipe.model.family).vocab_size
+    )
     tokenizer_path = resolve_tokenizer(
         recipe.model.tokenizer, vocab_size=vocab, recipe_file=recipe.source
     )
     check_tokenizer(tokenizer_path, recipe)
     check_faults()
+    check_wandb(recipe)
     config = build_trainer_config(
         recipe, layout, platform=platform, kernels=kernels, tokenizer_path=tokenizer_path
     )
@@ -252,7 +297,8 @@ def run(job: Job, trainer_cls: type | None = None, **trainer_kwargs: Any) -> dic
     for line in job.kernels.log_lines():
         logger.info(line)
     logger.info(
-        f"titanscale: {job.recipe.source} | {job.recipe.model.flavor} | "
+        f"titanscale: {job.recipe.source} | {job.recipe.model.family} "
+        f"{job.recipe.model.flavor} | "
         f"{job.layout.describe()} (world {job.world_size}) | device {job.platform.device_name}"
         f" | attention {job.kernels.attention} | linear {job.kernels.linear}"
         f"{' (emulated)' if job.kernels.emulated else ''} ({job.kernels.precision})"
@@ -286,6 +332,7 @@ def create_seed_checkpoint(job: Job, folder: str) -> str:
     cfg.checkpoint.create_seed_checkpoint = True
     cfg.checkpoint.folder = os.path.abspath(folder)
     cfg.checkpoint.initial_load_path = None
+    cfg.checkpoint.initial_load_in_hf = False
     trainer = TitanscaleTrainer(cfg)
     try:
         trainer.checkpointer.save(curr_step=0, last_step=True)

@@ -98,11 +98,11 @@ def build_lora_model(recipe, device: torch.device) -> tuple[nn.Module, BaseModel
     from torchtitan.components.lora import LoRAConverter
 
     from kernels.registry import apply_kernels
-    from runtime.build import choose_kernels, model_spec
+    from runtime.build import choose_kernels, recipe_model_spec
     from runtime.platform import Platform
 
     platform = Platform.detect()
-    spec = model_spec(recipe)
+    spec = recipe_model_spec(recipe)
     cfg = apply_kernels(spec.model, choose_kernels(recipe, platform)).model_config
     # Every linear gets a LoRA slot; each client's adapter decides which it trains.
     cfg = LoRAConverter.Config(rank=1, alpha=recipe.lora.alpha).build().convert(cfg)
@@ -127,7 +127,7 @@ def build_lora_model(recipe, device: torch.device) -> tuple[nn.Module, BaseModel
         name=f"titanscale/{recipe.job.name}",
         max_context=recipe.training.seq_len,
         vocab_size=int(vocab),
-        arch=f"llama3-{recipe.model.flavor}",
+        arch=f"{recipe.model.family}-{recipe.model.flavor}",
     )
     return model, info
 

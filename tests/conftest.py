@@ -97,3 +97,21 @@ def seed_checkpoint(tmp_path_factory) -> str:
     path = out / "seed" / "step-0"
     assert (path / ".metadata").exists()
     return str(path)
+
+
+def train_main_error(argv: list[str], capsys) -> tuple[int, list[str]]:
+    """Run train.main in-process expecting bad input: (exit code, its `error:` lines).
+
+    The launch variables train.main sets for a 1-process job are restored afterwards; torch's
+    own import-time warnings on stderr are not `error:` lines."""
+    import train
+
+    saved = dict(os.environ)
+    try:
+        with pytest.raises(SystemExit) as e:
+            train.main(argv)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error")]
+    return int(e.value.code or 0), err

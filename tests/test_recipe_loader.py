@@ -85,7 +85,7 @@ def test_unknown_keys_and_sections(tmp_path):
         ("[training]\nsteps = -1\n", "training.steps", "positive"),
         ("[training]\nlr = true\n", "training.lr", "number"),
         ('[training]\ndtype = "fp16"\n', "training.dtype", "one of"),
-        ('[model]\nflavor = "7B"\n', "model.flavor", "one of"),
+        ('[model]\nflavor = "7B"\n', "model.flavor", "unknown llama3 flavor"),
         ("[parallel]\ntp = 0\n", "parallel.tp", "positive"),
         ("[checkpoint]\nkeep_latest = 1\n", "checkpoint.keep_latest", "at least 2"),
         ("[training]\nsteps = 5\nwarmup_steps = 9\n", "training.warmup_steps", "exceeds"),

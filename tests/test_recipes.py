@@ -32,7 +32,7 @@ def test_recipe_validates(path):
     layout = check_recipe(recipe, recipe.parallel.world_size or None)
     if recipe.parallel.world_size:
         assert layout.world_size == recipe.parallel.world_size
-    shape = model_shape(recipe.model.flavor)
+    shape = model_shape(recipe.model.flavor, recipe.model.family)
     assert shape.n_heads % layout.tp == 0
 
 
@@ -63,6 +63,15 @@ def test_recipe_builds_on_meta_device(path):
     ) == layout.world_size
     with torch.device("meta"):
         model = cfg.model_spec.model.build()
-    n = sum(p.numel() for p in model.parameters())
+    # Base weights = the shape's count; LoRA adapters (finetune.mode = "lora") on top, as
+    # the memory model counts them.
+    n = sum(p.numel() for name, p in model.named_parameters() if ".lora_" not in name)
     assert n == effective_shape(recipe).total_params
+    if recipe.finetune.mode == "lora":
+        from parallel.workload import Workload, lora_fields
+
+        w = Workload(shape=effective_shape(recipe), seq_len=8, local_batch_size=1,
+                     **lora_fields(recipe))  # fmt: skip
+        n_lora = sum(p.numel() for name, p in model.named_parameters() if ".lora_" in name)
+        assert n_lora == w.lora_params_per_layer * effective_shape(recipe).n_layers
     assert all(p.is_meta for p in model.parameters())

@@ -70,7 +70,9 @@ def main(argv: list[str] | None = None) -> dict:
     from data.packstats import measure_packing
     from data.tokenizer import resolve_tokenizer
 
-    vocab = recipe.model.vocab_size or model_shape(recipe.model.flavor).vocab_size
+    vocab = (
+        recipe.model.vocab_size or model_shape(recipe.model.flavor, recipe.model.family).vocab_size
+    )
     tok_path = resolve_tokenizer(
         recipe.model.tokenizer, vocab_size=vocab, recipe_file=recipe.source
     )

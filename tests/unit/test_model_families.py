@@ -1,0 +1,124 @@
+"""[model] family / flavor, Qwen3 shapes, and the load_hf shape check.
+
+References: torchtitan's own registries and FLOP/parameter counts (meta-device models),
+and config.json files written by `transformers`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel.perf import model_flops_per_token
+from recipe.errors import ConfigError
+from recipe.loader import load_recipe
+from recipe.models import (
+    LLAMA3_FLAVORS,
+    QWEN3_FLAVORS,
+    QWEN3_MOE_FLAVORS,
+    model_config,
+    model_shape,
+)
+from runtime.hf import hf_config, shape_mismatch
+from tests.conftest import train_main_error
+
+
+def test_flavor_lists_are_torchtitans_registries():
+    from torchtitan.models.llama3 import llama3_configs
+    from torchtitan.models.qwen3 import qwen3_configs
+
+    assert set(LLAMA3_FLAVORS) == set(llama3_configs)
+    assert set(QWEN3_FLAVORS) | set(QWEN3_MOE_FLAVORS) == set(qwen3_configs)
+    for f in QWEN3_MOE_FLAVORS:  # the MoE split is torchtitan's, not a guess
+        assert any(
+            getattr(layer, "moe", None) is not None for layer in qwen3_configs[f]("flex").layers
+        )
+    for f in QWEN3_FLAVORS:
+        assert all(getattr(layer, "moe", None) is None for layer in qwen3_configs[f]("flex").layers)
+
+
+@pytest.mark.parametrize(
+    "overrides, key, needle",
+    [
+        (["model.family=qwen"], "model.family", "did you mean 'qwen3'"),
+        (["model.family=deepseek_v3"], "model.family", "not supported yet"),
+        (["model.family=qwen3", "model.flavor=0.6b"], "model.flavor", "did you mean '0.6B'"),
+        (["model.family=qwen3", "model.flavor=30B-A3B"], "model.flavor", "not supported yet"),
+        (["model.flavor=0.6B"], "model.flavor", "unknown llama3 flavor"),
+    ],
+)
+def test_bad_family_or_flavor(overrides, key, needle):
+    with pytest.raises(ConfigError) as e:
+        load_recipe(None, overrides)
+    assert e.value.key == key and needle in str(e.value)
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "0.6B", "8B", "32B"])
+def test_qwen3_shape_counts_equal_torchtitans(flavor):
+    cfg = model_config(flavor, "qwen3")
+    with torch.device("meta"):
+        model = cfg.build()
+    shape = model_shape(flavor, "qwen3")
+    assert shape.qk_norm and shape.head_dim == 128
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+    for seq in (2048, 8192):
+        _, flops = cfg.get_nparams_and_flops(model, seq)
+        assert shape.flops_per_token(seq) == flops, seq
+        assert model_flops_per_token(shape, seq) == flops, seq  # the performance model's
+
+
+def _hf_dict(cfg) -> dict:
+    return cfg.to_dict()
+
+
+def test_shape_check_against_transformers_configs():
+    import transformers
+
+    llama = transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=16,
+        num_key_value_heads=16, vocab_size=2048,
+    )  # fmt: skip
+    qwen = transformers.Qwen3Config(
+        hidden_size=256, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, vocab_size=2048, tie_word_embeddings=True,
+    )  # fmt: skip
+    assert shape_mismatch(model_shape("debugmodel", "llama3"), _hf_dict(llama)) is None
+    assert shape_mismatch(model_shape("debugmodel", "qwen3"), _hf_dict(qwen)) is None
+    msg = shape_mismatch(model_shape("debugmodel", "llama3"), _hf_dict(qwen))
+    assert msg is not None and "\n" not in msg
+    # Both shapes named, and what differs.
+    assert "qwen3, 8 layers" in msg and "llama, 6 layers" in msg and "layers" in msg
+    # A real 8B config.json's numbers (published) against the 8B flavor.
+    llama8 = transformers.LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256,
+    )  # fmt: skip
+    assert shape_mismatch(model_shape("8B", "llama3"), _hf_dict(llama8)) is None
+
+
+def test_generated_config_reads_back_in_transformers():
+    import transformers
+
+    for family, cls in (("llama3", transformers.LlamaConfig), ("qwen3", transformers.Qwen3Config)):
+        cfg = hf_config(model_config("debugmodel", family), family, "bfloat16")
+        back = cls(**{k: v for k, v in cfg.items() if k != "model_type"})
+        assert shape_mismatch(model_shape("debugmodel", family), back.to_dict()) is None
+
+
+def test_load_hf_shape_mismatch_exits_2_before_any_process_group(tmp_path, capsys):
+    import transformers
+
+    folder = tmp_path / "qwen"
+    transformers.Qwen3Config(
+        hidden_size=256, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, vocab_size=2048,
+    ).save_pretrained(folder)  # fmt: skip
+    (folder / "model.safetensors").write_bytes(b"")  # never read: the shape check comes first
+    code, err = train_main_error(
+        ["--set", f"job.output_dir={tmp_path / 'out'}", "--set", f"checkpoint.load_hf={folder}"],
+        capsys,
+    )
+    assert code == 2
+    assert len(err) == 1 and "checkpoint.load_hf" in err[0] and "llama, 6 layers" in err[0]
+    assert not torch.distributed.is_initialized()
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
