@@ -67,6 +67,15 @@ def main(argv: list[str] | None = None) -> None:
         limits=Limits(max_body_bytes=int(args.max_body_mb * (1 << 20))),
     )
     check_exposure(opts)  # bad input before the model is built
+    if recipe.checkpoint.load_hf:
+        # Serving a random base silently would be worse than refusing.
+        raise ConfigError(
+            "a Hugging Face base is not served yet; save it as a DCP checkpoint with a "
+            "train.py run that loads it, then pass --set checkpoint.load_hf= "
+            "--set checkpoint.load_from=<that checkpoint>",
+            file=recipe.source,
+            key="checkpoint.load_hf",
+        )
     base = recipe.checkpoint.load_from
     if base:  # the base model's weights (else initialised from training.seed)
         from runtime.checkpoint import verify_checkpoint
