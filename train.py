@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 
-from recipe.cli import add_override_arg
-from recipe.errors import exit_on_config_error
+from core.errors import exit_on_config_error
+from tools.cli import add_override_arg, add_recipe_arg
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--recipe", default=None, help="recipe TOML (default: recipes/debug.toml)")
+    add_recipe_arg(p)
     add_override_arg(p)
     return p.parse_args(argv)
 
@@ -38,7 +38,13 @@ def main(argv: list[str] | None = None) -> None:
 
     init_logger()
     job = session.prepare(args.recipe, args.overrides)
-    jobs.run(job)
+    if job.recipe.rl.enabled:  # [rl]: rollouts replace the data loader (rl/loop.py)
+        from rl import loop
+
+        loop.check(job)
+        loop.run(job)
+    else:
+        jobs.run(job)
 
 
 if __name__ == "__main__":

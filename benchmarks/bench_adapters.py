@@ -87,11 +87,11 @@ def measure_full(job, steps: int, skip: int, out: str) -> dict:
 def predicted_h100() -> list[dict]:
     """tools.predict's model for Llama 3 8B on one 8 x H100 node: full vs LoRA r=16 with
     1, 2, 4 adapters (batched: every token passes one adapter; the base is shared)."""
-    from parallel.axes import Layout
+    from core.axes import Layout
+    from core.models import model_shape
     from parallel.cluster import load_cluster
     from parallel.perf import predict
     from parallel.workload import Workload
-    from recipe.models import model_shape
 
     cl = load_cluster("hgx_h100_ib", nodes=1)
     base = Workload(shape=model_shape("8B"), seq_len=8192, local_batch_size=1,

@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
+    from core.models import model_shape
     from data.loader import encode_documents
     from data.packstats import (
         TextListSource,
@@ -112,7 +113,6 @@ def main(argv: list[str] | None = None) -> None:
         stdlib_texts,
     )
     from data.tokenizer import resolve_tokenizer
-    from recipe.models import model_shape
 
     load_before = os.getloadavg()
     vocab = model_shape("debugmodel").vocab_size
@@ -182,7 +182,7 @@ def render(r: dict) -> str:
         "through an in-memory `datasets.Dataset` registered in its `DATASETS`), except the "
         "row marked 'reading the files'. `tokens` = positions with a label; torchtitan's "
         "dataset has no padding but drops the final partial row (`dropped`). Its rows are "
-        "identical to our concat rows (tests/test_packstats.py), so its split-documents "
+        "identical to our concat rows (tests/integration/test_packstats.py), so its split-documents "
         "fraction is concat's. tokens/s (CPU time) = tokens / CPU seconds of the pinned "
         "process, i.e. the rate of one dedicated core; wall-clock rates on this shared "
         "2-core machine are also given but depend on the other jobs.",

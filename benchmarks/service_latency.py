@@ -50,7 +50,7 @@ def main() -> None:
     from tinker import types
 
     sys.path.insert(0, str(ROOT))
-    from tests._service_helpers import KEY, start_server
+    from tests.helpers.service_server import KEY, start_server
 
     tmp = Path(tempfile.mkdtemp())
     server = start_server(tmp, sets=[])  # the full debug model

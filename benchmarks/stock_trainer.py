@@ -16,12 +16,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main() -> None:
-    from recipe.cli import add_override_arg
+    from tools.cli import add_override_arg, add_recipe_arg
 
     p = argparse.ArgumentParser()
-    p.add_argument("--recipe", default=None)
+    add_recipe_arg(p)
     add_override_arg(p)
     args = p.parse_args()
+    from runtime.platform import bridge_torch
+
+    bridge_torch()  # torch-version bridges before any torchtitan import, as train.py gets them
     import torch
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.tools.logging import init_logger

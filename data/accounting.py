@@ -74,7 +74,7 @@ def doc_masked_flops(shape, tokens: int, doc_pairs: int) -> float:
 def doc_masked_flops_per_token(shape, positions: torch.Tensor) -> float:
     """FLOPs per token (fwd + bwd) with attention counted only over document-masked pairs.
 
-    `shape` is a `recipe.models.ModelShape`. Same parameter term as torchtitan
+    `shape` is a `core.models.ModelShape`. Same parameter term as torchtitan
     (6 x non-embedding params); the attention term 12 x layers x heads x head_dim x L per
     token is 12 x layers x heads x head_dim x (pairs / tokens) with pairs = L^2 per row in
     torchtitan's count, and here the pairs the document mask keeps.

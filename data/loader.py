@@ -14,6 +14,9 @@ sees exactly the sequences that dp processes with local batch B see, and a check
 or skipped. Cost: every rank reads and tokenizes the whole stream (dp times the work of
 document-level sharding) and materializes only its own rows; benchmarks/packing.md gives
 the tokens/s one core sustains, which bounds dp x tokens/s per data-parallel replica.
+A prepared token store (`[data] source = "<store folder>"`, tools.prepare_data) and
+`[[data.sources]]` mixes go through data.store_stream instead: the same rows, but each rank
+plans and reads only its own (`build_stream` chooses).
 
 Checkpoint contents (one key, identical on every rank): the next source record, the epoch,
 the packer's pending pieces and the rows decided but not yet consumed, the tokens of the
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,15 +40,15 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
 from torchtitan.tools.logging import logger
 
+from core.errors import ConfigError
 from data.chat import CHAT_BAD_REASONS, ChatRenderer, make_renderer
 from data.packing import PACKINGS, Piece, Row, make_packer, materialize
 from data.sources import BAD_REASONS, RAW_RECORD, Source, open_source
-from recipe.errors import ConfigError
 
 BAD_RECORD_POLICIES = ("skip", "fail")
 STREAMING_MODES = ("auto", "always", "never")
 STATE_KEY = "titanscale_stream"
-STATE_VERSION = 2
+STATE_VERSION = 3  # 3: epochs flushed separately
 
 
 def _plain(obj: Any) -> Any:
@@ -137,8 +140,7 @@ class PackedStream(IterableDataset, Stateful):
         self.window = window
         self.bad_records = bad_records
         self.infinite = infinite
-        eos = getattr(tokenizer, "eos_id", None)
-        self.pad_id = int(eos) if eos is not None else 0
+        self.pad_id = _pad_id(tokenizer)
         self.fingerprint = {
             "source": self.source.description,
             "text_field": text_field,
@@ -209,12 +211,15 @@ class PackedStream(IterableDataset, Stateful):
                     key="data.source",
                 )
             self._n_records = self._next_record
+            # Each epoch is packed on its own: the packer is flushed at the end of a pass,
+            # so epochs are periodic and a prepared store's plan (data.plan) can seek to any
+            # row (cost: at most one partly padded row per epoch).
+            self._queue.extend(self.packer.flush())
             if self.infinite:
                 self._epoch += 1
                 self._next_record = 0
                 logger.info(f"data: epoch {self._epoch} of {self.source.description}")
                 continue
-            self._queue.extend(self.packer.flush())
             while len(self._queue) % dp:
                 # Keep every rank at the same number of rows: pad the last group with rows
                 # of padding (labels all IGNORE_INDEX) instead of dropping real rows.
@@ -315,6 +320,7 @@ class PackedStream(IterableDataset, Stateful):
                 "split_documents": st.split_documents,
             },
             "bad": dict(self._bad),
+            "source_state": self.source.resume_state(self._next_record),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -355,6 +361,7 @@ class PackedStream(IterableDataset, Stateful):
         self._rows_consumed = sd["rows_consumed"]
         self._finished = sd["finished"]
         self._bad = {**dict.fromkeys(self._bad_reasons(), 0), **sd["bad"]}
+        self.source.restore(self._next_record, sd.get("source_state"))
 
 
 def _tokenizer_folder(tokenizer: BaseTokenizer) -> str:
@@ -362,6 +369,149 @@ def _tokenizer_folder(tokenizer: BaseTokenizer) -> str:
     if not folder:
         raise ValueError("SFT rendering needs a tokenizer loaded from a folder")
     return str(folder)
+
+
+def _pad_id(tokenizer: BaseTokenizer) -> int:
+    eos = getattr(tokenizer, "eos_id", None)
+    return int(eos) if eos is not None else 0
+
+
+def _open_store(spec: str, tokenizer: BaseTokenizer, key: str) -> Any:
+    """A prepared store, refused when tokenized with another tokenizer than this one."""
+    from data.store import TokenStore
+
+    store = TokenStore(spec, key=key)
+    tok_dir = getattr(tokenizer, "tokenizer_path", None)
+    if tok_dir is not None:
+        store.check_tokenizer(tok_dir)
+    return store
+
+
+def open_rows(
+    spec: str,
+    *,
+    tokenizer: BaseTokenizer,
+    seq_len: int,
+    packing: str,
+    window: int,
+    text_field: str = "text",
+    streaming: str = "auto",
+    subset: str = "",
+    split: str = "train",
+    data_files: list[str] | None = None,
+    bad_records: str = "skip",
+    key: str = "data.source",
+) -> Any:
+    """A data.store_stream.PlannedRows over a prepared store, or over a small source
+    tokenized in memory (mixing accepts both)."""
+    from data.store import is_store
+    from data.store_stream import MemoryStore, PlannedRows
+
+    store: Any
+    if is_store(spec):
+        store = _open_store(spec, tokenizer, key)
+    else:
+        src = open_source(
+            spec,
+            text_field=text_field,
+            streaming=streaming,
+            subset=subset,
+            split=split,
+            data_files=data_files,
+            key=key,
+        )
+        store = MemoryStore(src, tokenizer, bad_records=bad_records)
+        if store.n_docs == 0:
+            raise ConfigError(f"{src.description}: no usable documents", key=key)
+    return PlannedRows(
+        store, packing=packing, seq_len=seq_len, window=window, pad_id=_pad_id(tokenizer)
+    )
+
+
+def build_stream(
+    config: TitanscaleDataLoader.Config,
+    *,
+    tokenizer: BaseTokenizer,
+    seq_len: int,
+    dp_rank: int,
+    dp_world_size: int,
+) -> Any:
+    """The loader's row stream: a weighted mix ([[data.sources]]), one prepared store
+    (rank r reads only its rows), or the streaming path (every rank reads everything)."""
+    from data.store import is_store
+    from data.store_stream import MixedStream, MixSource, StoreStream
+
+    vocab = tokenizer.get_vocab_size()
+    if config.sources:
+        mix = []
+        for i, entry in enumerate(config.sources):
+            rows = open_rows(
+                entry["source"],
+                tokenizer=tokenizer,
+                seq_len=seq_len,
+                packing=config.packing,
+                window=config.window,
+                text_field=entry.get("text_field", "text"),
+                streaming=config.streaming,
+                subset=entry.get("subset", ""),
+                split=entry.get("split", "train"),
+                data_files=entry.get("data_files") or None,
+                bad_records=config.bad_records,
+                key=f"data.sources[{i}].source",
+            )
+            mix.append(MixSource(entry["source"], float(entry.get("weight", 1.0)), rows))
+        return MixedStream(
+            mix,
+            seq_len=seq_len,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+            window=config.mix_window,
+            vocab_size=vocab,
+        )
+    if is_store(config.source):
+        return StoreStream(
+            _open_store(config.source, tokenizer, "data.source"),
+            seq_len=seq_len,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+            packing=config.packing,
+            window=config.window,
+            infinite=config.infinite,
+            pad_id=_pad_id(tokenizer),
+            vocab_size=vocab,
+        )
+    sft = config.format == "sft"
+    if sft and (config.sources or is_store(config.source)):
+        raise ConfigError(
+            "sft data is read from JSON Lines directly (not from a prepared store or a mix)",
+            key="data.format",
+        )
+    source = open_source(
+        config.source,
+        # SFT: records are whole JSON lines, rendered by data.chat.
+        text_field=RAW_RECORD if sft else config.text_field,
+        streaming=config.streaming,
+        subset=config.subset,
+        split=config.split,
+        data_files=config.data_files or None,
+    )
+    return PackedStream(
+        source=source,
+        tokenizer=tokenizer,
+        seq_len=seq_len,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        packing=config.packing,
+        text_field=config.text_field,
+        window=config.window,
+        bad_records=config.bad_records,
+        streaming=config.streaming,
+        infinite=config.infinite,
+        renderer=(
+            make_renderer(_tokenizer_folder(tokenizer), config.chat_template) if sft else None
+        ),
+        truncate=config.truncate,
+    )
 
 
 class TitanscaleDataLoader(ParallelAwareDataloader):
@@ -399,6 +549,22 @@ class TitanscaleDataLoader(ParallelAwareDataloader):
         truncate: bool = False
         """sft: cut examples longer than seq_len + 1 tokens (else they are bad records)."""
 
+        subset: str = ""
+        """Hub sources: the dataset configuration (load_dataset's name=)."""
+
+        split: str = "train"
+        """Hub sources: the split."""
+
+        data_files: list[str] = field(default_factory=list)
+        """Hub sources: only these data files."""
+
+        sources: list[dict[str, Any]] = field(default_factory=list)
+        """A weighted mix: dicts with source, weight, text_field, subset, split, data_files
+        (recipe [[data.sources]]); replaces `source` when not empty."""
+
+        mix_window: int = 1000
+        """Rows over which mixing proportions are exact."""
+
         def __post_init__(self) -> None:
             if self.packing not in PACKINGS:
                 raise ValueError(f"packing must be one of {PACKINGS}, got {self.packing!r}")
@@ -425,24 +591,12 @@ class TitanscaleDataLoader(ParallelAwareDataloader):
         snapshot_every_n_steps: int | None = 1,
         **kwargs: Any,
     ) -> None:
-        self.stream = PackedStream(
-            source=config.source,
+        self.stream = build_stream(
+            config,
             tokenizer=tokenizer,
             seq_len=seq_len,
             dp_rank=dp_rank,
             dp_world_size=dp_world_size,
-            packing=config.packing,
-            text_field=config.text_field,
-            window=config.window,
-            bad_records=config.bad_records,
-            streaming=config.streaming,
-            infinite=config.infinite,
-            renderer=(
-                make_renderer(_tokenizer_folder(tokenizer), config.chat_template)
-                if config.format == "sft"
-                else None
-            ),
-            truncate=config.truncate,
         )
         super().__init__(
             self.stream,

@@ -34,6 +34,12 @@ class LimitedSource(Source):
                 return
             yield rec
 
+    def resume_state(self, next_record: int) -> Any:
+        return self.inner.resume_state(next_record)
+
+    def restore(self, next_record: int, state: Any) -> None:
+        self.inner.restore(next_record, state)
+
 
 class TextListSource(Source):
     """Documents already in memory (all good): the benchmark's common ground with torchtitan."""
@@ -89,8 +95,14 @@ def measure_packing(
         rows += 1
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     st = stream.packing_stats()
+    return _report(src.description, packing, seq_len, window, st, rows, dt, cpu,
+                   st["bad_records"])  # fmt: skip
+
+
+def _report(source, packing, seq_len, window, st, rows, dt, cpu, bad) -> dict[str, Any]:
+    """The packstats keys from a stream's packing_stats and one pass's timings."""
     return {
-        "source": src.description,
+        "source": source,
         "packing": packing,
         "seq_len": seq_len,
         "window": window if packing == "bfd" else None,
@@ -104,8 +116,29 @@ def measure_packing(
         "tokens_per_cpu_sec": st["useful_tokens"] / cpu if cpu > 0 else None,
         "packing_efficiency": st["packing_efficiency"],
         "split_documents": st["split_documents"],
-        "bad_records": st["bad_records"],
+        "bad_records": bad,
     }
+
+
+def measure_store(path: str, tokenizer, *, seq_len: int, packing: str, window: int = 256) -> dict:
+    """One epoch of a prepared store (plan + materialized rows, this process): the same keys
+    as `measure_packing`; tokens/s here is the read path's, tokenization was done before."""
+    from data.store import TokenStore
+    from data.store_stream import StoreStream
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    store = TokenStore(path)
+    tok_dir = getattr(tokenizer, "tokenizer_path", None)
+    if tok_dir is not None:
+        store.check_tokenizer(tok_dir)
+    eos = getattr(tokenizer, "eos_id", None)
+    stream = StoreStream(store, seq_len=seq_len, dp_rank=0, dp_world_size=1, packing=packing,
+                         window=window, infinite=False, pad_id=int(eos) if eos is not None else 0)  # fmt: skip
+    rows = sum(1 for _ in stream)
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    st = stream.packing_stats()
+    return _report(store.description, packing, seq_len, window, st, rows, dt, cpu,
+                   store.manifest["bad_records"])  # fmt: skip
 
 
 def stdlib_texts() -> list[str]:

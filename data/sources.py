@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from recipe.errors import ConfigError
+from core.errors import ConfigError
 
 BAD_REASONS = ("undecodable", "invalid_json", "missing_field", "not_text", "empty")
 KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "text"}
@@ -79,6 +79,14 @@ class Source:
     def __len__(self) -> int:  # pragma: no cover - overridden where known
         raise TypeError("length unknown (streaming source)")
 
+    def resume_state(self, next_record: int) -> Any:
+        """A small token from which `records(next_record)` resumes without re-reading
+        (streamed `datasets` sources); None = resume by index."""
+        return None
+
+    def restore(self, next_record: int, state: Any) -> None:
+        return None
+
     @property
     def known_length(self) -> int | None:
         try:
@@ -123,6 +131,9 @@ class DatasetsSource(Source):
         self.ds = ds
         self.kind = kind
         self.text_field = text_field
+        self._states: dict[int, Any] = {}
+        self._resume: tuple[int, Any] | None = None
+        self._initial_state: Any = None
 
     def __len__(self) -> int:
         import datasets
@@ -160,15 +171,40 @@ class DatasetsSource(Source):
                     yield (i, *self._classify(value))
                     i += 1
             return
-        it = self.ds.skip(start) if start else self.ds
-        for batch in it.iter(batch_size=_BATCH):
-            m = len(next(iter(batch.values()))) if batch else 0
-            for value in self._column(batch, m):
-                if self.kind == "jsonl" and not value.strip():
-                    i += 1
-                    continue
-                yield (i, *self._classify(value))
+        # A stream resumes through datasets' own state_dict (a shard and an offset in it),
+        # not by reading the `start` records before it again.
+        resume = self._resume
+        self._resume = None
+        if self._initial_state is None:
+            self._initial_state = self.ds.state_dict()
+        if start and resume is not None and resume[0] == start:
+            self.ds.load_state_dict(resume[1])
+            it = self.ds
+        else:
+            self.ds.load_state_dict(self._initial_state)
+            it = self.ds.skip(start) if start else self.ds
+        col = "text" if self.kind in ("jsonl", "text") else self.text_field
+        for ex in it:
+            value = ex.get(col)
+            if self.kind == "jsonl" and not value.strip():
                 i += 1
+                continue
+            self._states[i] = self.ds.state_dict() if it is self.ds else None
+            if len(self._states) > 4 * _BATCH:
+                for old in sorted(self._states)[: 2 * _BATCH]:
+                    del self._states[old]
+            yield (i, *self._classify(value))
+            i += 1
+
+    def resume_state(self, next_record: int) -> Any:
+        """datasets' state after record next_record - 1 (streams only; None otherwise)."""
+        if next_record == 0:
+            return None
+        return self._states.get(next_record - 1)
+
+    def restore(self, next_record: int, state: Any) -> None:
+        """The next `records(next_record)` starts from datasets' saved `state`."""
+        self._resume = (next_record, state) if state is not None else None
 
 
 def _offline() -> bool:
@@ -219,6 +255,17 @@ def check_source(spec: str, *, file: str | None = None, key: str = "data.source"
     if spec == "stdlib":
         return "stdlib"
     path = Path(spec)
+    from data.store import is_store
+
+    if is_store(path):
+        return "store"
+    if path.with_name(path.name + ".partial").exists() and not path.exists():
+        raise ConfigError(
+            f"{spec!r} is not prepared yet ({path.name}.partial holds an unfinished "
+            "tools.prepare_data run: run it again to resume)",
+            file=file,
+            key=key,
+        )
     if path.exists():
         local_files(path, file=file, key=key)
         return "local"
@@ -241,10 +288,15 @@ def open_source(
     *,
     text_field: str = "text",
     streaming: str = "auto",
+    subset: str = "",
+    split: str = "train",
+    data_files: list[str] | None = None,
     file: str | None = None,
     key: str = "data.source",
 ) -> Source:
-    """Resolve `[data] source`: 'stdlib', a local file/folder, or a hub dataset name."""
+    """Resolve `[data] source`: 'stdlib', a local file/folder, or a hub dataset name
+    (with its configuration `subset`, `split` and `data_files`). Not a store: the loader
+    opens those with data.store.TokenStore."""
     if streaming not in ("auto", "always", "never"):
         raise ConfigError(
             f"expected 'auto', 'always' or 'never', got {streaming!r}",
@@ -254,6 +306,8 @@ def open_source(
     where = check_source(spec, file=file, key=key)
     if where == "stdlib":
         return StdlibSource()
+    if where == "store":
+        raise ConfigError(f"{spec!r} is a prepared store, not a text source", file=file, key=key)
     import datasets
 
     datasets.disable_progress_bars()
@@ -284,8 +338,13 @@ def open_source(
         desc = f"{kind}:{spec} ({len(files)} file{'s' if len(files) != 1 else ''}"
         desc += ", streaming)" if stream else ")"
         return DatasetsSource(ds, kind=kind, text_field=text_field, description=desc)
+    kwargs: dict[str, Any] = {"split": split, "streaming": True}
+    if subset:
+        kwargs["name"] = subset
+    if data_files:
+        kwargs["data_files"] = list(data_files)
     try:
-        ds = datasets.load_dataset(spec, split="train", streaming=True)
+        ds = datasets.load_dataset(spec, **kwargs)
     except Exception as e:
         raise ConfigError(
             f"cannot open hub dataset {spec!r}: {type(e).__name__}: {e} (no network? "
@@ -293,4 +352,11 @@ def open_source(
             file=file,
             key=key,
         ) from None
-    return DatasetsSource(ds, kind="hub", text_field=text_field, description=f"hub:{spec}")
+    return DatasetsSource(
+        ds, kind="hub", text_field=text_field, description=hub_description(spec, **kwargs)
+    )
+
+
+def hub_description(spec: str, **kwargs: Any) -> str:
+    parts = [f"{k}={kwargs[k]}" for k in ("name", "split", "data_files") if kwargs.get(k)]
+    return f"hub:{spec}" + (f" ({', '.join(parts)})" if parts else "")

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from recipe.errors import ConfigError
+from core.errors import ConfigError
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"

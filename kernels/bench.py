@@ -1,6 +1,6 @@
 """Kernel benchmark: Llama 3 GEMM and attention shapes per TP degree, each backend's TFLOP/s.
 
-Shapes come from torchtitan's llama3 configs (recipe.models.model_shape). Per TP degree the
+Shapes come from torchtitan's llama3 configs (core.models.model_shape). Per TP degree the
 GEMMs are the TP-local ones: qkv, w1/w3 and lm_head sharded by output, wo and w2 by input;
 attention keeps heads/tp query heads and kv_heads/tp key/value heads. A linear is timed
 forward + backward (three GEMMs, 6*M*N*K FLOPs, quantization casts included, as training
@@ -26,12 +26,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from core.errors import ConfigError
+from core.linear_backends import LINEAR_BACKENDS
+from core.models import model_shape
 from kernels.caps import DeviceCaps
-from recipe.errors import ConfigError
-from recipe.models import model_shape
 from recipe.schema import KernelsSection
 
-LINEAR_NAMES = ("bf16", "fp8_rowwise", "fp8_rowwise_gw_hp", "mxfp8")
+LINEAR_NAMES = tuple(LINEAR_BACKENDS)
 ATTENTION_NAMES = ("flex", "varlen", "dense")
 
 
@@ -87,7 +88,7 @@ def _peak_tflops(caps: DeviceCaps, precision: str) -> float | None:
     if not caps.is_cuda:
         return None
     try:  # the project's one peak table (the runtime's MFU uses it too)
-        from parallel.hardware import peak_flops
+        from core.hardware import peak_flops
     except ImportError:
         return None
     p = peak_flops(caps.name, precision)

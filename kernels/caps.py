@@ -12,6 +12,8 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 
+from core.linear_backends import LINEAR_BACKENDS, LinearBackend, ranked, requirement_problem
+
 # Compute capability of the GPUs titanscale's users run (and of the ones the registry's
 # error messages name). Keys are matched as substrings of torch's device name.
 KNOWN_GPUS: dict[str, tuple[str, tuple[int, int]]] = {
@@ -26,10 +28,12 @@ KNOWN_GPUS: dict[str, tuple[str, tuple[int, int]]] = {
 
 # Optional kernel packages, by the feature name backends declare. torch's varlen attention
 # dispatches to FlashAttention 3 on SM90 and FlashAttention 4 on SM100 (torchtitan activates
-# them in VarlenAttention.__init__); both ship outside torch.
+# them in VarlenAttention.__init__); both ship outside torch. The module names are the ones
+# torch imports: torch/nn/attention/_fa3.py "flash_attn_interface", _fa4.py
+# "flash_attn.cute.interface" (a flash_attn without its cute interface cannot serve FA4).
 FEATURE_MODULES: dict[str, str] = {
     "fa3": "flash_attn_interface",
-    "fa4": "flash_attn.cute",
+    "fa4": "flash_attn.cute.interface",
     "torchao": "torchao",
 }
 
@@ -114,3 +118,27 @@ class DeviceCaps:
         name, cap = KNOWN_GPUS[key]
         feats = frozenset({"torchao"}) if features is None else frozenset(features)
         return DeviceCaps("cuda", name, cap, feats)
+
+
+def linear_problem(name: str, caps: DeviceCaps) -> str:
+    """Why linear backend `name` cannot run natively on `caps` ("" = it can)."""
+    return requirement_problem(
+        LINEAR_BACKENDS[name],
+        is_cuda=caps.is_cuda,
+        capability=caps.capability,
+        features=frozenset(caps.features),
+    )
+
+
+def auto_linear(caps: DeviceCaps) -> LinearBackend:
+    """`[kernels] linear = "auto"`: the fastest backend `caps` runs natively. The one rule,
+    used by recipe validation (kernels.registry) and by the planner (parallel.workload)."""
+    for be in ranked():
+        if not linear_problem(be.name, caps):
+            return be
+    raise AssertionError("bf16 runs everywhere")
+
+
+def simulated_caps(gpu_kind: str) -> DeviceCaps:
+    """Caps of a cluster profile's GPU kind (with torchao); CPU for "cpu" or an unknown kind."""
+    return DeviceCaps.gpu(gpu_kind) if gpu_kind.upper() in KNOWN_GPUS else DeviceCaps.cpu()

@@ -22,8 +22,10 @@ from typing import Any
 
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 
+from core.errors import ConfigError
+from core.linear_backends import LINEAR_BACKENDS, LinearBackend, sm
 from kernels.attention import set_inner_attention
-from kernels.caps import DeviceCaps
+from kernels.caps import DeviceCaps, auto_linear, linear_problem
 from kernels.dense_attention import DenseMaskAttention
 from kernels.linear import (
     ConversionReport,
@@ -33,80 +35,7 @@ from kernels.linear import (
     converted_fqns,
     plan_linear_conversion,
 )
-from recipe.errors import ConfigError
 from recipe.schema import KernelsSection
-
-
-def _sm(cap: tuple[int, int]) -> str:
-    return f"SM{cap[0]}{cap[1]}"
-
-
-@dataclass(frozen=True)
-class LinearBackend:
-    name: str
-    precision: str  # key of the peak-FLOP/s table: "bf16" | "fp8" | "mxfp8"
-    min_capability: tuple[int, int] | None  # NVIDIA compute capability; None = any device
-    needs_for: str  # what the requirement buys, for error messages
-    align: int  # TP-local in/out features must be multiples of this (0 = any)
-    token_align: int  # tokens per GEMM (seq_len / cp) must be a multiple of this (0 = any)
-    speed_rank: int  # auto picks the highest-ranked supported backend
-    summary: str
-
-    @property
-    def quantized(self) -> bool:
-        return self.precision != "bf16"
-
-
-LINEAR_BACKENDS: dict[str, LinearBackend] = {
-    b.name: b
-    for b in (
-        LinearBackend(
-            "bf16",
-            "bf16",
-            None,
-            "",
-            0,
-            0,
-            0,
-            "plain nn.Linear in the training dtype (bf16 on GPU, fp32 on CPU)",
-        ),
-        LinearBackend(
-            "fp8_rowwise",
-            "fp8",
-            (8, 9),
-            "FP8 tensor cores (Ada/Hopper or newer)",
-            16,
-            # The weight-gradient GEMM reduces over tokens; torch._scaled_mm needs the
-            # reduction dimension to be a multiple of 16.
-            16,
-            2,
-            "torchao Float8 rowwise (e4m3 everywhere, power-of-2 scales) via torchtitan's "
-            "Float8LinearConverter",
-        ),
-        LinearBackend(
-            "fp8_rowwise_gw_hp",
-            "fp8",
-            (8, 9),
-            "FP8 tensor cores (Ada/Hopper or newer)",
-            16,
-            0,  # the weight gradient is computed in high precision: no token constraint
-            1,
-            "torchao Float8 rowwise_with_gw_hp (output and input-gradient GEMMs in FP8, "
-            "weight gradient in high precision) via torchtitan's Float8LinearConverter",
-        ),
-        LinearBackend(
-            "mxfp8",
-            "mxfp8",
-            (10, 0),
-            "MX block-scaled tensor cores (Blackwell)",
-            32,
-            32,  # the weight-gradient casts run along tokens in blocks of 32
-            3,
-            "torchao MXFP8 (e4m3, one e8m0 scale per 32 elements, RCEIL) via torchtitan's "
-            "MXFP8LinearConverter",
-        ),
-    )
-}
 
 
 @dataclass(frozen=True)
@@ -128,7 +57,7 @@ def _varlen_problem(caps: DeviceCaps) -> str:
     if caps.at_least(10, 0) and "fa4" not in caps.features:
         return (
             "FlashAttention 4 on SM100+ (torchtitan activates it; package "
-            "'flash_attn.cute' is not installed)"
+            "'flash_attn.cute.interface' is not installed)"
         )
     if caps.at_least(9, 0) and not caps.at_least(10, 0) and "fa3" not in caps.features:
         return (
@@ -246,20 +175,6 @@ def _error(msg: str, key: str, file: str | None) -> ConfigError:
     return ConfigError(msg, file=file, key=key)
 
 
-def linear_problem(name: str, caps: DeviceCaps) -> str:
-    """Why backend `name` cannot run natively on `caps` ("" = it can)."""
-    be = LINEAR_BACKENDS[name]
-    if be.min_capability is None:
-        return ""
-    if not caps.is_cuda:
-        return f"needs an NVIDIA GPU with compute capability {_sm(be.min_capability)}+"
-    if not caps.at_least(*be.min_capability):
-        return f"needs compute capability {_sm(be.min_capability)}+ ({be.needs_for})"
-    if "torchao" not in caps.features:
-        return "needs the torchao package"
-    return ""
-
-
 def attention_problem(name: str, caps: DeviceCaps) -> str:
     be = ATTENTION_BACKENDS[name]
     if caps.is_cpu:
@@ -267,9 +182,9 @@ def attention_problem(name: str, caps: DeviceCaps) -> str:
     if be.min_capability is None:
         return ""
     if not caps.is_cuda:
-        return f"needs an NVIDIA GPU with compute capability {_sm(be.min_capability)}+"
+        return f"needs an NVIDIA GPU with compute capability {sm(be.min_capability)}+"
     if not caps.at_least(*be.min_capability):
-        return f"needs compute capability {_sm(be.min_capability)}+"
+        return f"needs compute capability {sm(be.min_capability)}+"
     return be.extra_check(caps) if be.extra_check else ""
 
 
@@ -324,18 +239,15 @@ def _select_linear(
 ) -> tuple[str, bool]:
     key = "kernels.linear"
     if requested == "auto":
-        ranked = sorted(LINEAR_BACKENDS.values(), key=lambda b: -b.speed_rank)
-        for be in ranked:
-            if not linear_problem(be.name, caps):
-                if caps.is_cpu:
-                    why = "no low-precision hardware on CPU; emulation is never faster"
-                elif be.quantized:
-                    why = f"fastest supported on {caps.describe()}"
-                else:
-                    why = f"{caps.describe()} has no FP8 tensor cores (SM89+)"
-                notices.append(f"kernels.linear=auto -> {be.name} ({why})")
-                return be.name, False
-        raise AssertionError("bf16 runs everywhere")
+        be = auto_linear(caps)
+        if caps.is_cpu:
+            why = "no low-precision hardware on CPU; emulation is never faster"
+        elif be.quantized:
+            why = f"fastest supported on {caps.describe()}"
+        else:
+            why = f"{caps.describe()} has no FP8 tensor cores (SM89+)"
+        notices.append(f"kernels.linear=auto -> {be.name} ({why})")
+        return be.name, False
     if requested not in LINEAR_BACKENDS:
         raise _error(f"unknown linear backend {requested!r}", key, file)
     be = LINEAR_BACKENDS[requested]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from recipe.errors import ConfigError
+from core.errors import ConfigError
 
 # Variables that belong to AWS EFA (libfabric + aws-ofi-nccl). On any other fabric they are
 # at best ignored and at worst select the wrong network plugin.

@@ -22,8 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launch.topology import leaf_of, natural_key, topology_order
-from parallel.axes import MESH_ORDER, Layout
+from core.axes import MESH_ORDER, Layout
+from launch.topology import topology_order
+from parallel.placement import RankPlace, group_places, plain_rank_order
 from recipe.loader import recipe_degrees
 
 # Which collective each axis carries in training.
@@ -61,7 +62,9 @@ def bus_factor(op: str, n: int) -> float:
 
 
 @dataclass
-class RankInfo:
+class LaunchedRank:
+    """How the launcher started one process (what preflight gathers besides its place)."""
+
     rank: int
     local_rank: int
     node_rank: int
@@ -70,11 +73,18 @@ class RankInfo:
     pid: int
     nccl_log: str = ""
 
+    @property
+    def place(self) -> RankPlace:
+        """The placement record: node, and the switch path from SLURM_TOPOLOGY_ADDR (the NVLink
+        domain is taken as the node; preflight does not know the profile's domains)."""
+        path = tuple(self.topology_addr.split(".")[:-1]) if self.topology_addr else ()
+        return RankPlace(self.rank, self.node, self.node, path)
 
-def rank_info() -> RankInfo:
+
+def launched_rank() -> LaunchedRank:
     """This process's place: Slurm's node name (emulated nodes share one hostname)."""
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    return RankInfo(
+    return LaunchedRank(
         rank=int(os.environ.get("RANK", "0")),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         node_rank=int(os.environ.get("GROUP_RANK", os.environ.get("TITANSCALE_NODE_RANK", "0"))),
@@ -84,31 +94,9 @@ def rank_info() -> RankInfo:
     )
 
 
-def mesh_groups(layout: Layout) -> dict[str, list[list[int]]]:
-    """Global ranks of every group of every axis, for a mesh in plain rank order.
-
-    Row-major over MESH_ORDER (pp outermost, tp innermost): what init_device_mesh builds.
-    """
-    import itertools
-
-    dims = [layout.degree(a) for a in MESH_ORDER]
-    names = [a.value for a in MESH_ORDER]
-    strides = [1] * len(dims)
-    for i in range(len(dims) - 2, -1, -1):
-        strides[i] = strides[i + 1] * dims[i + 1]
-    out: dict[str, list[list[int]]] = {}
-    for ax, (name, size) in enumerate(zip(names, dims, strict=True)):
-        others = [range(d) if i != ax else range(1) for i, d in enumerate(dims)]
-        groups = []
-        for coord in itertools.product(*others):
-            base = sum(c * s for c, s in zip(coord, strides, strict=True))
-            groups.append([base + k * strides[ax] for k in range(size)])
-        out[name] = groups
-    return out
-
-
-def placement_summary(infos: list[RankInfo], layout: Layout) -> dict[str, Any]:
-    """rank -> node -> leaf switch, node order checks and each mesh group's spread."""
+def placement_report(infos: list[LaunchedRank], layout: Layout) -> dict[str, Any]:
+    """placement.json: rank -> node -> leaf switch, node order checks and each mesh group's
+    spread (parallel.placement's groups, in plain rank order as init_device_mesh builds)."""
     infos = sorted(infos, key=lambda i: i.rank)
     by_node: dict[int, dict[str, Any]] = {}
     for i in infos:
@@ -130,19 +118,14 @@ def placement_summary(infos: list[RankInfo], layout: Layout) -> dict[str, Any]:
     contiguous = all(
         sorted(n["ranks"]) == list(range(min(n["ranks"]), max(n["ranks"]) + 1)) for n in nodes
     )
-    rank_node = {i.rank: i.node for i in infos}
-    rank_leaf = {i.rank: leaf_of(i.topology_addr) for i in infos}
+    places = {i.rank: i.place for i in infos}
+    spread = group_places(layout, plain_rank_order(layout.world_size), places)
     groups: dict[str, Any] = {}
-    for axis, gs in mesh_groups(layout).items():
-        if len(gs[0]) <= 1:
+    for axis, gs in spread.items():
+        if len(gs[0].ranks) <= 1:
             continue
         groups[axis] = [
-            {
-                "ranks": g,
-                "nodes": sorted({rank_node.get(r, "?") for r in g}, key=natural_key),
-                "leaves": sorted({rank_leaf.get(r, "") for r in g} - {""}, key=natural_key),
-            }
-            for g in gs
+            {"ranks": list(g.ranks), "nodes": list(g.hosts), "leaves": list(g.leaves)} for g in gs
         ]
     return {
         "world_size": len(infos),
@@ -156,7 +139,7 @@ def placement_summary(infos: list[RankInfo], layout: Layout) -> dict[str, Any]:
                 "node_rank": i.node_rank,
                 "node": i.node,
                 "topology_addr": i.topology_addr,
-                "leaf": leaf_of(i.topology_addr),
+                "leaf": i.place.leaf,
             }
             for i in infos
         ],
@@ -367,58 +350,45 @@ def _init_process_group(backend: str) -> None:
     dist.init_process_group(backend)
 
 
-def run_preflight(
+def _nccl_debug_to_files(out_dir: str | None, cuda: bool) -> Path | None:
+    """Send this process's NCCL INFO log to out_dir/nccl (training keeps the profile's
+    NCCL_DEBUG); None when there is nothing to read (CPU, no folder, or the user's own file)."""
+    if not (cuda and out_dir) or "NCCL_DEBUG_FILE" in os.environ:
+        return None
+    nccl_dir = Path(out_dir) / "nccl"
+    nccl_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("NCCL_DEBUG", "INFO")
+    os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
+    os.environ["NCCL_DEBUG_FILE"] = str(nccl_dir / "nccl-%h-%p.log")
+    return nccl_dir
+
+
+def _measure(
     layout: Layout,
-    cluster: Any = None,
+    placement: dict[str, Any],
+    cluster: Any,
+    device: Any,
     *,
-    out_dir: str | None = None,
-    size_bytes: int | None = None,
-    iters: int | None = None,
-) -> PreflightReport:
-    """Every rank calls this; rank 0 returns the full report (others a partial one)."""
+    size_bytes: int,
+    iters: int,
+) -> list[CollectiveResult]:
+    """Each axis's collectives over its mesh groups: slowest rank's time, exact results."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    cuda = torch.cuda.is_available()
-    backend = "nccl" if cuda else "gloo"
-    nccl_dir = None
-    if cuda and out_dir and "NCCL_DEBUG_FILE" not in os.environ:
-        # Only this process's NCCL logs; training keeps the profile's NCCL_DEBUG.
-        nccl_dir = Path(out_dir) / "nccl"
-        nccl_dir.mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("NCCL_DEBUG", "INFO")
-        os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
-        os.environ["NCCL_DEBUG_FILE"] = str(nccl_dir / "nccl-%h-%p.log")
-    me = rank_info()
-    if cuda:
-        torch.cuda.set_device(me.local_rank)
-    _init_process_group(backend)
-    device = torch.device("cuda", me.local_rank) if cuda else torch.device("cpu")
+    cuda = device.type == "cuda"
     world = dist.get_world_size()
-    if layout.world_size != world:
-        raise RuntimeError(
-            f"layout {layout.describe()} is for {layout.world_size} ranks, not {world}"
-        )
-
-    infos: list[Any] = [None] * world
-    dist.all_gather_object(infos, me)
-    placement = placement_summary(infos, layout)
     names = tuple(a.value for a in MESH_ORDER)
     mesh = init_device_mesh(device.type, layout.shape(), mesh_dim_names=names)
-
-    if size_bytes is None:
-        size_bytes = 256 * 2**20 if cuda else 2**20
-    if iters is None:
-        iters = 20 if cuda else 3
     numel = max(size_bytes // 4, 1)
     results: list[CollectiveResult] = []
-    for axis in names:
-        n = layout.degree(next(a for a in MESH_ORDER if a.value == axis))
+    for axis in MESH_ORDER:
+        n = layout.degree(axis)
         if n <= 1:
             continue
-        group = mesh[axis].get_group()
-        for op in AXIS_COLLECTIVES[axis]:
+        group = mesh[axis.value].get_group()
+        for op in AXIS_COLLECTIVES[axis.value]:
             dt, err, nbytes = run_collective(
                 op, group, numel, device, iters, warmup=2 if cuda else 1
             )
@@ -431,13 +401,13 @@ def run_preflight(
             slow_dt, max_err = float(stats[0]), float(stats[1])
             # The slowest group decides the time: does any group of this axis leave its
             # node, or its leaf switch?
-            ginfo = placement["groups"][axis]
+            ginfo = placement["groups"][axis.value]
             crosses = any(len(g["nodes"]) > 1 for g in ginfo)
             crosses_leaves = any(len(g["leaves"]) > 1 for g in ginfo)
             algbw = nbytes / slow_dt / 1e9 if slow_dt > 0 else 0.0
             results.append(
                 CollectiveResult(
-                    axis=axis,
+                    axis=axis.value,
                     op=op,
                     group_size=n,
                     groups=world // n,
@@ -452,7 +422,13 @@ def run_preflight(
                     bad_ranks=[int(i) for i in torch.nonzero(bad.cpu()).flatten().tolist()],
                 )
             )
+    return results
 
+
+def placement_warnings(
+    placement: dict[str, Any], results: list[CollectiveResult], *, cuda: bool, cluster: Any
+) -> list[str]:
+    """Node order, rank contiguity, tp over the network, and slow links (GPU only)."""
     warnings: list[str] = []
     checks = placement["checks"]
     if len(placement["nodes"]) > 1 and not checks["node_ranks_follow_topology"]:
@@ -475,34 +451,84 @@ def run_preflight(
                     f"{r.op} over {r.axis}: bus bandwidth {r.busbw_gbs:.1f} GB/s is below "
                     f"{SLOW_FRACTION:.0%} of the profile's {r.predicted_busbw_gbs:.1f} GB/s"
                 )
+    return warnings
 
+
+def _network_check(nccl_dir: Path | None, cluster: Any, multi_node: bool) -> dict[str, Any]:
+    """Every rank's NCCL log, merged: did InfiniBand (not TCP sockets) carry the traffic?"""
+    import torch.distributed as dist
+
+    from launch.nccl_log import check_network, parse_nccl_log
+
+    path = ""
+    if nccl_dir is not None:
+        host = socket.gethostname()
+        path = str(nccl_dir / f"nccl-{host}-{os.getpid()}.log")
+    text = Path(path).read_text(errors="replace") if path and Path(path).exists() else ""
+    reports: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, parse_nccl_log(text))
+    merged = reports[0]
+    for r in reports[1:]:
+        merged = merged.merge(r)
+    fabric = getattr(getattr(cluster, "nccl", None), "fabric", "infiniband")
+    verdict = check_network(merged, fabric, multi_node=multi_node)
+    return {
+        "ok": verdict.ok,
+        "level": verdict.level,
+        "message": verdict.message,
+        "networks": merged.networks,
+        "ib_devices": merged.ib_devices,
+        "network_channels": dict(merged.network_channels),
+        "gdrdma_channels": merged.gdrdma_channels,
+    }
+
+
+def run_preflight(
+    layout: Layout,
+    cluster: Any = None,
+    *,
+    out_dir: str | None = None,
+    size_bytes: int | None = None,
+    iters: int | None = None,
+) -> PreflightReport:
+    """Every rank calls this; rank 0 returns the full report (others a partial one).
+
+    Steps: NCCL logging, the process group, where every rank runs (placement.json), the
+    collectives of each mesh axis, warnings, the NCCL network check, the report files."""
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    nccl_dir = _nccl_debug_to_files(out_dir, cuda)
+    me = launched_rank()
+    if cuda:
+        torch.cuda.set_device(me.local_rank)
+    _init_process_group(backend)
+    device = torch.device("cuda", me.local_rank) if cuda else torch.device("cpu")
+    world = dist.get_world_size()
+    if layout.world_size != world:
+        raise RuntimeError(
+            f"layout {layout.describe()} is for {layout.world_size} ranks, not {world}"
+        )
+
+    infos: list[Any] = [None] * world
+    dist.all_gather_object(infos, me)
+    placement = placement_report(infos, layout)
+    results = _measure(
+        layout,
+        placement,
+        cluster,
+        device,
+        size_bytes=size_bytes if size_bytes is not None else (256 * 2**20 if cuda else 2**20),
+        iters=iters if iters is not None else (20 if cuda else 3),
+    )
+    warnings = placement_warnings(placement, results, cuda=cuda, cluster=cluster)
     network = None
     if cuda:
-        from launch.nccl_log import check_network, parse_nccl_log
-
-        path = ""
-        if nccl_dir is not None:
-            host = socket.gethostname()
-            path = str(nccl_dir / f"nccl-{host}-{os.getpid()}.log")
-        text = Path(path).read_text(errors="replace") if path and Path(path).exists() else ""
-        reports: list[Any] = [None] * world
-        dist.all_gather_object(reports, parse_nccl_log(text))
-        merged = reports[0]
-        for r in reports[1:]:
-            merged = merged.merge(r)
-        fabric = getattr(getattr(cluster, "nccl", None), "fabric", "infiniband")
-        verdict = check_network(merged, fabric, multi_node=len(placement["nodes"]) > 1)
-        network = {
-            "ok": verdict.ok,
-            "level": verdict.level,
-            "message": verdict.message,
-            "networks": merged.networks,
-            "ib_devices": merged.ib_devices,
-            "network_channels": dict(merged.network_channels),
-            "gdrdma_channels": merged.gdrdma_channels,
-        }
-        if verdict.level == "warn":
-            warnings.append(verdict.message)
+        network = _network_check(nccl_dir, cluster, multi_node=len(placement["nodes"]) > 1)
+        if network["level"] == "warn":
+            warnings.append(network["message"])
 
     rep = PreflightReport(placement, results, network, warnings, backend, str(device))
     if dist.get_rank() == 0 and out_dir:

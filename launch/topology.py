@@ -9,36 +9,26 @@ static rendezvous, share a leaf: the mesh's inner axes (tp, cp, dp_shard) stay u
 switches as the allocation allows, and plain rank order is the planned placement.
 
 Pure functions (no Slurm calls): the job script gathers ``<node> <address>`` lines with one
-``srun`` task per node and runs ``python -m launch.node_order`` on them.
+``srun`` task per node and runs ``python -m tools.node_order`` on them.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 
-from parallel.axes import Layout
-from parallel.cluster import Fabric, Host, expand_hostlist, parse_scontrol_topology
+from core.axes import Layout
+from core.errors import ConfigError
+from launch.slurm import parse_scontrol_topology
+from parallel.fabric import Fabric, Host
 from parallel.placement import node_order
-from recipe.errors import ConfigError
 
 __all__ = [
     "addresses_from_scontrol_topology",
-    "expand_hostlist",
     "host_from_address",
     "leaf_of",
     "leaf_switches_needed",
-    "natural_key",
     "topology_order",
 ]
-
-_DIGITS = re.compile(r"(\d+)")
-
-
-def natural_key(text: str) -> tuple[tuple[int, int | str], ...]:
-    """'leaf10' after 'leaf9': digit runs compare as numbers, the rest as text."""
-    parts = _DIGITS.split(text)
-    return tuple((1, int(p)) if p.isdigit() else (0, p) for p in parts if p != "")
 
 
 def addresses_from_scontrol_topology(text: str, nodes: Iterable[str]) -> dict[str, str]:

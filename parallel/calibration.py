@@ -1,26 +1,121 @@
-"""The published throughput rows (../shared/notes/published-throughput.md) as Workloads.
+"""Published training throughput as Workloads: the calibration set of the performance model.
 
-Each row is what the source states (model, GPUs, layout, precision, compile, async TP,
-local batch, seq) on a cluster profile for its platform. Where the source leaves a
-setting out, the row says which value we assumed and why (`assumed`).
+Each row is what its source states (model, GPUs, layout, precision, batch, sequence length,
+throughput; memory where stated), on a cluster profile for its platform, priced with the
+software-stack profile of the run (`stacks/<name>.toml`). Where a source leaves a setting
+out, the row says what we assumed (`assumed`). No row has its own constant: the only
+fitted numbers are the stack profiles' (`FIT_PARAMS`), fitted by `fit()` over every row and
+cross-validated by leaving one source out (`leave_one_source_out`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
-from parallel.axes import Layout
+from core.axes import Layout
+from core.models import ModelShape, model_shape
 from parallel.cluster import Cluster, load_cluster
 from parallel.perf import Prediction, predict
+from parallel.stacks import Stack, load_stack
 from parallel.workload import Workload
-from recipe.models import model_shape
+
+
+@dataclass(frozen=True)
+class Source:
+    key: str
+    title: str
+    url: str
+    date: str
+    stack: str
+
+
+SOURCES = {
+    s.key: s
+    for s in (
+        Source(
+            "tt2412",
+            "torchtitan Llama 3.1 on H100 (Grand Teton, 500 W, 96 GB)",
+            "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md",
+            "2024-12",
+            "torchtitan",
+        ),
+        Source(
+            "tt2506",
+            "torchtitan async TP, Llama 3 70B on 256 H100 (Grand Teton)",
+            "https://github.com/pytorch/torchtitan/blob/main/benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md",
+            "2025-06",
+            "torchtitan",
+        ),
+        Source(
+            "tt2506h200",
+            "torchtitan Llama 3.1 8B on 32 / 64 H200 (Trainy)",
+            "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_8b_h200_2025-06_torchtitan.md",
+            "2025-06",
+            "torchtitan",
+        ),
+        Source(
+            "nemo2407",
+            "NeMo performance summary, NeMo 24.07 container, DGX-H100, FP8",
+            "https://github.com/NVIDIA/NeMo/blob/main/docs/source/performance/performance_summary.md",
+            "2024-07",
+            "megatron_te",
+        ),
+        Source(
+            "dgxc2502",
+            "NVIDIA dgxc-benchmarking llama3.1 70B README v25.02 (H100 SXM, BF16)",
+            "https://github.com/NVIDIA/dgxc-benchmarking",
+            "2025-02",
+            "megatron_te",
+        ),
+        Source(
+            "nemo2502",
+            "NeMo Framework performance summary, NeMo 25.02 container, DGX-B200, FP8",
+            "https://docs.nvidia.com/nemo-framework/user-guide/latest/performance/performance_summary.html",
+            "2025-02",
+            "megatron_te",
+        ),
+        Source(
+            "nemo2504",
+            "NeMo Framework performance summary, NeMo 25.04 container, DGX-GB200, FP8 current scaling",
+            "https://docs.nvidia.com/nemo-framework/user-guide/latest/performance/archive/25.04-performance-summary.html",
+            "2025-04",
+            "megatron_te",
+        ),
+        Source(
+            "mb2511",
+            "Megatron-Bridge performance summary, NeMo 25.11 container",
+            "https://github.com/NVIDIA-NeMo/Megatron-Bridge/blob/main/docs/performance-summary.md",
+            "2025-11",
+            "megatron_te",
+        ),
+        Source(
+            "mb2602",
+            "Megatron-Bridge performance summary archive, NeMo 26.02 container",
+            "https://github.com/NVIDIA-NeMo/Megatron-Bridge/blob/main/docs/performance-summary-archive.md",
+            "2026-02",
+            "megatron_te",
+        ),
+        Source(
+            "llama3",
+            "The Llama 3 Herd of Models, Table 4 (405B on 8K / 16K H100, BF16)",
+            "https://arxiv.org/abs/2407.21783",
+            "2024-07",
+            "megatron_te",
+        ),
+    )
+}
+
+
+_CLUSTERS: dict[tuple[str, int], Cluster] = {}
 
 
 @dataclass(frozen=True)
 class Row:
     name: str
-    source: str
+    source: str  # key in SOURCES
     cluster: str  # profile name in clusters/
     nodes: int
     workload: Workload
@@ -28,16 +123,31 @@ class Row:
     memory_gib: float | None = None
     assumed: str = ""
 
+    @property
+    def src(self) -> Source:
+        return SOURCES[self.source]
+
+    @property
+    def gpus(self) -> int:
+        return self.workload.layout.world_size
+
     def load_cluster(self) -> Cluster:
-        return load_cluster(self.cluster, nodes=self.nodes)
+        key = (self.cluster, self.nodes)
+        if key not in _CLUSTERS:  # parsed once: the fit predicts every row many times
+            _CLUSTERS[key] = load_cluster(self.cluster, nodes=self.nodes)
+        return _CLUSTERS[key]
 
-    def predict(self) -> Prediction:
-        return predict(self.workload, self.load_cluster())
+    def predict(self, stacks: dict[str, Stack] | None = None) -> Prediction:
+        st = (stacks or {}).get(self.workload.stack)
+        return predict(self.workload, self.load_cluster(), stack=st)
 
 
-TT24 = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton H100, 2024-12)"
-TT25 = "torchtitan async-TP report, 2025-06 (Grand Teton H100)"
-NEMO = "NVIDIA dgxc-benchmarking llama3.1 70B README v25.02 (H100 SXM)"
+def megatron_flops_per_token(shape: ModelShape, seq_len: int) -> float:
+    """Model FLOPs per token as NVIDIA's tables count them (Megatron's formula: 6 x
+    non-embedding params + 6 x layers x seq x heads x head_dim, i.e. causal attention).
+    Checked: 744 TFLOP/s / 14,451 tok/s = 51.5 GFLOP per token for Llama 3 8B at 8192."""
+    s = shape
+    return 6 * s.non_embedding_params + 6 * s.n_layers * seq_len * s.n_heads * s.head_dim
 
 
 def _w8(**kw: Any) -> Workload:
@@ -61,17 +171,110 @@ def _w70(**kw: Any) -> Workload:
     return Workload(**base)
 
 
+def _mcore(
+    flavor: str,
+    gpus: int,
+    gbs: int,
+    mbs: int,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    vp: int = 0,
+    fsdp: bool = False,
+    linear: str = "fp8_tensorwise",
+    seq: int = 8192,
+) -> Workload:
+    """A Megatron-Core run as NVIDIA's tables state it: GBS, MBS, TP, PP, CP, VP, FSDP
+    (else DDP + distributed optimizer); dp = GPUs / (TP x PP x CP); microbatches = GBS /
+    (dp x MBS) (pipelined with PP, gradient accumulation without)."""
+    dp = gpus // (tp * pp * cp)
+    micro = gbs // (dp * mbs)
+    lay = (
+        Layout(pp=pp, dp_shard=dp, cp=cp, tp=tp)
+        if fsdp
+        else Layout(pp=pp, dp_replicate=dp, cp=cp, tp=tp)
+    )
+    sched = "Interleaved1F1B" if vp > 1 else "1F1B"
+    return Workload(
+        shape=model_shape(flavor),
+        seq_len=seq,
+        local_batch_size=mbs * (micro if pp > 1 else 1),
+        layout=lay,
+        grad_accum=1 if pp > 1 else micro,
+        pp_schedule=sched,
+        pp_microbatches=micro if pp > 1 else 0,
+        virtual_stages=vp if vp > 1 else 0,
+        ac="none",
+        linear=linear,
+        compile=True,
+        cp_rotate="alltoall",
+        stack="megatron_te",
+    )
+
+
 FP8_TW = dict(linear="fp8_tensorwise", fp8_all_gather=True)
+GT, H100, H200, B200, GB200 = (
+    "grand_teton_h100",
+    "hgx_h100_ib",
+    "hgx_h200_ib",
+    "hgx_b200_ib",
+    "gb200_nvl72",
+)
+MCORE_ASSUMED = "no activation recompute (the tables list none)"
+FP8_CS = "FP8-CS = per-tensor current scaling (fp8_tensorwise GEMMs)"
+FP8_DELAYED = "FP8 = per-tensor delayed scaling (TE's default then; the table says FP8)"
+
+# NVIDIA's tables, row by row as published: (source, cluster, model, GPUs, GBS, MBS,
+# layout {tp, pp, cp, vp, fsdp, linear}, tokens/s/GPU). FP8 is per-tensor unless MXFP8.
+# fmt: off
+MCORE_ROWS: tuple[tuple[str, str, str, int, int, int, dict[str, Any], float], ...] = (
+    ("dgxc2502", H100, "70B", 64, 128, 1, dict(tp=4, pp=4, cp=2, vp=5, linear="bf16"), 1121),
+    ("nemo2407", H100, "8B", 8, 128, 1, dict(cp=2), 12036),
+    ("nemo2407", H100, "70B", 64, 128, 1, dict(tp=4, pp=4, cp=2, vp=5), 1533),
+    ("nemo2502", B200, "8B", 8, 128, 2, {}, 26006),
+    ("nemo2502", B200, "70B", 64, 128, 1, dict(tp=2, pp=4, cp=2, vp=5), 3062),
+    ("nemo2502", B200, "405B", 128, 64, 1, dict(tp=4, pp=8, cp=2, vp=8), 625),
+    ("nemo2504", GB200, "8B", 8, 128, 2, {}, 33099),
+    ("nemo2504", GB200, "70B", 64, 128, 1, dict(fsdp=True), 4035),
+    ("nemo2504", GB200, "405B", 128, 64, 1, dict(tp=4, pp=8, cp=2, vp=8), 665),
+    ("mb2511", H100, "8B", 8, 128, 1, dict(fsdp=True), 14451),
+    ("mb2511", H100, "70B", 64, 128, 1, dict(tp=4, pp=8, vp=5), 1602),
+    ("mb2511", H100, "405B", 1024, 512, 1, dict(tp=8, pp=8, cp=2, vp=8), 292),
+    ("mb2511", B200, "8B", 8, 128, 2, {}, 30624),
+    ("mb2511", B200, "405B", 128, 64, 1, dict(tp=4, pp=8, cp=2, vp=8), 661),
+    ("mb2511", GB200, "8B", 8, 128, 2, {}, 31508),
+    ("mb2511", GB200, "70B", 64, 256, 2, dict(fsdp=True), 4312),
+    ("mb2511", GB200, "405B", 256, 1536, 1, dict(tp=4, pp=16, vp=4), 813),
+    ("mb2602", H100, "70B", 64, 256, 1, dict(tp=4, pp=8, vp=5), 1621),
+    ("mb2602", H100, "405B", 1024, 1536, 1, dict(tp=8, pp=8, cp=2, vp=8), 311),
+    ("mb2602", GB200, "70B", 64, 256, 2, dict(fsdp=True), 4040),
+    ("mb2602", GB200, "70B", 64, 256, 1, dict(tp=2, pp=4, vp=5, linear="mxfp8"), 3613),
+    ("mb2602", GB200, "405B", 256, 1536, 1, dict(tp=4, pp=16, vp=4), 793),
+    ("mb2602", GB200, "405B", 256, 1536, 1, dict(tp=4, pp=16, vp=8, linear="mxfp8"), 786),
+)
+# fmt: on
+
+
+def _mcore_layout(w: Workload, kw: dict[str, Any]) -> str:
+    """A row's layout as NVIDIA's columns state it, e.g. TP4xPP8(VP5)xCP2 or FSDP64."""
+    lay = w.layout
+    if kw.get("fsdp"):
+        return f"FSDP{lay.dp_shard}"
+    parts = [f"TP{lay.tp}"] if lay.tp > 1 else []
+    if lay.pp > 1:
+        parts.append(f"PP{lay.pp}" + (f"(VP{w.virtual_stages})" if w.virtual_stages else ""))
+    if lay.cp > 1:
+        parts.append(f"CP{lay.cp}")
+    return "x".join(parts) or f"DP{lay.dp}"
 
 
 def rows() -> list[Row]:
-    gt = "grand_teton_h100"
     out = [
-        Row("8B FSDP8 BF16 eager", TT24, gt, 1, _w8(layout=Layout(dp_shard=8)), 5762, 82.4),
+        Row("8B FSDP8 BF16 eager", "tt2412", GT, 1, _w8(layout=Layout(dp_shard=8)), 5762, 82.4),
         Row(
             "8B FSDP8 BF16 compile",
-            TT24,
-            gt,
+            "tt2412",
+            GT,
             1,
             _w8(layout=Layout(dp_shard=8), compile=True),
             6667,
@@ -79,19 +282,27 @@ def rows() -> list[Row]:
         ),
         Row(
             "8B FSDP8 FP8 compile",
-            TT24,
-            gt,
+            "tt2412",
+            GT,
             1,
             _w8(layout=Layout(dp_shard=8), compile=True, **FP8_TW),
             8532,
             76.8,
             assumed="FP8 = tensorwise scaling with FP8 all-gather (torchtitan's Float8 of 2024)",
         ),
-        Row("8B FSDP128 BF16 eager", TT24, gt, 16, _w8(layout=Layout(dp_shard=128)), 5605, 67.0),
+        Row(
+            "8B FSDP128 BF16 eager",
+            "tt2412",
+            GT,
+            16,
+            _w8(layout=Layout(dp_shard=128)),
+            5605,
+            67.0,
+        ),
         Row(
             "8B FSDP128 BF16 compile",
-            TT24,
-            gt,
+            "tt2412",
+            GT,
             16,
             _w8(layout=Layout(dp_shard=128), compile=True),
             6514,
@@ -99,16 +310,24 @@ def rows() -> list[Row]:
         ),
         Row(
             "8B FSDP128 FP8 compile",
-            TT24,
-            gt,
+            "tt2412",
+            GT,
             16,
             _w8(layout=Layout(dp_shard=128), compile=True, **FP8_TW),
             8380,
             61.8,
             assumed="FP8 = tensorwise with FP8 all-gather",
         ),
-        Row("70B FSDP32xTP8 FP8", TT24, gt, 32, _w70(**FP8_TW), 829, 71.9),
-        Row("70B FSDP32xTP8 FP8 asyncTP", TT24, gt, 32, _w70(async_tp=True, **FP8_TW), 876, 67.6),
+        Row("70B FSDP32xTP8 FP8", "tt2412", GT, 32, _w70(**FP8_TW), 829, 71.9),
+        Row(
+            "70B FSDP32xTP8 FP8 asyncTP",
+            "tt2412",
+            GT,
+            32,
+            _w70(async_tp=True, **FP8_TW),
+            876,
+            67.6,
+        ),
     ]
     w405: dict[str, Any] = dict(
         shape=model_shape("405B"),
@@ -123,8 +342,8 @@ def rows() -> list[Row]:
     out += [
         Row(
             "405B FSDP8xTP8xPP8 1F1B",
-            TT24,
-            gt,
+            "tt2412",
+            GT,
             64,
             Workload(pp_schedule="1F1B", pp_microbatches=8, **w405),
             100,
@@ -133,8 +352,8 @@ def rows() -> list[Row]:
         ),
         Row(
             "405B FSDP8xTP8xPP8 Interleaved1F1B",
-            TT24,
-            gt,
+            "tt2412",
+            GT,
             64,
             Workload(pp_schedule="Interleaved1F1B", pp_microbatches=16, **w405),
             128,
@@ -147,42 +366,215 @@ def rows() -> list[Row]:
         ("FP8 tensorwise", FP8_TW, 810, 942),
         ("FP8 rowwise", {"linear": "fp8_rowwise"}, 600, 625),
     ):
-        out.append(Row(f"70B FSDP32xTP8 {label} (2025)", TT25, gt, 32, _w70(**kw), tps))
+        out.append(Row(f"70B FSDP32xTP8 {label} (2025)", "tt2506", GT, 32, _w70(**kw), tps))
         out.append(
             Row(
                 f"70B FSDP32xTP8 {label} asyncTP (2025)",
-                TT25,
-                gt,
+                "tt2506",
+                GT,
                 32,
                 _w70(async_tp=True, **kw),
                 tps_async,
             )
         )
-    out.append(
-        Row(
-            "70B NeMo TP4xPP4(VP5)xCP2 BF16",
-            NEMO,
-            "hgx_h100_ib",
-            8,
-            Workload(
-                shape=model_shape("70B"),
-                seq_len=8192,
-                local_batch_size=64,
-                layout=Layout(pp=4, dp_shard=2, cp=2, tp=4),
-                pp_schedule="Interleaved1F1B",
-                pp_microbatches=64,
-                virtual_stages=5,
-                ac="none",
-                compile=True,
-                async_tp=True,
-                cp_rotate="alltoall",
-            ),
-            1121,
-            assumed=(
-                "Megatron with Transformer Engine modelled as: compiled (TE fusions), async TP "
-                "(TP comm overlap), ring CP overlapped with attention, no activation "
-                "recompute; distributed optimizer ~ FSDP over dp x cp gathered once per step"
-            ),
+    for nodes, tps, mem in ((4, 10938, 47.96), (8, 10753, 46.97)):
+        out.append(
+            Row(
+                f"8B FSDP{8 * nodes} FP8 compile H200",
+                "tt2506h200",
+                H200,
+                nodes,
+                _w8(layout=Layout(dp_shard=8 * nodes), compile=True, **FP8_TW),
+                tps,
+                mem,
+                assumed="llama3_8b.toml defaults: seq 8192, selective AC; float8 = tensorwise",
+            )
         )
+    gpn = {H100: 8, H200: 8, B200: 8, GB200: 4}
+    gpu_of = {H100: "H100", B200: "B200", GB200: "GB200"}
+    for src, cl, flavor, gpus, gbs, mbs, kw, mc_tps in MCORE_ROWS:
+        w = _mcore(flavor, gpus, gbs, mbs, **kw)
+        lin = w.linear
+        prec = {"bf16": "BF16", "mxfp8": "MXFP8"}.get(lin, "FP8")
+        assumed = MCORE_ASSUMED
+        if prec == "FP8":
+            delayed = src in ("nemo2407", "nemo2502")
+            assumed += "; " + (FP8_DELAYED if delayed else FP8_CS)
+        out.append(
+            Row(
+                f"{flavor} {_mcore_layout(w, kw)} {prec} {gpu_of[cl]} x{gpus}",
+                src,
+                cl,
+                gpus // gpn[cl],
+                w,
+                mc_tps,
+                assumed=assumed,
+            )
+        )
+    # Llama 3 paper, Table 4: 405B, BF16, seq 8192, 16M tokens per step, TFLOPs/GPU.
+    s405 = model_shape("405B")
+    for gpus, dp, per_dp, tflops in ((8192, 64, 32, 430), (16384, 128, 16, 400)):
+        w = _mcore("405B", gpus, dp * per_dp, 1, tp=8, pp=16, vp=2, linear="bf16")
+        out.append(
+            Row(
+                f"405B TP8xPP16 DP{dp} BF16 H100 x{gpus} (Meta)",
+                "llama3",
+                H100,
+                gpus // 8,
+                w,
+                round(tflops * 1e12 / megatron_flops_per_token(s405, 8192), 1),
+                assumed=(
+                    f"published {tflops} TFLOPs/GPU, converted with Megatron's FLOP count "
+                    "(Meta's count not stated); Meta's 4D-parallel stack priced as megatron_te; "
+                    "interleaved schedule with 2 stages per rank (the paper gives no count); "
+                    "RoCE fabric modelled as the 400G-per-GPU H100 profile"
+                ),
+            )
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# Fitting and cross-validation
+
+
+@dataclass(frozen=True)
+class FitParam:
+    """One fitted constant: `get`/`set` it on the stacks map; `affects` says which rows
+    move with it (only those are re-predicted while it is fitted)."""
+
+    name: str
+    get: Callable[[dict[str, Stack]], float]
+    set: Callable[[dict[str, Stack], float], dict[str, Stack]]
+    affects: Callable[[Row], bool]
+    lo: float
+    hi: float
+
+
+def _mm(stack: str, prec: str) -> FitParam:
+    def get(m: dict[str, Stack]) -> float:
+        return m[stack].matmul_eff[prec]
+
+    def set_(m: dict[str, Stack], v: float) -> dict[str, Stack]:
+        st = m[stack]
+        return {**m, stack: replace(st, matmul_eff={**st.matmul_eff, prec: v})}
+
+    def affects(r: Row) -> bool:
+        lin = r.workload.linear
+        return r.workload.stack == stack and (lin == prec or (prec == "bf16"))
+
+    return FitParam(f"{stack}.matmul_eff.{prec}", get, set_, affects, 0.2, 0.95)
+
+
+def _const(stack: str, name: str, lo: float, hi: float, affects: Callable[[Row], bool]) -> FitParam:
+    def get(m: dict[str, Stack]) -> float:
+        return float(getattr(m[stack], name))
+
+    def set_(m: dict[str, Stack], v: float) -> dict[str, Stack]:
+        kw: dict[str, Any] = {name: v}
+        return {**m, stack: replace(m[stack], **kw)}
+
+    return FitParam(f"{stack}.{name}", get, set_, affects, lo, hi)
+
+
+BLACKWELL = ("B200", "GB200")
+
+
+def _blackwell() -> FitParam:
+    """Blackwell's efficiency relative to Hopper: one hardware factor shared by both
+    stacks and both Blackwell parts (only NVIDIA's tables have Blackwell rows)."""
+
+    def get(m: dict[str, Stack]) -> float:
+        return m["megatron_te"].gpu_eff["B200"]
+
+    def set_(m: dict[str, Stack], v: float) -> dict[str, Stack]:
+        return {
+            k: replace(st, gpu_eff={**st.gpu_eff, **dict.fromkeys(BLACKWELL, v)})
+            for k, st in m.items()
+        }
+
+    return FitParam(
+        "gpu_eff.Blackwell",
+        get,
+        set_,
+        lambda r: r.cluster in ("hgx_b200_ib", "gb200_nvl72"),
+        0.4,
+        1.2,
     )
+
+
+def fit_params() -> list[FitParam]:
+    tt, mc = "torchtitan", "megatron_te"
+    return [
+        _mm(tt, "bf16"),
+        _mm(tt, "fp8_tensorwise"),
+        _mm(tt, "fp8_rowwise"),
+        _const(tt, "tp_hidden", 0.0, 1.0, lambda r: r.workload.stack == tt and r.workload.async_tp),
+        _mm(mc, "bf16"),
+        _mm(mc, "fp8_tensorwise"),
+        _blackwell(),
+        _mm(mc, "mxfp8"),
+    ]
+
+
+def base_stacks() -> dict[str, Stack]:
+    return {n: load_stack(n) for n in ("torchtitan", "megatron_te")}
+
+
+def log_errors(rs: list[Row], stacks: dict[str, Stack]) -> list[float]:
+    return [
+        math.log(r.predict(stacks).tokens_per_sec_per_gpu / r.tokens_per_sec_per_gpu) for r in rs
+    ]
+
+
+def _golden(f: Callable[[float], float], a: float, b: float, steps: int = 18) -> float:
+    """Minimum of a unimodal f on [a, b] by golden-section search (interval / 1.6 a step)."""
+    gr = (math.sqrt(5) - 1) / 2
+    c, d = b - gr * (b - a), a + gr * (b - a)
+    fc, fd = f(c), f(d)
+    for _ in range(steps):
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - gr * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + gr * (b - a)
+            fd = f(d)
+    return (a + b) / 2
+
+
+def _sq_loss(prm: FitParam, sub: list[Row], m: dict[str, Stack]) -> Callable[[float], float]:
+    def loss(v: float) -> float:
+        return sum(e * e for e in log_errors(sub, prm.set(m, v)))
+
+    return loss
+
+
+def fit(rs: list[Row], stacks: dict[str, Stack] | None = None, sweeps: int = 2) -> dict[str, Stack]:
+    """Coordinate descent (golden section per constant, within its bounds) minimising the
+    sum of squared log errors of the rows each constant moves. A constant no row in `rs`
+    moves keeps the profile's value."""
+    m = dict(stacks or base_stacks())
+    for _ in range(sweeps):
+        for prm in fit_params():
+            sub = [r for r in rs if prm.affects(r)]
+            if not sub:
+                continue
+            m = prm.set(m, round(_golden(_sq_loss(prm, sub, m), prm.lo, prm.hi), 3))
+    return m
+
+
+def leave_one_source_out(rs: list[Row] | None = None) -> dict[str, list[tuple[Row, float]]]:
+    """For each source: fit on every other source's rows, predict this source's rows.
+    Returns source -> [(row, signed error %)]."""
+    rs = rs or rows()
+    out: dict[str, list[tuple[Row, float]]] = {}
+    for key in dict.fromkeys(r.source for r in rs):
+        held = [r for r in rs if r.source == key]
+        m = fit([r for r in rs if r.source != key])
+        out[key] = [
+            (r, 100 * (r.predict(m).tokens_per_sec_per_gpu / r.tokens_per_sec_per_gpu - 1))
+            for r in held
+        ]
     return out

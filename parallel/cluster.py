@@ -1,13 +1,12 @@
-"""Cluster profiles (`clusters/*.toml`) and the concrete host fabric a job runs on.
+"""Cluster profiles (`clusters/*.toml`): the schema and the loader.
 
 A profile describes the hardware (GPU kind, GPUs per node, NVLink domain, link speeds), the
 switch tree ([topology]: regular `nodes_per_leaf`/`leaves_per_spine`, or an explicit switch
 list in Slurm's topology.conf style) and the NCCL environment for the fabric ([nccl]).
 
-`Cluster.fabric()` turns a profile into a `Fabric`: the hosts in launch order (node rank i
-is `hosts[i]`), each with its switch path (root ... leaf) and NVLink domain. At launch the
-same object can come from Slurm instead (`fabric_from_slurm`: `scontrol show topology`
-text, per-node `SLURM_TOPOLOGY_ADDR`, `SLURM_JOB_NODELIST`). Everything here is pure.
+`Cluster.fabric()` turns a profile into a `Fabric` (`parallel.fabric`: the hosts in launch
+order with switch paths and NVLink domains). At launch the same object can come from Slurm
+instead (`launch.slurm.fabric_from_slurm`). Everything here is pure.
 """
 
 from __future__ import annotations
@@ -15,13 +14,13 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from parallel.hardware import GPUS
-from recipe.errors import ConfigError
-from recipe.toml_schema import apply_override, build_dataclass, doc, read_with_bases
+from core.errors import ConfigError
+from core.hardware import GPUS
+from core.typed_toml import apply_override, build_dataclass, doc, read_with_bases, resolve_named
+from parallel.fabric import Fabric, fabric_of
 
 CLUSTERS_DIR = Path(__file__).resolve().parent.parent / "clusters"
 
@@ -228,184 +227,12 @@ class Cluster:
 
     def fabric(self) -> Fabric:
         """The hosts of this profile in launch order, with switch paths and NVLink domains."""
-        return _fabric_of(self)
-
-
-# ----------------------------------------------------------------------------------------
-# The concrete fabric
-
-
-@dataclass(frozen=True)
-class Host:
-    name: str
-    switch_path: tuple[str, ...]  # root first, leaf last; () = no switch (one host)
-    nvlink_domain: str
-
-    @property
-    def leaf(self) -> str:
-        return self.switch_path[-1] if self.switch_path else ""
-
-    @property
-    def spine(self) -> str:
-        return self.switch_path[-2] if len(self.switch_path) >= 2 else self.leaf
-
-
-@dataclass(frozen=True)
-class Fabric:
-    """Hosts in launch order: global rank r runs on hosts[r // gpus_per_node]."""
-
-    hosts: tuple[Host, ...]
-    gpus_per_node: int
-
-    @property
-    def world_size(self) -> int:
-        return len(self.hosts) * self.gpus_per_node
-
-    def host_of(self, rank: int) -> Host:
-        return self.hosts[rank // self.gpus_per_node]
-
-    @cached_property
-    def domain_gpus(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for h in self.hosts:
-            out[h.nvlink_domain] = out.get(h.nvlink_domain, 0) + self.gpus_per_node
-        return out
-
-    def shuffled(self, seed: int) -> Fabric:
-        """The same hosts in another launch order (what c10d rendezvous may give)."""
-        import random
-
-        hosts = list(self.hosts)
-        random.Random(seed).shuffle(hosts)
-        return Fabric(tuple(hosts), self.gpus_per_node)
-
-
-def _fabric_of(c: Cluster) -> Fabric:
-    t = c.topology
-    if t.switches:
-
-        def hl(expr: str, key: str) -> list[str]:
-            try:
-                return expand_hostlist(expr)
-            except ValueError as e:
-                raise ConfigError(str(e), file=c.source, key=key) from None
-
-        hosts = _hosts_from_switches(
-            [
-                (
-                    s.name,
-                    hl(s.nodes, f"topology.switches[{i}].nodes"),
-                    hl(s.switches, f"topology.switches[{i}].switches"),
-                )
-                for i, s in enumerate(t.switches)
-            ],
-            blocks={
-                b.name: hl(b.nodes, f"topology.nvlink_blocks[{i}].nodes")
-                for i, b in enumerate(t.nvlink_blocks)
-            },
-            nodes_per_domain=c.nodes_per_domain,
-            file=c.source,
-        )
-        return Fabric(tuple(hosts[: c.nodes]), c.gpus_per_node)
-    npl = t.nodes_per_leaf or c.nodes
-    lps = t.leaves_per_spine or max(1, -(-c.nodes // npl))
-    npd = c.nodes_per_domain
-    width = max(4, len(str(c.nodes - 1)))
-    hosts = []
-    for i in range(c.nodes):
-        leaf = i // npl
-        spine = leaf // lps
-        hosts.append(
-            Host(
-                name=f"{c.host_prefix}{i:0{width}d}",
-                switch_path=(f"spine{spine}", f"leaf{leaf}"),
-                nvlink_domain=(f"{c.host_prefix}{i:0{width}d}" if npd == 1 else f"nvl{i // npd}"),
-            )
-        )
-    return Fabric(tuple(hosts), c.gpus_per_node)
-
-
-def _hosts_from_switches(
-    switches: list[tuple[str, list[str], list[str]]],
-    *,
-    blocks: dict[str, list[str]] | None = None,
-    nodes_per_domain: int = 1,
-    file: str | None = None,
-    key: str = "topology.switches",
-) -> list[Host]:
-    """Hosts (in the order the leaves list them) with root..leaf paths from a switch tree."""
-    parent: dict[str, str] = {}
-    names = {s[0] for s in switches}
-    for name, _, children in switches:
-        for ch in children:
-            if ch not in names:
-                raise ConfigError(
-                    f"switch {name} lists unknown child switch {ch!r}", file=file, key=key
-                )
-            if ch in parent and parent[ch] != name:
-                raise ConfigError(
-                    f"switch {ch} has two parents ({parent[ch]}, {name})", file=file, key=key
-                )
-            parent[ch] = name
-
-    def path(sw: str) -> tuple[str, ...]:
-        out = [sw]
-        seen = {sw}
-        while out[-1] in parent:
-            nxt = parent[out[-1]]
-            if nxt in seen:
-                raise ConfigError(f"switch cycle through {nxt}", file=file, key=key)
-            seen.add(nxt)
-            out.append(nxt)
-        return tuple(reversed(out))
-
-    host_domain: dict[str, str] = {}
-    for bname, members in (blocks or {}).items():
-        for h in members:
-            if h in host_domain:
-                raise ConfigError(f"host {h} is in two NVLink blocks", file=file, key=key)
-            host_domain[h] = bname
-    hosts: list[Host] = []
-    seen_hosts: set[str] = set()
-    for name, nodes, children in switches:
-        # Upper-level switches in `scontrol show topology` repeat their subtree's nodes;
-        # only a leaf (no child switches) places a host.
-        if children:
-            continue
-        for h in nodes:
-            if h in seen_hosts:
-                raise ConfigError(f"host {h} is under two leaf switches", file=file, key=key)
-            seen_hosts.add(h)
-            hosts.append(Host(h, path(name), ""))
-    out = []
-    for i, host in enumerate(hosts):
-        dom = host_domain.get(host.name) or (
-            host.name if nodes_per_domain == 1 else f"{host.leaf}/nvl{i // nodes_per_domain}"
-        )
-        out.append(Host(host.name, host.switch_path, dom))
-    return out
-
-
-# ----------------------------------------------------------------------------------------
-# Loading profiles
+        return fabric_of(self)
 
 
 def resolve_cluster_path(path_or_name: str | Path) -> Path:
     """A path, or a profile name from clusters/ ("hgx_h100_ib")."""
-    p = Path(path_or_name)
-    if p.exists() or p.suffix == ".toml" or "/" in str(path_or_name):
-        return p
-    cand = CLUSTERS_DIR / f"{path_or_name}.toml"
-    if cand.exists():
-        return cand
-    from recipe.errors import did_you_mean
-
-    known = sorted(f.stem for f in CLUSTERS_DIR.glob("*.toml"))
-    hint = did_you_mean(str(path_or_name), known)
-    raise ConfigError(
-        f"no cluster profile named {str(path_or_name)!r}{hint}; known: {', '.join(known)}",
-        file=str(path_or_name),
-    )
+    return resolve_named(path_or_name, CLUSTERS_DIR, what="cluster profile")
 
 
 def load_cluster(
@@ -430,200 +257,3 @@ def load_cluster(
     if nodes is not None:
         cluster = cluster.with_nodes(nodes)
     return cluster
-
-
-# ----------------------------------------------------------------------------------------
-# Slurm
-
-
-def expand_hostlist(expr: str) -> list[str]:
-    """Expand a Slurm hostlist ("gpu[001-003,7],cpu1") in order; ValueError on bad syntax."""
-    expr = expr.strip()
-    if not expr:
-        return []
-    parts: list[str] = []
-    depth = 0
-    cur = ""
-    for ch in expr:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"unbalanced ']' in hostlist {expr!r}")
-        if ch == "," and depth == 0:
-            parts.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    if depth:
-        raise ValueError(f"unbalanced '[' in hostlist {expr!r}")
-    parts.append(cur)
-    out: list[str] = []
-    for part in parts:
-        part = part.strip()
-        if part:
-            out.extend(_expand_one(part, expr))
-    return out
-
-
-def _expand_one(part: str, whole: str) -> list[str]:
-    m = re.search(r"\[([^\[\]]*)\]", part)
-    if not m:
-        return [part]
-    head, tail = part[: m.start()], part[m.end() :]
-    values: list[str] = []
-    for rng in m.group(1).split(","):
-        rng = rng.strip()
-        if "-" in rng:
-            lo, hi = rng.split("-", 1)
-            if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
-                raise ValueError(f"bad range {rng!r} in hostlist {whole!r}")
-            width = len(lo) if lo.startswith("0") else 0
-            values.extend(f"{i:0{width}d}" for i in range(int(lo), int(hi) + 1))
-        elif rng.isdigit():
-            values.append(rng)
-        else:
-            raise ValueError(f"bad entry {rng!r} in hostlist {whole!r}")
-    out = []
-    for v in values:
-        out.extend(_expand_one(head + v + tail, whole))
-    return out
-
-
-@dataclass(frozen=True)
-class SlurmTopology:
-    """`scontrol show topology`: switches (name, nodes, child switches) and NVLink blocks."""
-
-    switches: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...]
-    blocks: tuple[tuple[str, tuple[str, ...]], ...] = ()
-
-
-def parse_scontrol_topology(text: str) -> SlurmTopology:
-    """Parse `scontrol show topology` (tree plugin SwitchName=..., block plugin BlockName=)."""
-    switches = []
-    blocks = []
-    for lineno, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        fields = dict(_kv(tok) for tok in line.split())
-        try:
-            if "SwitchName" in fields:
-                switches.append(
-                    (
-                        fields["SwitchName"],
-                        tuple(expand_hostlist(fields.get("Nodes", ""))),
-                        tuple(expand_hostlist(fields.get("Switches", ""))),
-                    )
-                )
-            elif "BlockName" in fields:
-                blocks.append(
-                    (fields["BlockName"], tuple(expand_hostlist(fields.get("Nodes", ""))))
-                )
-        except ValueError as e:
-            raise ConfigError(f"line {lineno}: {e}", file="scontrol show topology") from None
-    if not switches and not blocks:
-        raise ConfigError(
-            "no SwitchName= or BlockName= lines (is a topology plugin configured?)",
-            file="scontrol show topology",
-        )
-    return SlurmTopology(tuple(switches), tuple(blocks))
-
-
-def _kv(tok: str) -> tuple[str, str]:
-    k, _, v = tok.partition("=")
-    return k, v
-
-
-def parse_topology_addr(addr: str, pattern: str = "") -> tuple[tuple[str, ...], str]:
-    """`SLURM_TOPOLOGY_ADDR` ("spine.leaf1.node1") -> (("spine", "leaf1"), "node1").
-
-    With `SLURM_TOPOLOGY_ADDR_PATTERN` ("switch.switch.node") the fields are checked.
-    """
-    parts = addr.split(".")
-    if pattern:
-        kinds = pattern.split(".")
-        if len(kinds) != len(parts) or kinds[-1] != "node":
-            raise ConfigError(
-                f"SLURM_TOPOLOGY_ADDR {addr!r} does not match pattern {pattern!r}",
-                file="environment",
-                key="SLURM_TOPOLOGY_ADDR",
-            )
-    if not parts[-1]:
-        raise ConfigError(
-            f"empty node name in {addr!r}", file="environment", key="SLURM_TOPOLOGY_ADDR"
-        )
-    return tuple(parts[:-1]), parts[-1]
-
-
-def fabric_from_slurm(
-    cluster: Cluster,
-    *,
-    nodelist: str | None = None,
-    topology_text: str | None = None,
-    topology_addrs: dict[str, str] | None = None,
-) -> Fabric:
-    """The job's fabric from Slurm: hosts in `SLURM_JOB_NODELIST` order (node rank order).
-
-    Switch paths come from `topology_addrs` (host -> SLURM_TOPOLOGY_ADDR, gathered from
-    each node) or else from `scontrol show topology` text; NVLink domains from block
-    lines, else hosts grouped by leaf in blocks of the profile's nodes-per-domain. Hosts
-    that neither source knows get the profile's regular topology by position.
-    """
-    hosts_from_topo: dict[str, Host] = {}
-    blocks: dict[str, list[str]] = {}
-    if topology_text:
-        topo = parse_scontrol_topology(topology_text)
-        blocks = {n: list(m) for n, m in topo.blocks}
-        if topo.switches:
-            for h in _hosts_from_switches(
-                [(n, list(m), list(c)) for n, m, c in topo.switches],
-                blocks=blocks,
-                nodes_per_domain=cluster.nodes_per_domain,
-                file="scontrol show topology",
-            ):
-                hosts_from_topo[h.name] = h
-    names = expand_hostlist(nodelist) if nodelist else None
-    if names is None:
-        if topology_addrs:
-            names = list(topology_addrs)
-        elif hosts_from_topo:
-            names = list(hosts_from_topo)
-        else:
-            raise ConfigError("no node list and no topology to take hosts from", file="slurm")
-    regular = cluster.with_nodes(len(names)).fabric() if not cluster.topology.switches else None
-    block_of = {h: b for b, members in blocks.items() for h in members}
-    out: list[Host] = []
-    leaf_count: dict[str, int] = {}
-    npd = cluster.nodes_per_domain
-    for i, name in enumerate(names):
-        if topology_addrs and name in topology_addrs:
-            path, node = parse_topology_addr(topology_addrs[name])
-            if node != name:
-                raise ConfigError(
-                    f"SLURM_TOPOLOGY_ADDR of {name} names node {node!r}",
-                    file="environment",
-                    key="SLURM_TOPOLOGY_ADDR",
-                )
-        elif name in hosts_from_topo:
-            path = hosts_from_topo[name].switch_path
-        elif regular is not None:
-            path = regular.hosts[i].switch_path
-        else:
-            path = ()
-        leaf = path[-1] if path else ""
-        if name in block_of:
-            dom = block_of[name]
-        elif npd == 1:
-            dom = name
-        else:
-            k = leaf_count.get(leaf, 0)
-            leaf_count[leaf] = k + 1
-            dom = f"{leaf}/nvl{k // npd}"
-        out.append(Host(name, path, dom))
-    if len({h.name for h in out}) != len(out):
-        raise ConfigError(
-            "a host appears twice in the node list", file="slurm", key="SLURM_JOB_NODELIST"
-        )
-    return Fabric(tuple(out), cluster.gpus_per_node)

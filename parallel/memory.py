@@ -30,8 +30,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from core.models import pp_layer_weights
+from parallel.stacks import Stack, load_stack
 from parallel.workload import Workload
-from recipe.models import pp_layer_weights
 
 GIB = 2**30
 
@@ -62,7 +63,7 @@ STATE_BYTES_PER_PARAM = 16
 FROZEN_BYTES_PER_PARAM = 4  # LoRA base: the fp32 parameter only
 
 
-def layer_activation_bytes(w: Workload, mode: str | None = None) -> float:
+def layer_activation_bytes(w: Workload, mode: str | None = None, st: Stack | None = None) -> float:
     """Bytes kept for backward per token (of the tp group's microbatch) in one layer.
 
     Tensors of torchtitan's Llama block, bf16 (x2 for fp32 training):
@@ -76,7 +77,13 @@ def layer_activation_bytes(w: Workload, mode: str | None = None) -> float:
     reduce-scatter outputs; recomputes the rest): x, qkv, attention output, w1 output and
     w2's output. full: only the block input x (sequence-sharded).
     torch.compile's partitioner recomputes SwiGLU's pointwise outputs (silu, product).
+
+    Stacks differ (`stacks/*.toml`): Megatron-Core / TE keeps the sequence shard of the
+    column-parallel inputs and gathers again in backward (`sp_saves_gathered = false`),
+    applies RoPE in place of the saved q/k (fused RoPE) and keeps fc1's output and the
+    SwiGLU output (`fused_ffn_activations`: 6 bytes per hidden element).
     """
+    st = st or load_stack(w.stack)
     s = w.shape
     mode = mode or w.ac
     t = w.layout.tp
@@ -87,6 +94,15 @@ def layer_activation_bytes(w: Workload, mode: str | None = None) -> float:
     elif mode == "selective":
         w2_out = 2 * d  # partial sums before the reduce-scatter (full sequence)
         b = (2 * d + 2 * (qd + 2 * kv) + 2 * qd + lse + 2 * f) / t + (w2_out if t > 1 else 2 * d)
+    elif not st.sp_saves_gathered:
+        # Megatron-style: LN inputs and outputs (sequence-sharded), rope'd q/k/v and the
+        # attention output, fc1 output (gate and up) and the SwiGLU output.
+        ffn = 6 * f if st.fused_ffn_activations else 8 * f
+        b = (8 * d + 2 * (qd + 2 * kv) + 2 * qd + lse + ffn) / t
+        if st.fp8_saves_fp8_inputs and w.linear != "bf16":
+            # The two norm outputs (wqkv, fc1 inputs) and the SwiGLU output (fc2 input)
+            # are kept as 1-byte FP8 copies instead of bf16.
+            b -= (2 * d + f) / t
     else:
         seq = 8 * d / t
         gathered = 4 * d if t > 1 else 0
@@ -193,9 +209,9 @@ class MemoryEstimate:
         }
 
 
-def estimate_memory(w: Workload) -> MemoryEstimate:
+def estimate_memory(w: Workload, st: Stack | None = None) -> MemoryEstimate:
     """Peak memory per GPU (the pipeline rank with the highest peak)."""
-    return memory_profile(w).at(w.layout.dp_shard * w.layout.cp)
+    return memory_profile(w, st).at(w.layout.dp_shard * w.layout.cp)
 
 
 @dataclass(frozen=True)
@@ -222,13 +238,14 @@ class MemoryProfile:
         return replace(best, states=best.states / fsdp)
 
 
-def memory_profile(w: Workload) -> MemoryProfile:
+def memory_profile(w: Workload, st: Stack | None = None) -> MemoryProfile:
+    st = st or load_stack(w.stack)
     p = w.layout.pp
     ranks = sorted({0, min(1, p - 1), p - 1})
-    return MemoryProfile(tuple(_memory_for_rank(w, r) for r in ranks))
+    return MemoryProfile(tuple(_memory_for_rank(w, r, st) for r in ranks))
 
 
-def _memory_for_rank(w: Workload, rank: int) -> MemoryEstimate:
+def _memory_for_rank(w: Workload, rank: int, st: Stack) -> MemoryEstimate:
     s = w.shape
     lay = w.layout
     t, c, p = lay.tp, lay.cp, lay.pp
@@ -246,33 +263,46 @@ def _memory_for_rank(w: Workload, rank: int) -> MemoryEstimate:
     params += (head + s.dim) if has_last else 0
     params /= t
 
-    states = params * STATE_BYTES_PER_PARAM  # divided by the FSDP shard count in `at`
-    if w.lora_rank:
-        # LoRA: the frozen base keeps its fp32 copy only (no gradient, no AdamW moments);
-        # the adapters carry the full 16 bytes per parameter.
-        states = params * FROZEN_BYTES_PER_PARAM
-        states += layers * w.lora_params_per_layer * STATE_BYTES_PER_PARAM
+    elt = w.bytes_per_param_compute
+    fsdp = lay.dp_shard * c
     fp8 = w.linear != "bf16"
-    ag_bytes = 1 if (fp8 and w.fp8_all_gather) else w.bytes_per_param_compute
+    ag_bytes = 1 if (fp8 and w.fp8_all_gather) else elt
     unit: float = max(s.params_per_layer, head if has_last else 0, emb if has_first else 0) / t
-    grad_bytes = 0 if w.lora_rank else 4  # frozen weights get no gradient buffers
-    if p > 1:
-        # No reshard after forward under PP; gradients accumulate unsharded in fp32.
-        unsharded = params * (ag_bytes + grad_bytes)
+    grad_bytes = 4  # torchtitan: fp32 gradients (reduce_dtype float32)
+    if w.lora_rank:
+        # Frozen base: its weights only (sharded like the states); rank-r adapters on
+        # the block's linears carry the full 16 B/param of trainable state.
+        # (torchtitan keeps the frozen base's fp32 parameter, sharded like the states.)
+        adapters = layers * w.lora_params_per_layer
+        states = params * FROZEN_BYTES_PER_PARAM + adapters * STATE_BYTES_PER_PARAM
+        unsharded = (params if p > 1 else 2 * unit) * ag_bytes
+    elif st.data_parallel == "distributed_optimizer" and lay.dp_shard == 1:
+        # ZeRO-1 (Megatron distributed optimizer): bf16 weights and the gradient buffer
+        # resident; fp32 master weights and both moments (12 B) sharded over dp x cp.
+        # `at` divides `states` by the FSDP count (cp here): pre-multiply to get dp x cp.
+        dpg = lay.dp_replicate * c
+        states = params * (STATE_BYTES_PER_PARAM - 4) * fsdp / dpg
+        unsharded = params * (elt + max(st.grad_reduce_bytes, elt))
     else:
-        unsharded = unit * (2 * ag_bytes + (w.bytes_per_param_compute + 4 if grad_bytes else 0))
+        states = params * STATE_BYTES_PER_PARAM  # divided by the FSDP shard count in `at`
+        if p > 1:
+            # No reshard after forward under PP; gradients accumulate unsharded in fp32.
+            unsharded = params * (ag_bytes + grad_bytes)
+        else:
+            unsharded = unit * (2 * ag_bytes + elt + grad_bytes)
 
     tokens = w.tokens_per_microbatch / c  # per GPU of a tp group (tp shares tokens)
-    per_layer_tok = layer_activation_bytes(w)
+    per_layer_tok = layer_activation_bytes(w, st=st)
     mean_layers_per_stage = layers / len(stages)
     inflight = inflight_stage_microbatches(w, rank)
     activations = inflight * mean_layers_per_stage * per_layer_tok * tokens
     # Embedding output and the final norm's input per in-flight microbatch (seq-sharded).
     activations += inflight * tokens * 2 * s.dim / t
-    workspace = 2 * layer_activation_bytes(w, "none") * tokens
+    workspace = 2 * layer_activation_bytes(w, "none", st) * tokens
     logits = 0.0
     if has_last:
-        lb = LOGIT_BYTES_COMPILED if w.compile else LOGIT_BYTES_EAGER
+        fused = st.loss_bytes_eager <= st.loss_bytes_compiled  # fused cross-entropy
+        lb = LOGIT_BYTES_COMPILED if (w.compile or fused) else LOGIT_BYTES_EAGER
         logits = tokens * (s.vocab_size / t) * lb * (2 if w.dtype == "float32" else 1)
     fp8_bytes = 0.0
     if fp8:

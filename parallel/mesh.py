@@ -34,7 +34,7 @@ import torchtitan.distributed.parallel_dims as _tt_parallel_dims
 from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.distributed.parallel_dims import ParallelDims
 
-from parallel.axes import Layout
+from core.axes import Layout
 from parallel.placement import monotone_violation
 
 # build_mesh looks `init_device_mesh` up in its module at call time; we swap it for the
@@ -70,13 +70,7 @@ class PlacedParallelDims(ParallelDims):
 
     @property
     def layout(self) -> Layout:
-        return Layout(
-            pp=self.pp,
-            dp_replicate=self.dp_replicate,
-            dp_shard=self.dp_shard,
-            cp=self.cp,
-            tp=self.tp,
-        )
+        return Layout.of(self)
 
     def world_order(self) -> list[int]:
         """Mesh position -> global rank, as the world mesh was built."""

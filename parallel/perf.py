@@ -17,34 +17,17 @@ published row against the prediction.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from core.hardware import GPUS, peak_flops
 from parallel.cluster import Cluster
-from parallel.hardware import GPUS, peak_flops
 from parallel.memory import MemoryEstimate, estimate_memory, rank_stages, stage_layers
+from parallel.stacks import Stack, load_stack
 from parallel.workload import GroupSpan, Workload, planned_spans
 
-# --- calibration constants ------------------------------------------------------------
-# Fraction of the precision's dense peak a large GEMM sustains in a training step (cuBLAS
-# / CUTLASS at realistic shapes, with clocks as the GPU sustains them at full power).
-MATMUL_EFF = {
-    "bf16": 0.65,
-    # FP8 with one scale per tensor: the fastest FP8 GEMMs (cuBLASLt).
-    "fp8_tensorwise": 0.52,
-    # FP8 with per-row scales: CUTLASS row-scaled GEMMs, slower epilogues.
-    "fp8_rowwise": 0.36,
-    # Block-scaled MXFP8 on Blackwell tensor cores.
-    "mxfp8": 0.50,
-}
-# A GEMM whose smaller weight dimension (after TP sharding) is x runs at
-# x / (x + GEMM_HALF_DIM) of the asymptote: narrow GEMMs (TP-sharded heads, small models)
-# fill fewer tiles per wave and spend relatively more time in epilogues.
-GEMM_HALF_DIM = 128
-# Flash/flex attention, forward and backward together, as a fraction of the BF16 peak.
-ATTN_EFF = 0.30
-# Memory-bound traffic per token and layer (norms, residual adds, RoPE, SwiGLU; forward,
-# backward) relative to the eager count in `pointwise_bytes`; compile fuses most of it.
-POINTWISE_SCALE = {"eager": 2.2, "compiled": 0.25}
+# --- hardware constants (stack-independent) ------------------------------------------
+# The software stack's efficiency constants (GEMM, attention, fusion, overlap, optimizer)
+# live in stacks/<name>.toml (`parallel.stacks`); what stays here is the hardware's.
 # Achievable fraction of HBM bandwidth for pointwise kernels and the optimizer.
 HBM_EFF = 0.80
 # Bus-bandwidth efficiency of NCCL rings: NVLink (NVSwitch) and the inter-node network.
@@ -53,17 +36,9 @@ NET_EFF = 0.80
 # Per-step latency of a ring collective (one hop), seconds.
 ALPHA_NVLINK = 5e-6
 ALPHA_NET = 15e-6
-# Fraction of TP collective time async TP (micro-pipelined matmul + collective) hides.
-ASYNC_TP_HIDDEN = 0.7
-# Compute that runs while an overlapped collective is active slows by this fraction: NCCL
-# kernels occupy SMs (one per channel, up to 32 of H100's 132) and HBM bandwidth.
-COMM_SM_SLOWDOWN = 0.1
 # Sustained clock under a power cap: (cap / TDP) ** POWER_CLOCK_EXPONENT (dynamic power
 # ~ f * V^2 with V roughly tracking f on the DVFS curve gives an exponent near 1/3..1/2).
 POWER_CLOCK_EXPONENT = 0.8
-# AdamW (torchtitan's foreach implementation) + grad-norm clipping: bytes of HBM traffic
-# per local parameter (read param/grad/2 moments, write param/2 moments, several passes).
-OPTIMIZER_BYTES_PER_PARAM = 64
 # A CPU rank has no tensor-core peak: FLOP/s one gloo rank sustains in fp32 (rough).
 CPU_FLOPS_PER_RANK = 2.0e10
 
@@ -125,15 +100,30 @@ class Prediction:
 # Building blocks
 
 
-def gemm_eff(linear: str, x: float) -> float:
-    return MATMUL_EFF[linear] * x / (x + GEMM_HALF_DIM)
+def sp_collectives_per_layer(ac: str) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) of sequence-parallel TP per layer per microbatch.
+
+    2 all-gathers + 2 reduce-scatters forward, the mirror image backward; the recompute
+    repeats the forward's (selective saves reduce-scatter outputs only)."""
+    return 4 + (2 if ac in ("full", "selective") else 0), 4 + (2 if ac == "full" else 0)
+
+
+def gemm_eff(st: Stack, linear: str, x: float, gpu: str = "H100") -> float:
+    """Fraction of the precision's peak a GEMM whose smaller weight dimension is x
+    sustains on this stack and GPU: the large-GEMM asymptote times x / (x + half_dim)
+    (narrow GEMMs fill fewer tiles per wave and spend more time in epilogues)."""
+    return st.matmul_eff[linear] * st.gpu_factor(gpu) * x / (x + st.gemm_half_dim)
+
+
+def stack_of(w: Workload, stack: Stack | None = None) -> Stack:
+    return stack if stack is not None else load_stack(w.stack)
 
 
 def _linear_kind(w: Workload) -> tuple[str, str]:
     """(forward/dgrad kind, wgrad kind) of the transformer-block linears."""
     if w.linear == "fp8_rowwise_gw_hp":
         return "fp8_rowwise", "bf16"
-    if w.linear in MATMUL_EFF:
+    if w.linear in ("fp8_tensorwise", "fp8_rowwise", "mxfp8"):
         return w.linear, w.linear
     return "bf16", "bf16"
 
@@ -335,9 +325,12 @@ def _peak(kind: str, w: Workload, links: Links) -> float:
     return (peak_flops(links.gpu, "fp8") or bf16) * links.clock
 
 
-def layer_costs(w: Workload, links: Links, span_tp: GroupSpan, span_cp: GroupSpan) -> LayerCosts:
+def layer_costs(
+    w: Workload, links: Links, span_tp: GroupSpan, span_cp: GroupSpan, st: Stack
+) -> LayerCosts:
     """Per-block costs; depends on tp, cp and the microbatch, not on dp or pp (cached)."""
     s = w.shape
+    gpu = links.gpu
     t, c = w.layout.tp, w.layout.cp
     is_cpu = links.is_cpu
     elt = w.bytes_per_param_compute
@@ -352,26 +345,29 @@ def layer_costs(w: Workload, links: Links, span_tp: GroupSpan, span_cp: GroupSpa
     for i, (k, n) in enumerate(block_gemms(w)):
         fl = 2.0 * tok * k * n
         x = min(k, n)
-        tf = fl / (p_fwd * (1.0 if is_cpu else gemm_eff(fwd_kind, x)))
+        tf = fl / (p_fwd * (1.0 if is_cpu else gemm_eff(st, fwd_kind, x, gpu)))
         fwd_mm += tf
         if w.lora_rank:
-            # Frozen base: input gradients only. Adapters: x A^T then (.) B^T forward, their
-            # input and weight gradients backward, at rank-r efficiency.
+            # Frozen base: input gradients only (no weight-gradient GEMM). Adapters: x A^T then
+            # (.) B^T forward, their input and weight gradients backward, at rank-r efficiency.
             r = w.lora_rank
             lt = 2.0 * tok * r * (k + n)  # each token passes through one adapter
-            lt /= p_bf16 * (1.0 if is_cpu else gemm_eff("bf16", r))
+            lt /= p_bf16 * (1.0 if is_cpu else gemm_eff(st, "bf16", r, gpu))
             fwd_mm += lt
             bwd_mm += tf + 2 * lt
         else:
-            bwd_mm += tf + fl / (p_wgrad * (1.0 if is_cpu else gemm_eff(wgrad_kind, x)))
+            bwd_mm += tf + fl / (p_wgrad * (1.0 if is_cpu else gemm_eff(st, wgrad_kind, x, gpu)))
         if w.ac == "full" or (w.ac == "selective" and SAC_RECOMPUTED[i]):
             recompute_mm += tf
     qd = s.n_heads * s.head_dim
-    attn_fwd = 4.0 * tok * attention_keys(w) * qd / t / (p_bf16 * (1.0 if is_cpu else ATTN_EFF))
+    attn_e = 1.0 if is_cpu else st.attention_eff * st.gpu_factor(gpu)
+    attn_fwd = 4.0 * tok * attention_keys(w) * qd / t / (p_bf16 * attn_e)
     # Backward is 2.5 forwards (flash recomputes the scores); full AC reruns the forward.
     attention = attn_fwd * (1 + 2.5 + (1 if w.ac == "full" else 0))
     rerun = 4 / 3 if w.ac == "full" else 1.0
-    pw = pointwise_bytes(w) * POINTWISE_SCALE["compiled" if w.compile else "eager"]
+    pw = pointwise_bytes(w) * (
+        st.pointwise_scale_compiled if w.compile else st.pointwise_scale_eager
+    )
     pointwise = tok * pw / links.hbm * rerun
     fp8_cast = tok * fp8_cast_bytes(w) / links.hbm * rerun
 
@@ -379,13 +375,11 @@ def layer_costs(w: Workload, links: Links, span_tp: GroupSpan, span_cp: GroupSpa
     tp_total = 0.0
     if t > 1:
         ag = 1 if w.linear == "fp8_tensorwise" else elt
-        # SP: 2 all-gathers + 2 reduce-scatters forward, the mirror image backward; the
-        # recompute repeats the forward's (selective saves reduce-scatter outputs only).
-        n_ag = 4 + (2 if w.ac in ("full", "selective") else 0)
-        n_rs = 4 + (2 if w.ac == "full" else 0)
+        n_ag, n_rs = sp_collectives_per_layer(w.ac)
         tp_total = n_ag * coll_time("all_gather", act * ag, span_tp, links)
         tp_total += n_rs * coll_time("reduce_scatter", act * elt, span_tp, links)
-    hidden = ASYNC_TP_HIDDEN if (w.async_tp and w.compile) else 0.0
+    overlaps = st.tp_overlap == "always" or (w.async_tp and w.compile)
+    hidden = st.tp_hidden if overlaps else 0.0
     overlapped = tp_total * hidden
     cp_exposed = 0.0
     if c > 1:
@@ -401,12 +395,13 @@ def layer_costs(w: Workload, links: Links, span_tp: GroupSpan, span_cp: GroupSpa
             cp_exposed += coll_time("reduce_scatter", kv_bytes * c, span_cp, links)
 
     head_flops = 2.0 * tok * s.dim * s.vocab_size / t
-    head_eff = 1.0 if is_cpu else gemm_eff("bf16", min(s.dim, s.vocab_size / t))
+    head_eff = 1.0 if is_cpu else gemm_eff(st, "bf16", min(s.dim, s.vocab_size / t), gpu)
     # Output projection: forward, input gradient, weight gradient (frozen under LoRA).
     head = (2 if w.lora_rank else 3) * head_flops / (_peak("bf16", w, links) * head_eff)
     # Loss over tok x vocab/tp logits: eager upcasts, log-softmax, grad (~20 B/elt);
     # compiled cross-entropy fuses to about a read and a write of each (8 B).
-    loss_bytes = (8 if w.compile else 20) * (s.vocab_size / t) * (2 if w.dtype == "float32" else 1)
+    lb = st.loss_bytes_compiled if w.compile else st.loss_bytes_eager
+    loss_bytes = lb * (s.vocab_size / t) * (2 if w.dtype == "float32" else 1)
     head += tok * loss_bytes / links.hbm
     return LayerCosts(
         fwd_mm=fwd_mm,
@@ -419,7 +414,7 @@ def layer_costs(w: Workload, links: Links, span_tp: GroupSpan, span_cp: GroupSpa
         tp_total=tp_total,
         tp_exposed=tp_total * (1 - hidden),
         cp_exposed=cp_exposed,
-        interference=COMM_SM_SLOWDOWN * overlapped,
+        interference=st.comm_sm_slowdown * overlapped,
         head=head,
     )
 
@@ -428,7 +423,7 @@ _LAYER_CACHE: dict[tuple, LayerCosts] = {}
 
 
 def cached_layer_costs(
-    w: Workload, links: Links, span_tp: GroupSpan, span_cp: GroupSpan
+    w: Workload, links: Links, span_tp: GroupSpan, span_cp: GroupSpan, st: Stack
 ) -> LayerCosts:
     """`layer_costs` keyed on what it depends on (the planner calls it for many layouts
     that differ only in dp and pp)."""
@@ -446,6 +441,7 @@ def cached_layer_costs(
         w.cp_rotate,
         w.doc_len,
         w.lora_rank,
+        st,
         links,
         span_tp,
         span_cp,
@@ -454,7 +450,7 @@ def cached_layer_costs(
     if hit is None:
         if len(_LAYER_CACHE) > 65536:
             _LAYER_CACHE.clear()
-        hit = _LAYER_CACHE[key] = layer_costs(w, links, span_tp, span_cp)
+        hit = _LAYER_CACHE[key] = layer_costs(w, links, span_tp, span_cp, st)
     return hit
 
 
@@ -467,11 +463,13 @@ def predict(
     cluster: Cluster,
     spans: dict[str, GroupSpan] | None = None,
     memory: MemoryEstimate | None = None,
+    stack: Stack | None = None,
 ) -> Prediction:
     """Step time (with an additive breakdown), throughput, MFU and memory of `w`.
 
     `spans` default to the planned placement's (`planned_spans`); pass measured spans
-    (`parallel.placement.group_spans`) to price another rank order.
+    (`parallel.placement.group_spans`) to price another rank order. `stack` overrides the
+    workload's named profile (the calibration fit passes refitted copies).
     """
     spans = spans or planned_spans(w.layout, cluster)
     links = links_of(cluster)
@@ -480,7 +478,8 @@ def predict(
     t, c, p = lay.tp, lay.cp, lay.pp
     fsdp = lay.dp_shard * c
     elt = w.bytes_per_param_compute
-    L = cached_layer_costs(w, links, spans["tp"], spans["cp"])
+    st = stack_of(w, stack)
+    L = cached_layer_costs(w, links, spans["tp"], spans["cp"], st)
 
     # --- pipeline ranks: the slowest sets the pace ------------------------------------
     v = w.stages_per_rank
@@ -495,17 +494,42 @@ def predict(
         if tr > t_mb:
             t_mb, layers_rank, with_head = tr, layers, last
 
-    # --- FSDP / HSDP --------------------------------------------------------------------
+    # --- data parallelism -------------------------------------------------------------
     lp = s.params_per_layer / t
     fp8_ag = w.fp8_all_gather and w.linear == "fp8_tensorwise"
     ag_bytes = lp * (1 if fp8_ag else elt)
-    # torchtitan reduces gradients in fp32; under LoRA only the adapters have any.
-    rs_bytes = (w.lora_params_per_layer if w.lora_rank else lp) * 4
-    fs, rep = spans["fsdp"], spans["dp_replicate"]
-    t_ag = coll_time("all_gather", ag_bytes, fs, links) if fsdp > 1 else 0.0
-    t_rs = coll_time("reduce_scatter", rs_bytes, fs, links) if fsdp > 1 else 0.0
-    t_ar = coll_time("all_reduce", rs_bytes / fsdp, rep, links) if lay.dp_replicate > 1 else 0.0
-    if p == 1:
+    # Gradient bytes reduced per parameter (LoRA: the frozen base has no gradients).
+    grad_b = 0.0 if w.lora_rank else max(st.grad_reduce_bytes, elt)
+    # LoRA: only the adapters' gradients are reduced (fp32 in torchtitan).
+    rs_bytes = w.lora_params_per_layer * 4 if w.lora_rank else lp * grad_b
+    slots = w.microbatches if p > 1 else w.grad_accum
+    zero1 = st.data_parallel == "distributed_optimizer" and lay.dp_shard == 1
+    opt_shards = fsdp
+    if p > 1:
+        p2p_bytes = w.tokens_per_microbatch / c * s.dim / t * elt
+        t_p2p_slot = 2 * v * coll_time("p2p", p2p_bytes, spans["pp"], links)
+        t_p2p = slots * t_p2p_slot
+        t_bubble = (p - 1) * BUBBLE_FACTOR[w.pp_schedule] / v * (t_mb + t_p2p_slot)
+    else:
+        t_p2p = t_bubble = 0.0
+    if zero1:
+        # Distributed optimizer (ZeRO-1) over dp x cp: whole bf16 params stay resident;
+        # gradients are reduce-scattered and updated params all-gathered once per step,
+        # bucketed under the last microbatch's backward and the first one's forward.
+        dpg = lay.dp_replicate * c
+        opt_shards = dpg
+        span = replace(spans["dp_replicate"], size=dpg)
+        stage_params = layers_rank * lp
+        t_rs = coll_time("reduce_scatter", stage_params * grad_b, span, links)
+        t_ag = coll_time("all_gather", stage_params * elt, span, links)
+        bwd, fwd = t_mb * 2 / 3, t_mb / 3
+        t_fsdp = max(0.0, t_rs - bwd) + max(0.0, t_ag - fwd)
+        t_interf_fsdp = st.comm_sm_slowdown * (min(t_rs, bwd) + min(t_ag, fwd))
+    elif p == 1:
+        fs, rep = spans["fsdp"], spans["dp_replicate"]
+        t_ag = coll_time("all_gather", ag_bytes, fs, links) if fsdp > 1 else 0.0
+        t_rs = coll_time("reduce_scatter", rs_bytes, fs, links) if fsdp > 1 else 0.0
+        t_ar = coll_time("all_reduce", rs_bytes / fsdp, rep, links) if lay.dp_replicate > 1 else 0.0
         # Per microstep: all-gather before forward and again before backward (resharded
         # after forward), reduce-scatter (+ replica all-reduce) after backward; each hides
         # behind the neighbouring block's compute; the first and the last do not, nor do
@@ -514,35 +538,41 @@ def predict(
         t_edges = t_ag + t_rs + t_ar
         if fsdp > 1:
             t_edges += coll_time("all_gather", emb * elt, fs, links)
-            if not w.lora_rank:
-                t_edges += coll_time("reduce_scatter", emb * 4, fs, links)
+            t_edges += coll_time("reduce_scatter", emb * grad_b, fs, links)
         fwd_cover = L.forward
         bwd_cover = L.total - fwd_cover
         exposed = max(0.0, t_ag - fwd_cover) + max(0.0, t_ag + t_rs + t_ar - bwd_cover)
         overlapped = min(t_ag, fwd_cover) + min(t_ag + t_rs + t_ar, bwd_cover)
-        slots = w.grad_accum
         t_fsdp = slots * (s.n_layers * exposed + t_edges)
-        t_interf_fsdp = slots * s.n_layers * COMM_SM_SLOWDOWN * overlapped
-        t_p2p = t_bubble = 0.0
+        t_interf_fsdp = slots * s.n_layers * st.comm_sm_slowdown * overlapped
     else:
+        fs, rep = spans["fsdp"], spans["dp_replicate"]
+        t_ag = coll_time("all_gather", ag_bytes, fs, links) if fsdp > 1 else 0.0
+        t_rs = coll_time("reduce_scatter", rs_bytes, fs, links) if fsdp > 1 else 0.0
+        t_ar = coll_time("all_reduce", rs_bytes / fsdp, rep, links) if lay.dp_replicate > 1 else 0.0
         # PP: gather the stage once and keep it (no reshard after forward), reduce once at
         # the end; each hides behind half a microbatch slot at best.
-        slots = w.microbatches
         gather, reduce = layers_rank * t_ag, layers_rank * (t_rs + t_ar)
         t_fsdp = max(0.0, gather - t_mb / 2) + max(0.0, reduce - t_mb / 2) + t_ag + t_rs + t_ar
-        t_interf_fsdp = COMM_SM_SLOWDOWN * (min(gather, t_mb / 2) + min(reduce, t_mb / 2))
-        p2p_bytes = w.tokens_per_microbatch / c * s.dim / t * elt
-        t_p2p_slot = 2 * v * coll_time("p2p", p2p_bytes, spans["pp"], links)
-        t_p2p = slots * t_p2p_slot
-        t_bubble = (p - 1) * BUBBLE_FACTOR[w.pp_schedule] / v * (t_mb + t_p2p_slot)
+        t_interf_fsdp = st.comm_sm_slowdown * (min(gather, t_mb / 2) + min(reduce, t_mb / 2))
 
     local_params = (
-        s.n_layers * w.lora_params_per_layer / (p * fsdp)
+        s.n_layers * w.lora_params_per_layer / (p * opt_shards)
         if w.lora_rank
-        else s.total_params / (t * p * fsdp)
+        else s.total_params / (t * p * opt_shards)
     )
-    t_opt = local_params * OPTIMIZER_BYTES_PER_PARAM / links.hbm
+    t_opt = local_params * st.optimizer_bytes_per_param / links.hbm
     n = slots * layers_rank
+    # Eager launches cost host time per kernel; it shows only when the host is slower than
+    # the GPU work it launches (small blocks, narrow TP shards). A CUDA graph replays the
+    # step from one launch, so that exposed time goes to 0. The GPU work the host races
+    # includes the exposed FSDP collectives (they run while the host is still launching):
+    # counting them against compute only would charge the same wait twice, and then a slower
+    # TP group (more GPU work, less host wait) could predict a faster step.
+    host_launch = 0.0
+    if not (links.is_cpu or w.cuda_graphs):
+        per_block = st.kernels_per_block_compiled if w.compile else st.kernels_per_block_eager
+        host_launch = max(0.0, n * per_block * st.kernel_launch_s - n * L.total - t_fsdp)
     breakdown = {
         "matmul_s": n * (L.fwd_mm + L.bwd_mm + L.recompute_mm),
         "attention_s": n * L.attention,
@@ -555,6 +585,7 @@ def predict(
         "pp_p2p_s": t_p2p,
         "pp_bubble_s": t_bubble,
         "optimizer_s": t_opt,
+        "host_launch_s": host_launch,
     }
     step = sum(breakdown.values())
 
@@ -571,7 +602,7 @@ def predict(
         tokens_per_sec_per_node=tps_gpu * cluster.gpus_per_node,
         mfu_pct=mfu,
         mfu_pct_precision_peak=mfu_prec,
-        memory=memory or estimate_memory(w),
+        memory=memory or estimate_memory(w, st),
         breakdown=breakdown,
         tp_total_s=n * L.tp_total,
         workload=w,
@@ -596,8 +627,7 @@ def _collectives(w: Workload, layers_rank: int) -> list[Collective]:
     if t > 1:
         act = tok * s.dim
         ag = 1 if w.linear == "fp8_tensorwise" else elt
-        n_ag = 4 + (2 if w.ac in ("full", "selective") else 0)
-        n_rs = 4 + (2 if w.ac == "full" else 0)
+        n_ag, n_rs = sp_collectives_per_layer(w.ac)
         out.append(Collective("tp", "all_gather", act * ag, n_ag * layers_rank * micro, "SP"))
         out.append(Collective("tp", "reduce_scatter", act * elt, n_rs * layers_rank * micro, "SP"))
     if c > 1:

@@ -30,12 +30,14 @@ every collective of a step (volumes from `parallel.perf`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from parallel.axes import MESH_ORDER, Layout
-from parallel.cluster import Fabric
+from core.axes import MESH_ORDER, Layout
+from core.hostlist import natural_key
+from parallel.fabric import Fabric
 from parallel.perf import Collective
 from parallel.workload import GroupSpan
 
@@ -68,7 +70,7 @@ def planned_rank_order(layout: Layout, fabric: Fabric) -> list[int]:
             domain_path[fabric.hosts[i].nvlink_domain],
             fabric.hosts[i].nvlink_domain,
             fabric.hosts[i].switch_path,
-            _natural(fabric.hosts[i].name),
+            natural_key(fabric.hosts[i].name),
         ),
     )
     order = [h * g + k for h in order_hosts for k in range(g)]
@@ -97,13 +99,6 @@ def monotone_violation(layout: Layout, rank_order: list[int]) -> str | None:
     return None
 
 
-def _natural(name: str) -> tuple:
-    """'node10' after 'node9'."""
-    import re
-
-    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
-
-
 def mesh_array(layout: Layout, rank_order: list[int]) -> np.ndarray:
     return np.asarray(rank_order, dtype=np.int64).reshape(layout.shape())
 
@@ -121,21 +116,89 @@ def groups(layout: Layout, rank_order: list[int]) -> dict[str, list[list[int]]]:
     return out
 
 
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one rank runs: the one placement record of planning, startup and preflight."""
+
+    rank: int
+    host: str
+    nvlink_domain: str
+    switch_path: tuple[str, ...]  # root first, leaf last; () = unknown
+
+    @property
+    def leaf(self) -> str:
+        return self.switch_path[-1] if self.switch_path else ""
+
+
+def fabric_places(fabric: Fabric) -> dict[int, RankPlace]:
+    """rank -> RankPlace for every rank of `fabric` in launch order."""
+    out = {}
+    for r in range(fabric.world_size):
+        h = fabric.host_of(r)
+        out[r] = RankPlace(r, h.name, h.nvlink_domain, h.switch_path)
+    return out
+
+
+@dataclass(frozen=True)
+class GroupPlace:
+    """The hosts, leaf switches and NVLink domains one mesh group touches."""
+
+    axis: str
+    ranks: tuple[int, ...]
+    hosts: tuple[str, ...]  # natural order
+    leaves: tuple[str, ...]  # natural order; unknown leaves left out
+    domains: tuple[str, ...]
+
+
+def group_places(
+    layout: Layout, rank_order: list[int], places: Mapping[int, RankPlace]
+) -> dict[str, list[GroupPlace]]:
+    """Every group of every mesh axis (MESH_ORDER) with where its ranks run.
+
+    A rank missing from `places` counts as host "?" (a partial gather)."""
+    out: dict[str, list[GroupPlace]] = {}
+    gs = groups(layout, rank_order)
+    for axis in MESH_ORDER:
+        rows = []
+        for grp in gs[axis.value]:
+            ps = [places.get(r) for r in grp]
+            rows.append(
+                GroupPlace(
+                    axis=axis.value,
+                    ranks=tuple(grp),
+                    hosts=tuple(sorted({p.host if p else "?" for p in ps}, key=natural_key)),
+                    leaves=tuple(sorted({p.leaf for p in ps if p and p.leaf}, key=natural_key)),
+                    domains=tuple(sorted({p.nvlink_domain for p in ps if p}, key=natural_key)),
+                )
+            )
+        out[axis.value] = rows
+    return out
+
+
+def nvlink_violation(
+    layout: Layout, rank_order: list[int], places: Mapping[int, RankPlace]
+) -> GroupPlace | None:
+    """The first tp or cp group whose ranks span NVLink domains, or None: the one NVLink
+    check behind the planner (`check_nvlink`) and the startup check (runtime.startup)."""
+    gp = group_places(layout, rank_order, places)
+    for axis in ("tp", "cp"):
+        for g in gp[axis]:
+            if len(g.domains) > 1:
+                return g
+    return None
+
+
 def check_nvlink(layout: Layout, rank_order: list[int], fabric: Fabric) -> None:
     """Raise PlacementError naming the group and hosts if a tp or cp group leaves NVLink."""
-    gs = groups(layout, rank_order)
-    for axis in ("tp", "cp"):
-        for grp in gs[axis]:
-            hosts = [fabric.host_of(r) for r in grp]
-            doms = {h.nvlink_domain for h in hosts}
-            if len(doms) > 1:
-                names = sorted({h.name for h in hosts})
-                raise PlacementError(
-                    f"{axis} group {grp} spans {len(doms)} NVLink domains (hosts "
-                    f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}); "
-                    f"tp x cp = {layout.tp * layout.cp} must fit one domain "
-                    f"(domains of {sorted(set(fabric.domain_gpus.values()))} GPUs)"
-                )
+    bad = nvlink_violation(layout, rank_order, fabric_places(fabric))
+    if bad is not None:
+        names = sorted(bad.hosts)
+        raise PlacementError(
+            f"{bad.axis} group {list(bad.ranks)} spans {len(bad.domains)} NVLink domains (hosts "
+            f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}); "
+            f"tp x cp = {layout.tp * layout.cp} must fit one domain "
+            f"(domains of {sorted(set(fabric.domain_gpus.values()))} GPUs)"
+        )
 
 
 def _ring_hosts(grp: list[int], fabric: Fabric) -> list[int]:
@@ -292,7 +355,7 @@ def placement_table(layout: Layout, rank_order: list[int], fabric: Fabric, limit
         lines.append(f"{axis} groups ({len(grps)} of {len(grps[0])} ranks):")
         for grp in grps[: min(len(grps), 8)]:
             sp = span_of(grp, fabric)
-            hosts = sorted({fabric.host_of(r).name for r in grp}, key=_natural)
+            hosts = sorted({fabric.host_of(r).name for r in grp}, key=natural_key)
             lines.append(
                 f"  {grp if len(grp) <= 16 else str(grp[:16])[:-1] + ', ...]'}  hosts={len(hosts)} "
                 f"leaves={sp.leaves} domains={sp.domains} ring leaf hops={sp.ring_leaf_hops}"

@@ -10,9 +10,11 @@ Search space, for world size W = nodes x gpus_per_node:
   activation checkpointing, which torchtitan cannot combine with them) and microbatches
   (divisors of the local batch, at least pp);
 - activation checkpointing none / selective / full;
-- the batch: with `training.global_batch_size` set, the global batch is kept and each
-  plan picks the largest local batch that fits (the rest is gradient accumulation; with
-  pp the whole share is one pipelined step); with -1 the recipe's local batch is kept.
+- the batch: tokens per step are held fixed across plans. With
+  `training.global_batch_size` set, that global batch; with -1, local batch x world size
+  (what pure data parallelism would train), capped at 16M tokens per step with a warning
+  naming the key (`planned_global_batch`). Each plan picks the largest local batch that
+  fits (the rest is gradient accumulation; with pp the whole share is one pipelined step).
 
 Everything is a pure function of (recipe, cluster): no torch.distributed, no GPU.
 """
@@ -21,21 +23,27 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
-from parallel.axes import Layout
+from core.axes import Layout
+from core.errors import ConfigError
+from core.models import PP_SCHEDULES
 from parallel.cluster import Cluster
 from parallel.memory import MemoryProfile, memory_profile, runtime_overhead_gib
 from parallel.perf import Prediction, predict
 from parallel.placement import planned_traffic
+from parallel.stacks import load_stack
 from parallel.workload import Workload, linear_for, lora_fields, planned_spans
-from recipe.errors import ConfigError
-from recipe.loader import check_layout
-from recipe.models import PP_SCHEDULES, model_shape
+from recipe.loader import check_layout, effective_shape, uses_cuda_graphs
 from recipe.schema import Recipe
 
 AC_MODES = ("none", "selective", "full")
+# Tokens per optimizer step the planner never exceeds on its own: 16M, Llama 3 405B's
+# pretraining batch at 8K (Llama 3 paper, Table 4); past it, larger batches stop paying.
+TOKENS_PER_STEP_CEILING = 16 * 2**20
+log = logging.getLogger(__name__)
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
@@ -99,6 +107,7 @@ class SearchResult:
     rejected: list[Rejected]
     world_size: int
     candidates: int
+    warnings: list[str] = field(default_factory=list)
 
     def reasons(self) -> dict[str, int]:
         """Rejection counts by the kind of reason (first clause)."""
@@ -139,22 +148,48 @@ def _layout_recipe(recipe: Recipe, schedule: str, mbs: int, local: int) -> Recip
     r.parallel = copy.copy(recipe.parallel)
     r.parallel.pp_schedule = schedule  # type: ignore[assignment]
     r.parallel.pp_microbatches = mbs
+    r.parallel.pp_stages_per_rank = 0  # plans use each schedule's default
     r.training = copy.copy(recipe.training)
     r.training.local_batch_size = local
     r.source = recipe.source
     return r
 
 
-def search(recipe: Recipe, cluster: Cluster, nodes: int | None = None) -> SearchResult:
-    """All candidates, fitting plans ranked by predicted tokens/s per GPU."""
+def planned_global_batch(recipe: Recipe, world: int) -> tuple[int, str]:
+    """(global batch in sequences every plan trains, warning or ""). The recipe's
+    `training.global_batch_size`; without one, local batch x world (pure data
+    parallelism's batch), held at TOKENS_PER_STEP_CEILING when it would pass it."""
+    tr = recipe.training
+    if tr.global_batch_size != -1:
+        return tr.global_batch_size, ""
+    g = tr.local_batch_size * world
+    if g * tr.seq_len <= TOKENS_PER_STEP_CEILING:
+        return g, ""
+    held = max(1, TOKENS_PER_STEP_CEILING // tr.seq_len)
+    return held, (
+        f"{recipe.source or 'recipe'}: training.global_batch_size is not set: local batch "
+        f"{tr.local_batch_size} x {world} GPUs would train {g * tr.seq_len / 1e6:,.0f}M tokens "
+        f"per step, past {TOKENS_PER_STEP_CEILING / 2**20:.0f}M; the planner holds {held} "
+        f"sequences ({held * tr.seq_len / 2**20:.1f}M tokens) per step. Set "
+        "training.global_batch_size to choose."
+    )
+
+
+def search(
+    recipe: Recipe, cluster: Cluster, nodes: int | None = None, stack: str = "torchtitan"
+) -> SearchResult:
+    """All candidates, fitting plans ranked by predicted tokens/s per GPU, priced on
+    `stack` (a profile in stacks/; recipes run torchtitan)."""
     cluster, world = world_for(recipe, cluster, nodes)
-    shape = model_shape(recipe.model.flavor, recipe.model.family)
+    shape = effective_shape(recipe)
     tr = recipe.training
     linear = linear_for(recipe.kernels.linear, cluster.gpu)
     hbm_gib = cluster.hbm_bytes / 2**30
     overhead = runtime_overhead_gib(cluster.gpu)
     dom = cluster.nvlink_domain_gpus
-    gbs = tr.global_batch_size
+    gbs, warning = planned_global_batch(recipe, world)
+    derived = tr.global_batch_size == -1
+    zero1_stack = load_stack(stack).data_parallel == "distributed_optimizer"
     plans: list[Plan] = []
     rejected: list[Rejected] = []
     candidates = 0
@@ -165,6 +200,9 @@ def search(recipe: Recipe, cluster: Cluster, nodes: int | None = None) -> Search
         linear=linear,
         compile=tr.compile,
         dtype=tr.dtype,
+        # Only tp > 1 layouts have TP collectives to overlap (perf.layer_costs).
+        async_tp=recipe.parallel.async_tp,
+        stack=stack,
         **lora_fields(recipe),
     )
     # Memory depends on dp only through dp_shard (the FSDP shard count); validity not on
@@ -189,15 +227,19 @@ def search(recipe: Recipe, cluster: Cluster, nodes: int | None = None) -> Search
             cp = inner // tp
             for pp in _divisors(world // inner):
                 dp = world // (inner * pp)
-                if gbs != -1 and gbs % dp:
+                if gbs % dp and not derived:
                     continue
-                share = tr.local_batch_size if gbs == -1 else gbs // dp
+                # A derived batch (no global_batch_size in the recipe) is held at the
+                # largest multiple of dp not above it, so worlds it does not divide plan too.
+                share = gbs // dp
+                if share == 0:
+                    continue
                 if pp > 1:
                     schedules = list(PP_SCHEDULES)
                     locals_ = [share]
                 else:
                     schedules = [recipe.parallel.pp_schedule]
-                    locals_ = [share] if gbs == -1 else sorted(_divisors(share), reverse=True)
+                    locals_ = sorted(_divisors(share), reverse=True)
                 options = []  # (schedule, microbatches) that pass the layout checks
                 probe = Layout(pp=pp, dp_shard=dp, cp=cp, tp=tp)
                 for sched in schedules:
@@ -233,15 +275,18 @@ def search(recipe: Recipe, cluster: Cluster, nodes: int | None = None) -> Search
                                 continue
                             fit = None
                             last_reason = ""
+                            # A ZeRO-1 stack (no FSDP) shards its optimizer over the replicas:
+                            # its memory depends on dp_replicate, so price the real layout.
+                            zero1 = zero1_stack and rep == dp
                             for local in locals_:
-                                mkey = (tp, cp, pp, sched, mbs, ac, local)
-                                accum = 1 if (pp > 1 or gbs == -1) else gbs // (dp * local)
+                                mkey = (tp, cp, pp, sched, mbs, ac, local, zero1)
+                                accum = 1 if pp > 1 else share // local
                                 prof = profiles.get(mkey)
                                 if prof is None:
                                     prof = profiles[mkey] = memory_profile(
                                         dataclasses.replace(
                                             base,
-                                            layout=probe,
+                                            layout=layout if zero1 else probe,
                                             local_batch_size=local,
                                             pp_schedule=sched if pp > 1 else "1F1B",
                                             pp_microbatches=mbs,
@@ -262,6 +307,7 @@ def search(recipe: Recipe, cluster: Cluster, nodes: int | None = None) -> Search
                             local, accum, mem = fit
                             w = dataclasses.replace(
                                 base,
+                                cuda_graphs=uses_cuda_graphs(recipe, pp, recipe.kernels.attention),
                                 layout=layout,
                                 local_batch_size=local,
                                 grad_accum=accum,
@@ -290,7 +336,13 @@ def search(recipe: Recipe, cluster: Cluster, nodes: int | None = None) -> Search
             (p.layout.pp, p.layout.dp_replicate, p.layout.tp, p.layout.cp),
         )
     )
-    return SearchResult(plans=plans, rejected=rejected, world_size=world, candidates=candidates)
+    return SearchResult(
+        plans=plans,
+        rejected=rejected,
+        world_size=world,
+        candidates=candidates,
+        warnings=[warning] if warning else [],
+    )
 
 
 def add_traffic(plans: list[Plan], cluster: Cluster) -> None:
@@ -301,15 +353,22 @@ def add_traffic(plans: list[Plan], cluster: Cluster) -> None:
         p.cross_switch = t.to_json()
 
 
-def plan(recipe: Recipe, cluster: Cluster, nodes: int | None = None) -> list[Plan]:
+def plan(
+    recipe: Recipe, cluster: Cluster, nodes: int | None = None, stack: str = "torchtitan"
+) -> list[Plan]:
     """Fitting plans for `recipe` on `cluster` (x `nodes`), best predicted tokens/s first."""
-    res = search(recipe, cluster, nodes)
+    res = search(recipe, cluster, nodes, stack)
     return res.plans
 
 
-def best_plan(recipe: Recipe, cluster: Cluster, nodes: int | None = None) -> Plan:
-    """The best plan; ConfigError naming the closest misses when nothing fits."""
-    res = search(recipe, cluster, nodes)
+def best_plan(
+    recipe: Recipe, cluster: Cluster, nodes: int | None = None, stack: str = "torchtitan"
+) -> Plan:
+    """The best plan; ConfigError naming the closest misses when nothing fits. The batch
+    warning (`planned_global_batch`) goes to the log."""
+    res = search(recipe, cluster, nodes, stack)
+    for w in res.warnings:
+        log.warning(w)
     if not res.plans:
         mem = [r for r in res.rejected if r.reason.startswith("memory")]
         hint = ""
@@ -348,15 +407,17 @@ def apply_plan(recipe: Recipe, plan: Plan) -> Recipe:
         cp=lay.cp,
         pp_schedule=cast(Any, plan.pp_schedule or r.parallel.pp_schedule),
         pp_microbatches=plan.microbatches if lay.pp > 1 else 0,
+        # async TP applies to the plans with tp > 1 only (it has nothing to overlap at tp 1).
+        async_tp=recipe.parallel.async_tp and lay.tp > 1,
+        pp_stages_per_rank=0,
         auto=False,
     )
     r.training = dataclasses.replace(
         r.training,
         activation_checkpoint=cast(Any, plan.activation_checkpoint),
         local_batch_size=plan.local_batch_size,
-        global_batch_size=(
-            recipe.training.global_batch_size if recipe.training.global_batch_size != -1 else -1
-        ),
+        # Always explicit: the plan holds tokens per step fixed (`planned_global_batch`).
+        global_batch_size=plan.global_batch_size,
     )
     r.source = recipe.source
     return r

@@ -15,13 +15,11 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from parallel.axes import MESH_ORDER, Layout
+from core.axes import MESH_ORDER, Layout
+from core.models import ModelShape, stages_per_rank
+from kernels.caps import auto_linear, simulated_caps
 from parallel.cluster import Cluster
-from recipe.models import ModelShape, model_shape, stages_per_rank
-
-# Linear backends the models know. fp8_tensorwise is not a recipe choice (removed from
-# torchtitan) but is what torchtitan's 2024-25 FP8 benchmarks ran.
-LINEARS = ("bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_rowwise_gw_hp", "mxfp8")
+from recipe.loader import effective_shape, uses_cuda_graphs
 
 
 @dataclass(frozen=True)
@@ -34,14 +32,16 @@ class Workload:
     pp_schedule: str = "1F1B"
     pp_microbatches: int = 0  # 0 = one sequence per microbatch
     ac: str = "none"  # none | selective | full
-    linear: str = "bf16"
+    linear: str = "bf16"  # a core.linear_backends name, or fp8_tensorwise (published runs)
     compile: bool = False
     dtype: str = "bfloat16"
     async_tp: bool = False
+    cuda_graphs: bool = False  # forward+backward replayed from a CUDA graph (pp = 1 only)
     fp8_all_gather: bool = False  # FSDP all-gather in FP8 (tensorwise scaling only)
     cp_rotate: str = "allgather"  # torch CP: allgather (exposed) | alltoall (ring, overlapped)
     doc_len: int = 0  # mean document length under document masking; 0 = causal over seq
     virtual_stages: int = 0  # stages per pipeline rank; 0 = the schedule's default
+    stack: str = "torchtitan"  # software-stack profile (stacks/<name>.toml)
     # LoRA fine-tuning (finetune.mode = "lora"): the base frozen (no weight gradients, no
     # optimizer state, fp32 master copy only), adapters of this rank on the block linears
     # (wqkv, wo, w1, w3, w2), `lora_adapters` of them resident. 0 = every weight trained.
@@ -95,44 +95,63 @@ class Workload:
 
 
 def linear_for(recipe_linear: str, gpu: str) -> str:
-    """Resolve `kernels.linear = "auto"`: the fastest linear the GPU supports."""
+    """Resolve `kernels.linear = "auto"` for a profile's GPU kind: the same rule recipe
+    validation applies to the real device (kernels.caps.auto_linear)."""
     if recipe_linear != "auto":
         return recipe_linear
-    if gpu in ("B200", "GB200"):
-        return "mxfp8"
-    if gpu in ("H100", "H200"):
-        return "fp8_rowwise"
-    return "bf16"
+    return auto_linear(simulated_caps(gpu)).name
 
 
-def workload_from_recipe(recipe, layout: Layout, cluster: Cluster | None = None) -> Workload:
-    """The recipe's training configuration on `layout` (the recipe's own or a plan's)."""
+def workload_from_recipe(
+    recipe, layout: Layout, cluster: Cluster | None = None, stack: str = "torchtitan"
+) -> Workload:
+    """The recipe's training configuration on `layout` (the recipe's own or a plan's), as
+    the software stack `stack` (a profile in stacks/) would run it: Megatron-Core's
+    distributed optimizer takes the recipe's data-parallel degree (dp_shard becomes
+    replicas with a sharded optimizer), folds gradient accumulation under PP into one
+    pipeline flush, and runs TE's per-tensor FP8 for an FP8 recipe."""
+    from parallel.stacks import load_stack
+
+    st = load_stack(stack)
     tr = recipe.training
     par = recipe.parallel
     gbs = tr.global_batch_size
     per_micro = tr.local_batch_size * layout.dp
     accum = 1 if gbs == -1 else max(1, gbs // per_micro)
     gpu = cluster.gpu if cluster else "H100"
+    linear = linear_for(recipe.kernels.linear, gpu)
+    if st.fp8_linear and linear.startswith("fp8"):
+        linear = st.fp8_linear
+    local = tr.local_batch_size
+    mbs = par.pp_microbatches if layout.pp > 1 else 0
+    if layout.pp > 1 and st.grad_accum_in_pipeline and accum > 1:
+        local, mbs, accum = local * accum, (mbs or tr.local_batch_size) * accum, 1
+    if st.data_parallel == "distributed_optimizer" and layout.dp_shard > 1:
+        layout = replace(layout, dp_replicate=layout.dp, dp_shard=1)
     return Workload(
-        shape=model_shape(recipe.model.flavor, recipe.model.family),
+        shape=effective_shape(recipe),
         seq_len=tr.seq_len,
-        local_batch_size=tr.local_batch_size,
+        local_batch_size=local,
         layout=layout,
         grad_accum=accum if layout.pp == 1 else 1,
         pp_schedule=par.pp_schedule,
-        pp_microbatches=par.pp_microbatches if layout.pp > 1 else 0,
+        pp_microbatches=mbs,
         ac=tr.activation_checkpoint,
-        linear=linear_for(recipe.kernels.linear, gpu),
+        linear=linear,
         compile=tr.compile,
         dtype=tr.dtype,
+        async_tp=par.async_tp and layout.tp > 1,
+        cuda_graphs=uses_cuda_graphs(recipe, layout.pp, recipe.kernels.attention),
+        cp_rotate=st.cp_rotate or "allgather",
+        virtual_stages=par.pp_stages_per_rank if layout.pp > 1 else 0,
+        stack=stack,
         **lora_fields(recipe),
     )
 
 
 def lora_fields(recipe) -> dict[str, Any]:
     """Workload fields for a recipe's [finetune]/[lora] (the planner and tools.predict)."""
-    ft = getattr(recipe, "finetune", None)
-    if ft is None or ft.mode != "lora":
+    if recipe.finetune.mode != "lora":
         return {}
     return {"lora_rank": recipe.lora.rank, "lora_adapters": max(1, len(recipe.adapters))}
 

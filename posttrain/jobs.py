@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from recipe.errors import ConfigError
+from core.errors import ConfigError
 from runtime import session
 
 

@@ -13,17 +13,27 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from parallel.axes import Layout, resolve_layout
-from recipe.errors import ConfigError
-from recipe.models import ModelShape, model_shape, pp_layer_weights, stages_per_rank
+from core.axes import Layout, resolve_layout
+from core.errors import ConfigError
+from core.models import ModelShape, model_shape, pp_layer_weights, stages_per_rank
+from core.typed_toml import apply_override, build_dataclass, read_with_bases, resolve_named
 from recipe.schema import Recipe
-from recipe.toml_schema import apply_override, build_dataclass, read_with_bases
 
-DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "debug.toml"
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+DEFAULT_RECIPE = RECIPES_DIR / "debug.toml"
+
+
+def resolve_recipe_path(path_or_name: str | Path | None) -> str | Path:
+    """A path (returned as given, so messages show it as the user wrote it), or a recipe name
+    from recipes/ ("llama3_8b"); None = the debug recipe."""
+    if not path_or_name:
+        return DEFAULT_RECIPE
+    resolved = resolve_named(path_or_name, RECIPES_DIR)
+    return path_or_name if Path(path_or_name) == resolved else resolved
 
 
 def load_recipe_dict(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    data = read_with_bases(path)
+    data = read_with_bases(resolve_recipe_path(path))
     for o in overrides:
         data = apply_override(data, o, Recipe)
     return data
@@ -31,7 +41,7 @@ def load_recipe_dict(path: str | Path, overrides: Sequence[str] = ()) -> dict[st
 
 def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Recipe:
     """Load, merge bases, apply overrides and check every key and type."""
-    path = path or DEFAULT_RECIPE
+    path = resolve_recipe_path(path)
     data = load_recipe_dict(path, overrides)
     # An override's key is named with --set; a file's key with the file.
     recipe = build_dataclass(Recipe, data, file=str(path), prefix="")
@@ -96,6 +106,8 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> Layout:
             file=f,
             key="training.global_batch_size",
         )
+    if not recipe.parallel.auto:
+        check_graph_options(recipe, layout)
     if recipe.model.vocab_size and recipe.model.vocab_size < 260:
         raise ConfigError(
             "a byte-level tokenizer needs at least 260 entries (256 bytes + specials)",
@@ -103,6 +115,55 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> Layout:
             key="model.vocab_size",
         )
     return layout
+
+
+def check_graph_options(recipe: Recipe, layout: Layout) -> None:
+    """`parallel.async_tp` and `training.cuda_graphs` against the concrete degrees (the same
+    conditions torchtitan asserts later, as one line naming the key)."""
+    f = recipe.source
+    if recipe.parallel.async_tp:
+        if not recipe.training.compile:
+            raise ConfigError(
+                "async TP needs training.compile = true (torchtitan enables it through "
+                "inductor's micro-pipeline TP pass)",
+                file=f,
+                key="parallel.async_tp",
+            )
+        if layout.tp < 2:
+            raise ConfigError(
+                f"async TP needs tensor parallelism (tp > 1); this layout has tp = {layout.tp}",
+                file=f,
+                key="parallel.async_tp",
+            )
+    if recipe.training.cuda_graphs == "on" and layout.pp > 1:
+        raise ConfigError(
+            f"CUDA graphs cannot capture pipeline parallelism (pp = {layout.pp}) in torchtitan "
+            '0.3.0; use cuda_graphs = "auto" or "off"',
+            file=f,
+            key="training.cuda_graphs",
+        )
+
+
+def uses_cuda_graphs(recipe: Recipe, pp: int, attention: str = "flex") -> bool:
+    """Whether `training.cuda_graphs` turns capture on for this layout and attention backend
+    (torchtitan captures only on CUDA; on CPU it warns and runs eager)."""
+    mode = recipe.training.cuda_graphs
+    if mode == "off" or pp > 1:
+        return False
+    return mode == "on" or attention != "varlen"
+
+
+# First-step deadline when job.init_timeout_s = 0 (see docs/reliability.md, section 4).
+INIT_TIMEOUT_EAGER_S = 300
+INIT_TIMEOUT_COMPILED_S = 1800
+
+
+def first_step_timeout_s(recipe: Recipe) -> int:
+    """Seconds allowed for process-group setup and the first step (watchdog and torchtitan's
+    comm.init_timeout_seconds): the recipe's value, or the automatic one for its compile."""
+    if recipe.job.init_timeout_s:
+        return recipe.job.init_timeout_s
+    return INIT_TIMEOUT_COMPILED_S if recipe.training.compile else INIT_TIMEOUT_EAGER_S
 
 
 def check_finetune(recipe: Recipe) -> None:
@@ -162,15 +223,26 @@ def check_layout(recipe: Recipe, layout: Layout) -> None:
             file=f,
             key="training.seq_len",
         )
+    v = par.pp_stages_per_rank
+    if v and layout.pp > 1:
+        single = par.pp_schedule in ("GPipe", "1F1B")
+        v_shaped = par.pp_schedule in ("ZBVZeroBubble", "DualPipeV")
+        if (single and v != 1) or (v_shaped and v != 2) or (not single and v < 2):
+            need = "1" if single else ("2" if v_shaped else "at least 2")
+            raise ConfigError(
+                f"{par.pp_schedule} runs {need} stage(s) per rank, got {v}",
+                file=f,
+                key="parallel.pp_stages_per_rank",
+            )
     if layout.pp > 1:
-        stages = layout.pp * stages_per_rank(par.pp_schedule)
+        stages = layout.pp * stages_per_rank(par.pp_schedule, v)
         if pp_layer_weights(shape.n_layers, stages) is None:
             raise ConfigError(
                 f"{shape.n_layers} layers of {shape.flavor} do not split evenly over {stages} "
                 f"pipeline stages (pp={layout.pp}, {par.pp_schedule} puts "
-                f"{stages_per_rank(par.pp_schedule)} on each rank)",
+                f"{stages_per_rank(par.pp_schedule, v)} on each rank)",
                 file=f,
-                key="parallel.pp",
+                key="parallel.pp_stages_per_rank" if v else "parallel.pp",
             )
         mbs = par.pp_microbatches or tr.local_batch_size
         if tr.local_batch_size % mbs:

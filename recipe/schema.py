@@ -1,9 +1,10 @@
 """The recipe contract: one dataclass per TOML section, every field documented.
 
 Sections: [job] [model] [training] [parallel] [kernels] [data] [checkpoint] [metrics]
-[finetune] [lora] [[adapters]] [validation] [profiling] [torchtitan].
+[finetune] [lora] [[adapters]] [validation] [profiling] [rl] [torchtitan].
 Field-local checks (ranges, choices) run in `__post_init__` and raise ConfigError with the
-key; checks that need several sections or the world size live in `recipe.validate`.
+key; checks that need several sections or the world size live in `recipe.loader`
+(`check_recipe`, `check_layout`).
 Extend this contract by adding fields; never rename one (users' recipes depend on them).
 """
 
@@ -12,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from recipe.errors import ConfigError
-from recipe.models import FAMILIES, check_flavor
-from recipe.toml_schema import doc
+from core.errors import ConfigError
+from core.linear_backends import LinearChoice
+from core.models import FAMILIES, check_flavor
+from core.typed_toml import doc
 
 
 def _positive(name: str, value: int | float, *, allow_zero: bool = False) -> None:
@@ -43,16 +45,18 @@ class JobSection:
         ),
     )
     init_timeout_s: int = field(
-        default=300,
+        default=0,
         metadata=doc(
             "The same limit for process-group setup and the first step of each (re)start "
-            "(compilation, first collectives, checkpoint load)."
+            "(compilation, first collectives, checkpoint load). 0 = automatic: 300 s, or "
+            "1800 s with training.compile (inductor + flex-attention autotuning + CUDA graph "
+            "capture on a cold cache take minutes per graph; docs/reliability.md)."
         ),
     )
 
     def __post_init__(self) -> None:
         _positive("collective_timeout_s", self.collective_timeout_s)
-        _positive("init_timeout_s", self.init_timeout_s)
+        _positive("init_timeout_s", self.init_timeout_s, allow_zero=True)
 
 
 @dataclass
@@ -151,6 +155,15 @@ class TrainingSection:
         default="none", metadata=doc("Activation checkpointing mode.")
     )
     compile: bool = field(default=False, metadata=doc("torch.compile the model and loss."))
+    cuda_graphs: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata=doc(
+            "Capture forward+backward in a CUDA graph (torchtitan's training.disable_cuda_graphs "
+            "inverted). auto = on where torchtitan allows it: CUDA, pp = 1 and not varlen "
+            "attention (whose host-side lengths break capture); on with pp > 1 is an error. "
+            "Saves host launch overhead; no effect on CPU."
+        ),
+    )
     seed: int = field(default=42, metadata=doc("Random seed (same on every rank)."))
 
     def __post_init__(self) -> None:
@@ -204,6 +217,23 @@ class ParallelSection:
             "divide training.local_batch_size."
         ),
     )
+    async_tp: bool = field(
+        default=False,
+        metadata=doc(
+            "torchtitan's async tensor parallelism (compile.enable_async_tensor_parallel): "
+            "micro-pipelines TP all-gathers / reduce-scatters with the matmuls through "
+            "symmetric memory. Needs training.compile = true, tp > 1 and CUDA. Under auto it "
+            "applies to the plans with tp > 1."
+        ),
+    )
+    pp_stages_per_rank: int = field(
+        default=0,
+        metadata=doc(
+            "Pipeline stages on each rank (Megatron's virtual pipeline size): 0 = the "
+            "schedule's default (1 for GPipe/1F1B, 2 for the others); more than 2 only for "
+            "Interleaved1F1B and InterleavedZeroBubble. pp x this must split the layers evenly."
+        ),
+    )
     auto: bool = field(
         default=False,
         metadata=doc(
@@ -226,6 +256,7 @@ class ParallelSection:
             _positive("dp_shard", self.dp_shard)
         _positive("world_size", self.world_size, allow_zero=True)
         _positive("pp_microbatches", self.pp_microbatches, allow_zero=True)
+        _positive("pp_stages_per_rank", self.pp_stages_per_rank, allow_zero=True)
 
 
 @dataclass
@@ -238,7 +269,7 @@ class KernelsSection:
             "auto (flex on CUDA, dense on CPU)."
         ),
     )
-    linear: Literal["auto", "bf16", "fp8_rowwise", "fp8_rowwise_gw_hp", "mxfp8"] = field(
+    linear: LinearChoice = field(
         default="bf16",
         metadata=doc(
             "Linear backend: bf16 (plain), fp8_rowwise / fp8_rowwise_gw_hp (SM89+), mxfp8 "
@@ -248,13 +279,63 @@ class KernelsSection:
 
 
 @dataclass
+class DataSourceEntry:
+    """One `[[data.sources]]` table: a source in a weighted mix."""
+
+    source: str = field(
+        default="",
+        metadata=doc(
+            "A prepared store (tools.prepare_data), or any data.source value (unprepared "
+            "sources are tokenized in memory by every rank: small data only)."
+        ),
+    )
+    weight: float = field(
+        default=1.0,
+        metadata=doc("Share of rows (weight / sum of weights), exact over each mix_window."),
+    )
+    text_field: str = field(default="text", metadata=doc("Record field holding the text."))
+    subset: str = field(default="", metadata=doc("Hub dataset configuration (name=)."))
+    split: str = field(default="train", metadata=doc("Hub dataset split."))
+    data_files: list[str] = field(
+        default_factory=list, metadata=doc("Hub dataset files (globs) to read.")
+    )
+
+    def __post_init__(self) -> None:
+        if not self.source:
+            raise ConfigError("expected a source (a store folder, file, folder or hub name)",
+                              key="source")  # fmt: skip
+        if not self.weight > 0:
+            raise ConfigError(f"expected a positive weight, got {self.weight}", key="weight")
+
+
+@dataclass
 class DataSection:
     source: str = field(
         default="stdlib",
         metadata=doc(
             "'stdlib' (this Python's standard-library sources, one document per file), a "
+            "prepared token store folder (tools.prepare_data: rank r reads only its rows), a "
             "local .jsonl/.json/.parquet/.txt file or folder, or a Hugging Face hub name."
         ),
+    )
+    subset: str = field(
+        default="", metadata=doc("Hub sources: the dataset configuration (e.g. 'en' for C4).")
+    )
+    split: str = field(default="train", metadata=doc("Hub sources: the split to read."))
+    data_files: list[str] = field(
+        default_factory=list,
+        metadata=doc("Hub sources: only these data files (globs within the dataset repo)."),
+    )
+    sources: list[DataSourceEntry] = field(
+        default_factory=list,
+        metadata=doc(
+            "[[data.sources]]: a weighted mix of sources (replaces data.source); rows are "
+            "interleaved with exact proportions over each mix_window rows."
+        ),
+    )
+    mix_window: int = field(
+        default=1000,
+        metadata=doc("Rows over which [[data.sources]] proportions are exact."),
     )
     packing: Literal["concat", "bfd", "none"] = field(
         default="concat",
@@ -321,6 +402,15 @@ class DataSection:
 
     def __post_init__(self) -> None:
         _positive("window", self.window)
+        _positive("mix_window", self.mix_window)
+        if self.sources and self.source != "stdlib":
+            raise ConfigError("set either data.source or [[data.sources]], not both", key="sources")
+        if self.sources and self.mix_window < len(self.sources):
+            raise ConfigError(
+                f"expected at least one row per source ({len(self.sources)}), got "
+                f"{self.mix_window}",
+                key="mix_window",
+            )
 
 
 @dataclass
@@ -436,6 +526,107 @@ class MetricsSection:
     def __post_init__(self) -> None:
         _positive("log_every", self.log_every)
         _positive("summary_skip_steps", self.summary_skip_steps, allow_zero=True)
+
+
+@dataclass
+class RLSection:
+    """Reinforcement learning (rl/): a generator samples, an environment rewards, a loss
+    trains. Off unless `enabled`; training.steps counts RL updates."""
+
+    enabled: bool = field(default=False, metadata=doc("Train with RL instead of the data loader."))
+    env: str = field(
+        default="arithmetic",
+        metadata=doc(
+            "Environment: 'arithmetic', 'letter_sort', or 'module:factory' returning an object "
+            "with tasks(split, n, seed) and reward(task, completion)."
+        ),
+    )
+    reward: str = field(
+        default="",
+        metadata=doc("'module:function' (task, completion) -> float replacing env's reward."),
+    )
+    loss: Literal[
+        "grpo", "cispo", "dppo", "ppo", "importance_sampling", "cross_entropy", "custom"
+    ] = field(default="grpo", metadata=doc("Policy loss (rl/losses.py, docs/rl.md)."))
+    custom_loss: str = field(
+        default="",
+        metadata=doc("loss = 'custom': 'module:function' (logprobs, batch) -> scalar tensor."),
+    )
+    prompts_per_step: int = field(default=8, metadata=doc("Prompts (groups) per update."))
+    group_size: int = field(
+        default=4, metadata=doc("Samples per prompt; advantages are normalised per group.")
+    )
+    max_new_tokens: int = field(default=8, metadata=doc("Completion length limit."))
+    temperature: float = field(default=1.0, metadata=doc("Sampling temperature (> 0)."))
+    top_p: float = field(default=1.0, metadata=doc("Nucleus sampling mass in (0, 1]."))
+    clip_low: float = field(default=0.2, metadata=doc("Ratio clip below 1 (ppo/grpo/cispo/dppo)."))
+    clip_high: float = field(default=0.2, metadata=doc("Ratio clip above 1."))
+    kl_coef: float = field(
+        default=0.0, metadata=doc("GRPO: weight of KL(pi || initial policy); 0 = no reference.")
+    )
+    normalize_std: bool = field(
+        default=True, metadata=doc("Divide group advantages by the group's std (GRPO).")
+    )
+    tis_cap: float = field(
+        default=0.0,
+        metadata=doc(
+            "Truncated importance weights min(pi_old / mu, cap) on every token's loss: the "
+            "correction for train/inference mismatch and policy lag; 0 = off."
+        ),
+    )
+    mode: Literal["sync", "async"] = field(
+        default="sync",
+        metadata=doc(
+            "sync: generate, then train, in turn. async: a generator thread runs ahead of the "
+            "trainer by at most max_policy_lag weight versions."
+        ),
+    )
+    max_policy_lag: int = field(
+        default=1, metadata=doc("async: most weight versions a trained sample may lag.")
+    )
+    generator_dtype: Literal["float32", "bfloat16"] = field(
+        default="float32", metadata=doc("The generator's weight and compute dtype.")
+    )
+    generator: Literal["native", "vllm"] = field(
+        default="native",
+        metadata=doc("native: the KV-cache generator on the torchtitan model; vllm: optional."),
+    )
+    sft_warmup_steps: int = field(
+        default=0,
+        metadata=doc(
+            "Supervised steps on the environment's reference answers before RL (a stand-in "
+            "for starting from an SFT checkpoint)."
+        ),
+    )
+    sft_warmup_lr: float = field(
+        default=1e-3, metadata=doc("Learning rate of the supervised warmup (AdamW).")
+    )
+    eval_every: int = field(
+        default=10, metadata=doc("Held-out evaluation every N updates (and at start/end).")
+    )
+    eval_prompts: int = field(default=64, metadata=doc("Held-out prompts per evaluation."))
+    on_error: Literal["skip", "fail"] = field(
+        default="skip",
+        metadata=doc(
+            "A rollout or reward function that raises: skip its group and count it in "
+            "rollout_errors, or stop the run (after saving a checkpoint)."
+        ),
+    )
+    seed: int = field(default=0, metadata=doc("Seed for prompts and sampling."))
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "group_size", "max_new_tokens", "eval_every"):
+            _positive(name, getattr(self, name))
+        _positive("eval_prompts", self.eval_prompts, allow_zero=True)
+        _positive("temperature", self.temperature)
+        _positive("sft_warmup_lr", self.sft_warmup_lr)
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"expected a value in (0, 1], got {self.top_p}", key="top_p")
+        for name in ("clip_low", "clip_high", "kl_coef", "tis_cap", "sft_warmup_steps"):
+            _positive(name, getattr(self, name), allow_zero=True)
+        _positive("max_policy_lag", self.max_policy_lag, allow_zero=True)
+        if self.loss == "custom" and not self.custom_loss:
+            raise ConfigError("loss = 'custom' needs custom_loss = 'module:function'", key="loss")
 
 
 @dataclass
@@ -612,6 +803,7 @@ class Recipe:
     data: DataSection = field(default_factory=DataSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    rl: RLSection = field(default_factory=RLSection)
     finetune: FinetuneSection = field(default_factory=FinetuneSection)
     lora: LoraSection = field(default_factory=LoraSection)
     adapters: list[AdapterSection] = field(

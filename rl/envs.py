@@ -4,7 +4,7 @@ An environment is any object with `tasks(split, n, seed) -> list[Task]` and
 `reward(task, completion) -> float` (single-turn; the completion is decoded text without
 the stop token). Built in, generated here (no downloads):
 - arithmetic: "23+58=" -> "81"
-- letter_sort: "sort hdbe:" -> "bdeh"
+- letter_sort: "sort: d a c" -> "a c d"
 Both split deterministically into train and held-out prompts by a hash of the prompt, so the
 evaluation prompts are never trained on. A user environment or reward is a Python callable
 named in the recipe as "module:function" (rl.env = a factory returning an environment;
@@ -55,6 +55,10 @@ def positional_match(answer: str, completion: str) -> float:
 class _Generated:
     name = "generated"
 
+    @staticmethod
+    def held_out(prompt: str) -> bool:
+        return is_held_out(prompt)
+
     def make(self, rng: random.Random) -> Task:
         raise NotImplementedError
 
@@ -63,13 +67,18 @@ class _Generated:
             raise ValueError(f"split must be train or eval, got {split!r}")
         rng = random.Random(f"{self.name}:{split}:{seed}")
         out: list[Task] = []
-        for _ in range(1000 * n):
+        seen: set[str] = set()
+        # Distinct prompts; a small task space may hold fewer than n (all of them returned).
+        for _ in range(200 * n):
             t = self.make(rng)
-            if is_held_out(t.prompt) == (split == "eval"):
+            if t.prompt not in seen and self.held_out(t.prompt) == (split == "eval"):
+                seen.add(t.prompt)
                 out.append(t)
                 if len(out) == n:
-                    return out
-        raise RuntimeError(f"{self.name}: could not draw {n} {split} prompts")
+                    break
+        if not out:
+            raise RuntimeError(f"{self.name}: no {split} prompts")
+        return out
 
     def reward(self, task: Task, completion: str) -> float:
         return positional_match(task.answer, completion)
@@ -80,7 +89,7 @@ class Arithmetic(_Generated):
 
     name = "arithmetic"
 
-    def __init__(self, max_operand: int = 50) -> None:
+    def __init__(self, max_operand: int = 20) -> None:
         self.max_operand = max_operand
 
     def make(self, rng: random.Random) -> Task:
@@ -89,13 +98,19 @@ class Arithmetic(_Generated):
 
 
 class LetterSort(_Generated):
-    """Sort 3-6 distinct lowercase letters."""
+    """Sort 3-5 distinct letters of a..h: "sort: d a c" -> "a c d" (the format and held-out
+    rule of the SFT task on branch `sft`, posttrain/tasks.py, so an SFT checkpoint trained
+    there starts RL on the same prompts and never sees these held-out ones)."""
 
     name = "letter_sort"
 
     def make(self, rng: random.Random) -> Task:
-        letters = rng.sample("abcdefghijklmnopqrstuvwxyz", rng.randint(3, 6))
-        return Task(f"sort {''.join(letters)}:", "".join(sorted(letters)))
+        letters = rng.sample("abcdefgh", rng.randint(3, 5))
+        return Task("sort: " + " ".join(letters), " ".join(sorted(letters)))
+
+    @staticmethod
+    def held_out(prompt: str) -> bool:
+        return zlib.crc32(prompt.encode()) % 1000 < 100
 
 
 BUILTIN_ENVS: dict[str, Callable[[], Environment]] = {

@@ -97,7 +97,7 @@ def _attention(attn, x, positions, cache: _Cache, i: int, start: int, key_ok: to
 
 
 def _forward_cached(
-    model: Any, tokens, positions, cache: _Cache, start: int, key_ok
+    model: Any, tokens, positions, cache: _Cache, start: int, key_ok, *, last_only: bool = True
 ) -> torch.Tensor:
     h = model.tok_embeddings(tokens)
     for i, layer in enumerate(_layers(model)):
@@ -105,7 +105,9 @@ def _forward_cached(
             layer.attention, layer.attention_norm(h), positions, cache, i, start, key_ok
         )
         h = h + layer.feed_forward(layer.ffn_norm(h))
-    return model.lm_head(model.norm(h[:, -1:]))[:, 0]
+    if last_only:
+        return model.lm_head(model.norm(h[:, -1:]))[:, 0]
+    return model.lm_head(model.norm(h))
 
 
 def _sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator):
@@ -143,6 +145,8 @@ class Generator:
         self.max_batch = max_batch
         self.version = 0
         self._lock = threading.Lock()
+        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
+        self._pending_lock = threading.Lock()
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, **kw) -> Generator:
@@ -155,12 +159,38 @@ class Generator:
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Load full weights or a subset (a LoRA adapter); refuses unknown names."""
+        self._check_names(state_dict)
+        with self._lock, torch.no_grad():
+            self.model.load_state_dict(state_dict, strict=False)
+            self.version = version
+
+    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Queue an update that the next `generate` applies first: the trainer never waits
+        for a generation in flight (asynchronous RL). A newer staged update replaces an older
+        one that was never applied."""
+        self._check_names(state_dict)
+        with self._pending_lock:
+            self._pending = (state_dict, version)
+
+    def _check_names(self, state_dict: dict[str, torch.Tensor]) -> None:
         own = self.model.state_dict()
         unknown = [k for k in state_dict if k not in own]
         if unknown:
             raise KeyError(f"weights not in the generator's model: {unknown[:5]}")
-        with self._lock, torch.no_grad():
-            self.model.load_state_dict(state_dict, strict=False)
+
+    @property
+    def latest_version(self) -> int:
+        """The newest version staged or loaded."""
+        with self._pending_lock:
+            return self._pending[1] if self._pending is not None else self.version
+
+    def _apply_pending(self) -> None:
+        with self._pending_lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            sd, version = pending
+            with torch.no_grad():
+                self.model.load_state_dict(sd, strict=False)
             self.version = version
 
     @torch.no_grad()
@@ -173,21 +203,22 @@ class Generator:
         gen.manual_seed(params.seed if params.seed is not None else torch.seed())
         out: list[Sample] = []
         with self._lock:
+            self._apply_pending()
             version = self.version
             for s in range(0, len(rows), self.max_batch):
                 out += self._generate_batch(rows[s : s + self.max_batch], params, gen, version)
         return out
 
-    def _generate_batch(self, rows, params: SamplingParams, gen, version: int) -> list[Sample]:
-        dev, B = self.device, len(rows)
-        P = max(len(p) for _, p in rows)
-        total = P + params.max_tokens
+    def _prefill_inputs(self, seqs: list[list[int]], total: int):
+        """Left-padded tokens, per-row RoPE positions, lengths, key mask and an empty cache
+        of `total` slots."""
+        dev, B, P = self.device, len(seqs), max(len(p) for p in seqs)
         tokens = torch.full((B, P), self.pad_id, dtype=torch.long, device=dev)
         key_ok = torch.zeros(B, total, dtype=torch.bool, device=dev)
-        for b, (_, p) in enumerate(rows):
+        for b, p in enumerate(seqs):
             tokens[b, P - len(p) :] = torch.tensor(p, device=dev)
             key_ok[b, P - len(p) :] = True
-        lens = torch.tensor([len(p) for _, p in rows], device=dev)
+        lens = torch.tensor([len(p) for p in seqs], device=dev)
         positions = (torch.arange(P, device=dev)[None] - (P - lens)[:, None]).clamp(min=0)
         cache = _Cache()
         for layer in _layers(self.model):
@@ -195,6 +226,37 @@ class Generator:
             shape = (B, total, a.n_kv_heads, a.head_dim)
             cache.k.append(torch.zeros(shape, dtype=self.dtype, device=dev))
             cache.v.append(torch.zeros(shape, dtype=self.dtype, device=dev))
+        return tokens, positions, lens, key_ok, cache
+
+    @torch.no_grad()
+    def score(
+        self, prompts: list[list[int]], completions: list[list[int]], temperature: float = 1.0
+    ) -> list[list[float]]:
+        """Teacher-forced logprobs of each completion after its prompt, through this
+        generator's own numerics (dtype, decode path): one prefill of prompt + completion."""
+        with self._lock:
+            self._apply_pending()
+            seqs = [p + c for p, c in zip(prompts, completions, strict=True)]
+            P = max(len(x) for x in seqs)
+            tokens, positions, _, key_ok, cache = self._prefill_inputs(seqs, P)
+            logits = _forward_cached(
+                self.model, tokens, positions, cache, 0, key_ok, last_only=False
+            )
+            logp = F.log_softmax(logits.float() / temperature, dim=-1)
+            out = []
+            for b, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+                start = P - len(p) - len(c)  # left padding
+                idx = torch.arange(len(c), device=logp.device) + start + len(p) - 1
+                tgt = torch.tensor(c, device=logp.device)
+                out.append(logp[b, idx, tgt].tolist())
+            return out
+
+    def _generate_batch(self, rows, params: SamplingParams, gen, version: int) -> list[Sample]:
+        dev, B = self.device, len(rows)
+        P = max(len(p) for _, p in rows)
+        tokens, positions, lens, key_ok, cache = self._prefill_inputs(
+            [p for _, p in rows], P + params.max_tokens
+        )
         logits = _forward_cached(self.model, tokens, positions, cache, 0, key_ok)
         stop = torch.tensor(list(params.stop_tokens), device=dev, dtype=torch.long)
         done = torch.zeros(B, dtype=torch.bool, device=dev)

@@ -20,7 +20,16 @@ def forward_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor
     get_masks = getattr(model, "get_attention_masks", None)
     if get_masks is not None:
         masks = get_masks(positions=positions)
-    return model(tokens, positions, masks)
+    # torchtitan's trainer sets `_skip_lm_head` when its chunked loss applies the head itself;
+    # RL needs the logits, so the head runs inside this forward (FSDP unshards it there).
+    skip = getattr(model, "_skip_lm_head", False)
+    if skip:
+        model._skip_lm_head = False  # type: ignore[assignment]
+    try:
+        return model(tokens, positions, masks)
+    finally:
+        if skip:
+            model._skip_lm_head = True  # type: ignore[assignment]
 
 
 def token_logprobs(

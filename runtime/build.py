@@ -10,6 +10,7 @@ config chosen by the kernels layer.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any
@@ -25,15 +26,16 @@ from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.tools.profiler import Profiler
 from torchtitan.trainer import Trainer
 
+from core.axes import Layout
+from core.models import pp_layer_weights, stages_per_rank
 from data.loader import TitanscaleDataLoader
 from kernels.caps import DeviceCaps, detect_features
 from kernels.registry import KernelChoice, apply_kernels, check_kernels
-from parallel.axes import Layout
-from recipe.models import pp_layer_weights, stages_per_rank
+from recipe.loader import first_step_timeout_s, uses_cuda_graphs
 from recipe.schema import Recipe
 from runtime.checkpoint import AtomicCheckpointManager
 from runtime.metrics import TitanscaleMetrics
-from runtime.platform import Platform
+from runtime.platform import Platform, spmd_backend
 from runtime.validation import TitanscaleValidator
 
 
@@ -113,21 +115,46 @@ def lr_scheduler_config(recipe: Recipe) -> LRSchedulersContainer.Config:
 
 def validator_config(recipe: Recipe) -> TitanscaleValidator.Config:
     """`[validation]` as torchtitan's validator, reading through titanscale's loader (same
-    tokenizer, packing and seq_len as training; a finite pass over its source)."""
-    v, d = recipe.validation, recipe.data
-    return TitanscaleValidator.Config(
-        enable=v.enable,
-        freq=v.every,
-        steps=v.steps,
-        dataloader=TitanscaleDataLoader.Config(
-            source=v.source or d.source,
-            packing=d.packing,
-            text_field=v.text_field if v.source else d.text_field,
-            window=d.window,
-            bad_records=d.bad_records,
-            streaming=d.streaming,
+    tokenizer, packing and seq_len as training; a finite pass over its source). Without its own
+    source it reads the training data exactly as `[data]` describes it (subset, mix, store)."""
+    v = recipe.validation
+    train = dataloader_config(recipe)
+    if v.source:
+        loader = dataclasses.replace(
+            train,
+            source=v.source,
+            text_field=v.text_field,
+            subset="",
+            split="train",
+            data_files=[],
+            sources=[],
             infinite=False,
-        ),
+        )
+    else:
+        loader = dataclasses.replace(train, infinite=False)
+    return TitanscaleValidator.Config(
+        enable=v.enable, freq=v.every, steps=v.steps, dataloader=loader
+    )
+
+
+def dataloader_config(recipe: Recipe) -> TitanscaleDataLoader.Config:
+    """The loader component's config from `[data]` (also used by tools.packstats)."""
+    d = recipe.data
+    return TitanscaleDataLoader.Config(
+        source=d.source,
+        packing=d.packing,
+        text_field=d.text_field,
+        window=d.window,
+        bad_records=d.bad_records,
+        streaming=d.streaming,
+        subset=d.subset,
+        split=d.split,
+        data_files=list(d.data_files),
+        sources=[dataclasses.asdict(e) for e in d.sources],
+        mix_window=d.mix_window,
+        format=d.format,
+        chat_template=d.chat_template,
+        truncate=d.truncate,
     )
 
 
@@ -164,11 +191,16 @@ def build_trainer_config(
 
     first_less, last_less = (1, 1)
     microbatch_size = 1
+    layers_per_stage = None
     if layout.pp > 1:
-        stages = layout.pp * stages_per_rank(par.pp_schedule)
+        stages = layout.pp * stages_per_rank(par.pp_schedule, par.pp_stages_per_rank)
         weights = pp_layer_weights(len(spec.model.layers), stages)
         assert weights is not None  # check_layout rejected uneven splits already
         first_less, last_less = weights
+        if par.pp_stages_per_rank:
+            # torchtitan derives the stage count from layers per stage, counting the
+            # embedding and output as `first_less` / `last_less` layers.
+            layers_per_stage = (len(spec.model.layers) + first_less + last_less) // stages
         n_mb = par.pp_microbatches or tr.local_batch_size
         microbatch_size = tr.local_batch_size // n_mb
 
@@ -193,8 +225,10 @@ def build_trainer_config(
             max_norm=tr.max_norm,
             steps=tr.steps,
             mixed_precision_param=tr.dtype,
-            # CUDA graphs need static shapes and no PP; the eager path is the measured one.
-            disable_cuda_graphs=True,
+            # training.cuda_graphs: on where torchtitan allows capture (pp = 1, not varlen);
+            # never on CPU (torchtitan would warn and run eager, but keep gradients allocated).
+            disable_cuda_graphs=platform.is_cpu
+            or not uses_cuda_graphs(recipe, layout.pp, kernels.attention),
         ),
         parallelism=ParallelismConfig(
             data_parallel_replicate_degree=layout.dp_replicate,
@@ -206,18 +240,12 @@ def build_trainer_config(
             pipeline_parallel_microbatch_size=microbatch_size,
             pipeline_parallel_first_stage_less_layers=first_less,
             pipeline_parallel_last_stage_less_layers=last_less,
+            # "spmd_types" (torchtitan's default) on torch >= 2.14, else "partial_dtensor"
+            # (runtime.platform, bridge 8).
+            spmd_backend=spmd_backend(),  # type: ignore[arg-type]
+            pipeline_parallel_layers_per_stage=layers_per_stage,
         ),
-        dataloader=TitanscaleDataLoader.Config(
-            format=recipe.data.format,
-            chat_template=recipe.data.chat_template,
-            truncate=recipe.data.truncate,
-            source=recipe.data.source,
-            packing=recipe.data.packing,
-            text_field=recipe.data.text_field,
-            window=recipe.data.window,
-            bad_records=recipe.data.bad_records,
-            streaming=recipe.data.streaming,
-        ),
+        dataloader=dataloader_config(recipe),
         metrics=TitanscaleMetrics.Config(
             log_freq=recipe.metrics.log_every,
             enable_tensorboard=recipe.metrics.tensorboard,
@@ -256,9 +284,13 @@ def build_trainer_config(
             tokenizer_dir=tokenizer_path,
         ),
         activation_checkpoint=ac,
-        compile=CompileConfig(enable=tr.compile),
+        compile=CompileConfig(
+            enable=tr.compile,
+            # parallel.async_tp: checked at load (compile, tp > 1) and in session (CUDA).
+            enable_async_tensor_parallel=par.async_tp and layout.tp > 1,
+        ),
         comm=CommConfig(
-            init_timeout_seconds=recipe.job.init_timeout_s,
+            init_timeout_seconds=first_step_timeout_s(recipe),
             train_timeout_seconds=recipe.job.collective_timeout_s,
         ),
         validator=validator_config(recipe),

@@ -22,8 +22,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from recipe.errors import ConfigError
-from recipe.models import HF_MODEL_TYPE, ModelShape
+from core.errors import ConfigError
+from core.models import HF_MODEL_TYPE, ModelShape
 
 # Tokenizer files copied next to exported weights, so the folder loads on its own.
 TOKENIZER_FILES = (

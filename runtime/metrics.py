@@ -9,8 +9,10 @@ the loss):
 - tflops_per_gpu = flops_per_token (torchtitan's count: 6N + 12 L H Q T) x tokens/s/gpu.
 - mfu_doc_masked_pct: the same with attention FLOPs counted only for the (query, key) pairs
   the document mask keeps (labelled; torchtitan's count charges every row's full L x L).
-- mfu_pct = tflops_per_gpu / the dense peak of this GPU at the linear layers' precision
-  (parallel.hardware); null on CPU or an unknown GPU ("n/a" on the console).
+- mfu_pct = tflops_per_gpu / the dense BF16 peak of this GPU, whatever the linears' precision
+  (core.hardware; torchtitan's and Megatron's convention); null on CPU or an unknown GPU
+  ("n/a" on the console). mfu_at_precision_peak_pct: the same against the peak of the linears'
+  precision (FP8/MXFP8: twice BF16's on Hopper/Blackwell); equal to mfu_pct for BF16.
 The summary's median excludes the first `summary_skip_steps` steps (compile, allocator and
 collective warmup), and reports p10 / p90 next to it.
 """
@@ -29,9 +31,9 @@ import torch
 from torchtitan.components.metrics import MetricsProcessor, _get_metrics_rank
 from torchtitan.tools.logging import logger
 
+from core.hardware import peak_flops
+from core.models import model_shape
 from data.accounting import doc_masked_flops
-from parallel.hardware import peak_flops
-from recipe.models import model_shape
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -73,7 +75,7 @@ def summarize(
             out[f"median_{key}"] = statistics.median(vals)
             out[f"p10_{key}"] = percentile(vals, 10)
             out[f"p90_{key}"] = percentile(vals, 90)
-    for key in ("mfu_pct", "mfu_doc_masked_pct"):
+    for key in ("mfu_pct", "mfu_at_precision_peak_pct", "mfu_doc_masked_pct"):
         vals = [r[key] for r in steady if r.get(key) is not None]
         out[f"median_{key}"] = statistics.median(vals) if vals else None
     out["peak_memory_gib"] = max(r["memory_gib"] for r in records)
@@ -134,7 +136,9 @@ class TitanscaleMetrics(MetricsProcessor):
         self.last_logged_step = 0
         self.start_step = 0
         self.records: list[dict[str, Any]] = []
-        self.peak = peak_flops(config.device_name, config.precision)
+        # MFU is against the BF16 peak (see module docstring); precision_peak beside it.
+        self.peak = peak_flops(config.device_name, "bf16")
+        self.precision_peak = peak_flops(config.device_name, config.precision)
         self.procs_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         dump_folder = kwargs.get("dump_folder", "./outputs")
         self.is_metrics_rank = (
@@ -183,6 +187,7 @@ class TitanscaleMetrics(MetricsProcessor):
         useful_tps = self.useful_ntokens_since_last_log / (dt * non_dp)
         tflops = self.num_flops_per_token * tps / 1e12
         mfu = 100 * tflops * 1e12 / self.peak if self.peak else None
+        mfu_prec = 100 * tflops * 1e12 / self.precision_peak if self.precision_peak else None
         # Second, clearly labelled variant: attention FLOPs only for the pairs the document
         # mask keeps (torchtitan's count charges the full L x L score matrix per row).
         tflops_doc = (
@@ -206,6 +211,7 @@ class TitanscaleMetrics(MetricsProcessor):
             "tokens_per_sec_per_node": tps * self.procs_per_node,
             "tflops_per_gpu": tflops,
             "mfu_pct": mfu,
+            "mfu_at_precision_peak_pct": mfu_prec,
             "tflops_doc_masked_per_gpu": tflops_doc,
             "mfu_doc_masked_pct": mfu_doc,
             "memory_gib": mem.max_reserved_gib,
@@ -262,7 +268,10 @@ class TitanscaleMetrics(MetricsProcessor):
         )
         summary["device"] = self.tconfig.device_name
         summary["precision"] = self.tconfig.precision
-        summary["peak_tflops"] = self.peak / 1e12 if self.peak else None
+        summary["peak_tflops"] = self.peak / 1e12 if self.peak else None  # dense BF16
+        summary["precision_peak_tflops"] = (
+            self.precision_peak / 1e12 if self.precision_peak else None
+        )
         summary["world_size"] = self.parallel_dims.world_size
         summary["processes_per_node"] = self.procs_per_node
         if self.data_stats is not None:

@@ -3,7 +3,7 @@
 `Platform.detect()` says where we run; `platform.apply()` adapts torchtitan 0.3.0 to it. On
 CUDA `apply()` changes nothing: torchtitan's own code paths run as shipped. On CPU (gloo) it
 answers, item by item, the places where torchtitan assumes CUDA (file:line in torchtitan
-0.3.0; see ../shared/notes/torchtitan-0.3.0-on-cpu.md):
+0.3.0; see docs/torchtitan_on_cpu.md):
 
 1. tools/utils.py:55 picks `device_type = ... or "cuda"` at import and five modules copy it
    by name; without a GPU the Trainer calls torch.cuda.set_device and dies. -> "cpu" and
@@ -18,10 +18,24 @@ answers, item by item, the places where torchtitan assumes CUDA (file:line in to
 5. Attention: flex has no CPU backward and varlen is CUDA-only -> kernels.dense_attention
    (chosen by the kernels layer, `attention = "auto"` -> dense on CPU).
 
-On any device, one version bridge (the lent H200 runs an older torch than our pin, 2.11):
+On any device, version bridges (the lent H200 runs an older torch than our pin, 2.11;
+`bridge_torch()` runs when the `runtime` package is imported, before any torchtitan import):
 6. distributed/utils.py:595 calls `torch.distributed.set_timeout`, which torch < 2.14 lacks.
    -> the same barrier-then-timeouts through c10d's private `_set_pg_timeout`, or keep the
    initial timeout with a warning when that is missing too.
+7. distributed/fsdp.py:13 imports `torch.distributed.fsdp.DataParallelMeshDims` at import time
+   (newer than torch 2.11). -> a stand-in dataclass of the same shape. It is only ever passed
+   to `fully_shard(dp_mesh_dims=...)` under the spmd_types / full_dtensor backends, so
+8. the spmd backend becomes "partial_dtensor" (`spmd_backend()`) whenever torch is older than
+   2.14 or its `fully_shard` has no `dp_mesh_dims`: spmd_types failed under FSDP/TP on torch
+   2.13 ("all parameters must be DTensors", ../shared/notes/torchtitan-0.3.0-on-cpu.md), and
+   partial_dtensor gave the same losses on CPU (FSDP2 6.21540 both ways).
+9. trainer.py:856 calls `pp_schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=, loss_kwargs=)`,
+   which torch 2.13's schedules do not accept. Not bridged (it would mean re-implementing the
+   schedule's microbatch split and loss scaling): `check_pipeline_step()` stops such a run
+   (pp > 1) before the process group with one line naming the torch version, exit 2.
+Anything else torchtitan imports and this torch lacks ends, at the `runtime` import, in one
+line naming the torch version and the missing name, exit 2 (`MissingTorchFeature`).
 
 Patches are applied once per process and only to torchtitan module attributes (no source
 edits); every patched name is checked to exist, so a torchtitan upgrade fails loudly here.
@@ -29,7 +43,9 @@ edits); every patched name is checked to exist, so a torchtitan upgrade fails lo
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import resource
 import sys
 from dataclasses import dataclass
@@ -38,6 +54,105 @@ from datetime import timedelta
 import torch
 
 _APPLIED: set[str] = set()
+# Names bridged by bridge_torch() in this process (for the log and the tests).
+BRIDGED: list[str] = []
+
+
+class MissingTorchFeature(SystemExit):
+    """This torch lacks something torchtitan 0.3.0 needs and that cannot be bridged: one line
+    on stderr, exit 2 (the same contract as a ConfigError, raised where no CLI wrapper may be
+    on the stack, e.g. at import)."""
+
+    def __init__(self, line: str):
+        print(f"error: {line}", file=sys.stderr)
+        super().__init__(2)
+
+
+def torch_version() -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def _fsdp_has_mesh_dims() -> bool:
+    import torch.distributed.fsdp as fsdp
+
+    try:
+        return "dp_mesh_dims" in inspect.signature(fsdp.fully_shard).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def spmd_backend() -> str:
+    """torchtitan's `parallelism.spmd_backend` for this torch: its default "spmd_types" on
+    torch >= 2.14 with a native DataParallelMeshDims, else "partial_dtensor" (bridge 8)."""
+    native = "DataParallelMeshDims" not in BRIDGED and _fsdp_has_mesh_dims()
+    return "spmd_types" if torch_version() >= (2, 14) and native else "partial_dtensor"
+
+
+def bridge_torch() -> None:
+    """Install the import-time bridges (7) and check that torchtitan imports; idempotent.
+
+    Must run before the first `import torchtitan.distributed`: torchtitan binds the names at
+    import. Cost: one attribute check per symbol, once per process.
+    """
+    if "bridges" in _APPLIED:
+        return
+    _APPLIED.add("bridges")
+    import torch.distributed.fsdp as fsdp
+
+    if not hasattr(fsdp, "DataParallelMeshDims"):
+        from dataclasses import dataclass as _dc
+
+        @_dc
+        class DataParallelMeshDims:  # same fields as torch 2.14's (never used on this torch)
+            shard: str | tuple[str, ...] | None = None
+            replicate: str | tuple[str, ...] | None = None
+
+        setattr(fsdp, "DataParallelMeshDims", DataParallelMeshDims)  # noqa: B010 (mypy: a stand-in type)
+        BRIDGED.append("DataParallelMeshDims")
+    if not hasattr(torch.distributed, "set_timeout"):
+        BRIDGED.append("set_timeout")  # patched into torchtitan by Platform.apply()
+    try:
+        import torchtitan.distributed.utils  # noqa: F401
+        import torchtitan.trainer  # noqa: F401
+    except ImportError as e:
+        what = f"{e.name}" if e.name else str(e).splitlines()[0]
+        if e.name and e.name.split(".")[0] != "torch":  # torchao, torchdata, tyro, ...
+            raise MissingTorchFeature(
+                f"torchtitan 0.3.0 needs the Python package '{e.name}', not installed here "
+                "(on the lent GPU carry it as a wheel: docs/gpu.md)"
+            ) from None
+        raise MissingTorchFeature(
+            f"torch {torch.__version__} lacks {what} that torchtitan 0.3.0 imports "
+            f"({str(e).splitlines()[0][:160]}); use torch >= 2.14"
+        ) from None
+
+
+def pipeline_step_missing() -> list[str]:
+    """The keyword arguments torchtitan 0.3.0 passes to a pipeline schedule's step() that this
+    torch's schedules do not accept (empty on torch >= 2.14)."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+    need = ("arg_mbs", "kwarg_mbs", "target_mbs", "loss_kwargs")
+    missing: list[str] = []
+    for cls in (PipelineScheduleSingle, PipelineScheduleMulti):
+        params = inspect.signature(cls.step).parameters
+        missing += [k for k in need if k not in params and k not in missing]
+    return missing
+
+
+def check_pipeline_step(pp: int) -> None:
+    """Bridge 9 is impossible: with pp > 1 on a torch whose schedules lack the pre-split step
+    arguments, stop before the process group with one line, exit 2."""
+    if pp <= 1:
+        return
+    missing = pipeline_step_missing()
+    if missing:
+        raise MissingTorchFeature(
+            f"torch {torch.__version__}: pipeline schedules' step() lacks "
+            f"{', '.join(missing)} that torchtitan 0.3.0 passes; pipeline parallelism "
+            f"(pp = {pp}) needs torch >= 2.14 (set parallel.pp = 1 on this machine)"
+        )
 
 
 @dataclass(frozen=True)

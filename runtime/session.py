@@ -17,15 +17,15 @@ from typing import Any
 
 from torchtitan.trainer import Trainer
 
-from parallel.axes import Layout
+from core.axes import Layout
+from core.errors import ConfigError
+from core.models import model_shape
 from parallel.cluster import Cluster, load_cluster
 from parallel.planner import apply_plan, best_plan
-from recipe.errors import ConfigError
-from recipe.loader import check_recipe, load_recipe
-from recipe.models import model_shape
+from recipe.loader import check_recipe, effective_shape, load_recipe
 from recipe.schema import Recipe
 from runtime.build import KernelChoice, build_trainer_config, choose_kernels
-from runtime.platform import Platform
+from runtime.platform import BRIDGED, Platform, check_pipeline_step
 
 # Below this much free space in the output folder a checkpoint write is likely to fail
 # half-way; refuse to start instead.
@@ -77,8 +77,7 @@ def _probe_writable(folder: Path, *, file: str, key: str) -> None:
 
 def checkpoint_bytes(recipe: Recipe) -> int:
     """Estimated size of one full checkpoint (all ranks together)."""
-    shape = model_shape(recipe.model.flavor, recipe.model.family)
-    return shape.total_params * CHECKPOINT_BYTES_PER_PARAM
+    return effective_shape(recipe).total_params * CHECKPOINT_BYTES_PER_PARAM  # a slice: its layers
 
 
 def check_environment(recipe: Recipe) -> None:
@@ -186,18 +185,40 @@ def check_faults() -> None:
 
 
 def check_data_source(recipe: Recipe) -> None:
-    """The data source exists and is readable in kind (no data read, no process group)."""
+    """The data source(s) exist and are readable in kind (no data read, no process group);
+    mixing weights give every source a row per window."""
     from data.sources import check_source
 
-    check_source(recipe.data.source, file=recipe.source)
-    if recipe.data.eval_source:
-        check_source(recipe.data.eval_source, file=recipe.source, key="data.eval_source")
+    d = recipe.data
+    if d.eval_source:
+        check_source(d.eval_source, file=recipe.source, key="data.eval_source")
     for i, a in enumerate(recipe.adapters):
         check_source(a.source, file=recipe.source, key=f"adapters[{i}].source")
         if a.eval_source:
             check_source(a.eval_source, file=recipe.source, key=f"adapters[{i}].eval_source")
     if recipe.validation.enable and recipe.validation.source:
         check_source(recipe.validation.source, file=recipe.source, key="validation.source")
+    if not d.sources:
+        check_source(d.source, file=recipe.source)
+        return
+    from data.store_stream import mix_counts
+
+    for i, e in enumerate(d.sources):
+        check_source(e.source, file=recipe.source, key=f"data.sources[{i}].source")
+    try:
+        mix_counts([e.weight for e in d.sources], d.mix_window)
+    except ValueError as e:
+        raise ConfigError(str(e), file=recipe.source, key="data.mix_window") from None
+
+
+def check_data_tokenizer(recipe: Recipe, tokenizer_path: str) -> None:
+    """A prepared store must have been tokenized with this tokenizer (one line, exit 2)."""
+    from data.store import TokenStore, is_store
+
+    specs = [e.source for e in recipe.data.sources] or [recipe.data.source]
+    for spec in specs:
+        if is_store(spec):
+            TokenStore(spec).check_tokenizer(tokenizer_path, file=recipe.source)
 
 
 def cluster_for_job(recipe: Recipe, world_size: int, platform: Platform) -> Cluster | None:
@@ -251,6 +272,13 @@ def prepare(recipe_path: str | None, overrides: list[str]) -> Job:
     if recipe.parallel.auto:
         recipe, plan = apply_auto_plan(recipe, cluster)
     layout = check_recipe(recipe, world_size)
+    check_pipeline_step(layout.pp)
+    if recipe.parallel.async_tp and platform.is_cpu and layout.tp > 1:
+        raise ConfigError(
+            "async TP needs CUDA (symmetric-memory collectives); this machine has no GPU",
+            file=recipe.source,
+            key="parallel.async_tp",
+        )
     if recipe.profiling.memory_snapshot and platform.is_cpu:
         raise ConfigError(
             "memory snapshots record the CUDA caching allocator; this run is on CPU",
@@ -275,6 +303,7 @@ def prepare(recipe_path: str | None, overrides: list[str]) -> Job:
         recipe.model.tokenizer, vocab_size=vocab, recipe_file=recipe.source
     )
     check_tokenizer(tokenizer_path, recipe)
+    check_data_tokenizer(recipe, tokenizer_path)
     check_faults()
     check_wandb(recipe)
     config = build_trainer_config(
@@ -292,6 +321,11 @@ def run(job: Job, trainer_cls: type | None = None, **trainer_kwargs: Any) -> dic
     from runtime.trainer import TitanscaleTrainer
 
     job.platform.apply()
+    if BRIDGED:
+        logger.info(
+            f"torch {torch.__version__}: bridged {', '.join(BRIDGED)} (runtime.platform); "
+            f"spmd backend {job.config.parallelism.spmd_backend}"
+        )
     if job.plan:
         logger.info(job.plan)
     for line in job.kernels.log_lines():

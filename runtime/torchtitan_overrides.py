@@ -14,8 +14,8 @@ import dataclasses
 import typing
 from typing import Any
 
-from recipe.errors import ConfigError, did_you_mean
-from recipe.toml_schema import coerce, show
+from core.errors import ConfigError, did_you_mean
+from core.typed_toml import coerce, show
 
 
 def flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 - `batch_generator`: also counts useful tokens (labels != IGNORE_INDEX) for the report.
 - `init_distributed`: builds the device mesh (from a planned rank order when one is given,
-  see parallel.mesh) and runs the startup placement check (parallel.startup).
+  see parallel.mesh) and runs the startup placement check (runtime.startup).
 - `should_continue_training` (launch.stop_request.StopOnRequest): checkpoints and stops when
   the Slurm job script asks (time limit near), so the requeued job resumes there.
 - `train`: writes a `start` event (resumed step, restart count) and, at the end, the
@@ -26,7 +26,7 @@ from torchtitan.trainer import Trainer
 
 from data.accounting import attention_pairs
 from launch.stop_request import StopOnRequest
-from parallel.cluster import Fabric
+from parallel.fabric import Fabric
 from runtime import faults
 from runtime.metrics import TitanscaleMetrics
 from runtime.watchdog import RankTimeoutError, StepWatchdog, default_store, looks_like_timeout
@@ -55,7 +55,7 @@ class TitanscaleTrainer(StopOnRequest, Trainer):
         from torchtitan.tools.logging import logger
 
         from parallel.mesh import make_parallel_dims
-        from parallel.startup import startup_check
+        from runtime.startup import startup_check
 
         world_size = dist_utils.init_distributed(
             self.config.comm,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import uvicorn
 
-from recipe.errors import ConfigError
+from core.errors import ConfigError
 from service.app import create_app
 from service.backend import Backend
 from service.core import INTERNAL_OPS, Limits, Service

@@ -1,10 +1,11 @@
-"""Shared fixtures: running train.py (1 process or torchrun) and reading its metrics."""
+"""Shared fixtures. Helpers live in `tests/helpers/` (import those, never this file).
+
+The repository root goes on sys.path so tests import the project's packages and
+`tests.helpers` from any tier.
+"""
 
 from __future__ import annotations
 
-import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,76 +13,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-# Small, fast settings shared by the multi-process tests: seq 128, 5 steps.
-FAST = [
-    "training.seq_len=128",
-    "training.steps=5",
-    "metrics.tensorboard=false",
-    "metrics.summary_skip_steps=1",
-]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONUNBUFFERED"] = "1"
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
-
-
-def run_train(
-    out: Path,
-    overrides: list[str],
-    *,
-    nproc: int = 1,
-    recipe: str | None = None,
-    extra_args: list[str] | None = None,
-    timeout: int = 600,
-    check: bool = True,
-) -> subprocess.CompletedProcess:
-    """Run train.py (torchrun when nproc > 1) with job.output_dir=out."""
-    args = ["--set", f"job.output_dir={out}"]
-    for o in overrides:
-        args += ["--set", o]
-    if recipe:
-        args = ["--recipe", recipe, *args]
-    if nproc == 1:
-        cmd = [sys.executable, str(ROOT / "train.py"), *args]
-    else:
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-            *(extra_args or []),
-            str(ROOT / "train.py"), *args,
-        ]  # fmt: skip
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-        )
-    return proc
-
-
-def read_losses(out: Path) -> dict[int, float]:
-    """step -> loss from metrics.jsonl (later records win: a restart replays steps)."""
-    losses: dict[int, float] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "loss" in rec and "event" not in rec:
-            losses[rec["step"]] = rec["loss"]
-    return losses
+from tests.helpers.runs import child_env  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -99,19 +34,16 @@ def seed_checkpoint(tmp_path_factory) -> str:
     return str(path)
 
 
-def train_main_error(argv: list[str], capsys) -> tuple[int, list[str]]:
-    """Run train.main in-process expecting bad input: (exit code, its `error:` lines).
+@pytest.fixture(autouse=True)
+def _isolated_root_logging():
+    """Handlers a test adds to the root logger (torchtitan's init_logger binds one to the
+    captured stderr of that test) are removed after it: a later test would otherwise log into a
+    closed stream ("--- Logging error ---") and its one-line-error assertions would fail."""
+    import logging
 
-    The launch variables train.main sets for a 1-process job are restored afterwards; torch's
-    own import-time warnings on stderr are not `error:` lines."""
-    import train
-
-    saved = dict(os.environ)
-    try:
-        with pytest.raises(SystemExit) as e:
-            train.main(argv)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error")]
-    return int(e.value.code or 0), err
+    root = logging.getLogger()
+    before = list(root.handlers)
+    yield
+    for h in list(root.handlers):
+        if h not in before:
+            root.removeHandler(h)

@@ -24,10 +24,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from recipe.cli import add_override_arg
-from recipe.errors import ConfigError, exit_on_config_error
+from core.errors import ConfigError, exit_on_config_error
 from recipe.loader import load_recipe
 from runtime.metrics import summarize
+from tools.cli import add_cluster_arg, add_override_arg, add_recipe_arg, run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -131,12 +131,12 @@ def run_training(recipe: str, overrides: list[str], nproc: int, out: Path) -> No
 @exit_on_config_error
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--recipe", default=str(ROOT / "recipes" / "debug.toml"))
+    add_recipe_arg(p, default=str(ROOT / "recipes" / "debug.toml"))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3, help="steps excluded from the statistics")
     p.add_argument("--nproc", type=int, default=1, help="processes (torchrun when > 1)")
     p.add_argument("--out", default=None, help="output folder (default outputs/bench-<name>)")
-    p.add_argument("--cluster", default=None, help="cluster profile: add the prediction")
+    add_cluster_arg(p, help="cluster profile (TOML or a name in clusters/): add the prediction")
     add_override_arg(p)
     a = p.parse_args(argv)
     if a.warmup >= a.steps:
@@ -207,4 +207,4 @@ def predict_for(
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

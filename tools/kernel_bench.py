@@ -17,7 +17,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from recipe.errors import ConfigError, exit_on_config_error
+from core.errors import ConfigError, exit_on_config_error
+from tools.cli import run
 
 
 def _csv(kind, choices=None):
@@ -35,9 +36,9 @@ def _csv(kind, choices=None):
 
 @exit_on_config_error
 def main(argv: list[str] | None = None) -> int:
+    from core.models import LLAMA3_FLAVORS
     from kernels.bench import ATTENTION_NAMES, LINEAR_NAMES, markdown, run, to_json
     from kernels.caps import DeviceCaps
-    from recipe.models import LLAMA3_FLAVORS
 
     caps = DeviceCaps.detect()
     gpu = caps.is_cuda
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"must be positive, got {getattr(args, name)}", key=f"--{name}")
     for tp in args.tp:
         for m in args.model:
-            from recipe.models import model_shape
+            from core.models import model_shape
 
             s = model_shape(m)
             if tp <= 0 or s.n_kv_heads % tp or s.n_heads % tp:
@@ -105,4 +106,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

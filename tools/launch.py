@@ -18,8 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from recipe.cli import add_override_arg
-from recipe.errors import ConfigError, exit_on_config_error
+from core.errors import ConfigError, exit_on_config_error
+from tools.cli import add_cluster_arg, add_override_arg, add_recipe_arg, run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -30,8 +30,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--recipe", required=True, help="recipe TOML")
-    p.add_argument("--cluster", required=True, help="cluster profile (path or name in clusters/)")
+    add_recipe_arg(p, required=True)
+    add_cluster_arg(p, required=True)
     p.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
     p.add_argument("--partition", default="", help="Slurm partition")
     p.add_argument("--time", default="", help="time limit (Slurm format, e.g. 04:00:00)")
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from launch.sbatch import REPO_ROOT, LaunchOptions, check_launch, node_path, render_sbatch
     from parallel.cluster import load_cluster, resolve_cluster_path
-    from recipe.loader import DEFAULT_RECIPE, load_recipe
+    from recipe.loader import load_recipe, resolve_recipe_path
 
     recipe = load_recipe(args.recipe, args.overrides)
     cluster = load_cluster(args.cluster)
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = LaunchOptions(
         nodes=args.nodes,
         output_dir=str(out),
-        recipe_path=node_path(Path(args.recipe or DEFAULT_RECIPE), workdir),
+        recipe_path=node_path(Path(resolve_recipe_path(args.recipe)), workdir),
         cluster_path=node_path(cluster_path, workdir),
         workdir=workdir,
         overrides=tuple(args.overrides),
@@ -142,4 +142,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run(main)

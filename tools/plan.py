@@ -18,8 +18,8 @@ import argparse
 import json
 import sys
 
-from recipe.errors import ConfigError, exit_on_config_error
-from tools._common import add_recipe_cluster_args, load
+from core.errors import ConfigError, exit_on_config_error
+from tools.cli import add_recipe_cluster_args, add_stack_arg, load, load_stack_arg, run
 
 
 def _fmt_plan_row(i: int, p) -> str:
@@ -45,7 +45,7 @@ HEADER = (
 def fabric_for(args, cluster):
     from pathlib import Path
 
-    from parallel.cluster import fabric_from_slurm
+    from launch.slurm import fabric_from_slurm
 
     if args.slurm_topology or args.nodelist:
         text = None
@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_recipe_cluster_args(p)
     p.add_argument("--top", type=int, default=10, help="plans to show (default 10)")
+    add_stack_arg(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--placement", action="store_true", help="show the best plan's placement")
     p.add_argument("--shuffle-hosts", type=int, default=None, metavar="SEED",
@@ -155,11 +156,14 @@ def main(argv: list[str] | None = None) -> None:
 
     from parallel.planner import add_traffic, search
 
+    stack = load_stack_arg(args)
     recipe, cluster = load(args)
     fabric = None
     if args.placement or args.slurm_topology or args.nodelist:
         cluster, fabric = fabric_for(args, cluster)
-    res = search(recipe, cluster, nodes=cluster.nodes)
+    res = search(recipe, cluster, nodes=cluster.nodes, stack=stack)
+    for w in res.warnings:
+        print(f"warning: {w}", file=sys.stderr)
     if args.time > 0:
         import statistics
         import time
@@ -167,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         walls, cpus = [], []
         for _ in range(args.time):
             w0, c0 = time.perf_counter(), time.process_time()
-            search(recipe, cluster, nodes=cluster.nodes)
+            search(recipe, cluster, nodes=cluster.nodes, stack=stack)
             walls.append(time.perf_counter() - w0)
             cpus.append(time.process_time() - c0)
         print(
@@ -211,4 +215,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

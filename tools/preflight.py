@@ -18,8 +18,8 @@ import argparse
 import os
 import sys
 
-from recipe.cli import add_override_arg
-from recipe.errors import exit_on_config_error
+from core.errors import exit_on_config_error
+from tools.cli import add_cluster_arg, add_override_arg, add_recipe_arg, run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -28,9 +28,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--recipe", default=None, help="recipe TOML (default: recipes/debug.toml)")
+    add_recipe_arg(p)
     add_override_arg(p)
-    p.add_argument("--cluster", default=None, help="cluster profile (path or name in clusters/)")
+    add_cluster_arg(p)
     p.add_argument("--out", default=None, help="folder for placement.json and preflight.json")
     p.add_argument(
         "--size-mb", type=float, default=None, help="message size (default 256 GPU, 1 CPU)"
@@ -76,4 +76,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run(main)

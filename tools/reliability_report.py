@@ -1,6 +1,6 @@
 """Run the reliability tests and write their figures into docs/reliability.md.
 
-    python -m tools.reliability_report            # runs tests/test_reliability_*.py
+    python -m tools.reliability_report            # runs tests/*/test_reliability_*.py
     python -m tools.reliability_report --no-run FIGURES.json   # render existing figures
 
 The tests call `record(name, value)`; it is a no-op unless TITANSCALE_RELIABILITY_FIGURES
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             path = os.path.join(d, "figures.json")
             env = {**os.environ, ENV: path, "OMP_NUM_THREADS": "1"}
             t0 = time.time()
-            tests = sorted(str(t) for t in (ROOT / "tests").glob("test_reliability_*.py"))
+            tests = sorted(str(t) for t in (ROOT / "tests").rglob("test_reliability_*.py"))
             rc = subprocess.call(
                 [sys.executable, "-m", "pytest", "-q", *tests, *args.pytest_args],
                 cwd=ROOT,
@@ -130,4 +130,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from tools.cli import run
+
+    run(main)

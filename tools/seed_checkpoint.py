@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import argparse
 
-from recipe.cli import add_override_arg
-from recipe.errors import exit_on_config_error
+from core.errors import exit_on_config_error
+from tools.cli import add_override_arg, add_recipe_arg, run
 
 
 @exit_on_config_error
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--recipe", default=None)
+    add_recipe_arg(p)
     p.add_argument("--out", required=True, help="folder to write (step-0 is created inside)")
     add_override_arg(p)
     args = p.parse_args(argv)
@@ -34,4 +34,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -16,13 +16,13 @@ import asyncio
 import logging
 import os
 
-from recipe.cli import add_override_arg
-from recipe.errors import ConfigError, exit_on_config_error
+from core.errors import ConfigError
+from tools.cli import add_override_arg, add_recipe_arg, run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--recipe", default=None, help="recipe TOML (default: recipes/debug.toml)")
+    add_recipe_arg(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key-file", default=None, help="API keys, one per line")
@@ -46,7 +46,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-@exit_on_config_error
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from recipe.loader import load_recipe
@@ -104,4 +103,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

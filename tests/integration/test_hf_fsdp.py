@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import read_losses, run_train
+from tests.helpers.runs import read_losses, run_train
 from tests.integration._hf_interop_worker import hf_logits, hf_model
 
 

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, child_env
+from tests.helpers.runs import ROOT, child_env
+
+pytestmark = pytest.mark.slow  # training runs: ~30-120 s on 2 shared cores
 
 WORKER = Path(__file__).with_name("_hf_interop_worker.py")
 TOL = 1e-4

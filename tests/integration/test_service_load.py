@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("tinker")
 
-from tests._service_helpers import KEY, ROOT, start_server  # noqa: E402
+from tests.helpers.service_server import KEY, ROOT, start_server  # noqa: E402
 
 CLIENTS, STEPS = 4, 50
 
@@ -27,7 +27,7 @@ def _run(server, tmp, groups: list[str], tag):
         out = tmp / f"{tag}-{i}.json"
         cmd = [
             sys.executable,
-            str(ROOT / "tests" / "_service_load_client.py"),
+            str(ROOT / "tests" / "helpers" / "service_load_client.py"),
             server.url,
             KEY,
             seeds,

@@ -15,7 +15,7 @@ import pytest
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-from tests._service_helpers import BASE_MODEL, KEY, start_server  # noqa: E402
+from tests.helpers.service_server import BASE_MODEL, KEY, start_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,8 @@ warmup_steps = 1
 seed = 2
 """
 
+pytestmark = pytest.mark.slow  # training runs: ~1-3 min on 2 shared cores
+
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):

@@ -6,7 +6,7 @@ import torch
 
 from data.chat import ChatRenderer, Example
 from posttrain.evaluate import exact_match, model_logits
-from tests._doc_mask_common import build_model
+from tests.helpers.doc_mask import build_model
 
 
 def _renderer() -> ChatRenderer:

@@ -13,8 +13,8 @@ from torchtitan.components.loss import CrossEntropyLoss
 from data.chat import make_renderer
 from data.loader import PackedStream
 from posttrain.tasks import letter_sort
-from tests._data_helpers import make_tokenizer_dir
-from tests._doc_mask_common import build_model, contamination, logits, spans
+from tests.helpers.doc_mask import build_model, contamination, logits, spans
+from tests.helpers.tiny_data import make_tokenizer_dir
 
 
 @pytest.fixture(scope="module")

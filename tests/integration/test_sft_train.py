@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from posttrain.tasks import letter_sort
 from runtime.checkpoint import SafeFileSystemReader, safe_dcp_load
-from tests.conftest import run_train
+from tests.helpers.runs import run_train
+
+pytestmark = pytest.mark.slow  # training runs: ~1-3 min on 2 shared cores
 
 
 def _read(path: str, keep) -> dict[str, torch.Tensor]:

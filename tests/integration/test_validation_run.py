@@ -10,7 +10,9 @@ import math
 
 import pytest
 
-from tests.conftest import run_train
+from tests.helpers.runs import run_train
+
+pytestmark = pytest.mark.slow  # training runs: ~30-120 s on 2 shared cores
 
 RUN = [
     "training.seq_len=64",

@@ -9,7 +9,11 @@ import json
 import struct
 from pathlib import Path
 
-from tests.conftest import read_losses, run_train
+import pytest
+
+from tests.helpers.runs import read_losses, run_train
+
+pytestmark = pytest.mark.slow  # training runs: ~30-120 s on 2 shared cores
 
 
 def wandb_records(path: Path):

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from recipe.errors import ConfigError
+from core.errors import ConfigError
 from recipe.loader import load_recipe
 from runtime.build import lr_scheduler_config
 

@@ -9,18 +9,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel.perf import model_flops_per_token
-from recipe.errors import ConfigError
-from recipe.loader import load_recipe
-from recipe.models import (
+from core.errors import ConfigError
+from core.models import (
     LLAMA3_FLAVORS,
     QWEN3_FLAVORS,
     QWEN3_MOE_FLAVORS,
     model_config,
     model_shape,
 )
+from parallel.perf import model_flops_per_token
+from recipe.loader import load_recipe
 from runtime.hf import hf_config, shape_mismatch
-from tests.conftest import train_main_error
+from tests.helpers.runs import train_main_error
 
 
 def test_flavor_lists_are_torchtitans_registries():

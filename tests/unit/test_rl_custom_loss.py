@@ -9,7 +9,7 @@ import torch
 from rl.generator import Generator, SamplingParams
 from rl.losses import LossBatch, get_loss, group_advantages
 from rl.trainer import PolicyTrainer, Rollout
-from tests._rl_helpers import tiny_llama
+from tests.helpers.tiny_llama import tiny_llama
 
 
 def user_grpo(logprobs: torch.Tensor, batch: LossBatch) -> torch.Tensor:

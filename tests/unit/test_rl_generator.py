@@ -9,7 +9,7 @@ import torch
 from rl.generator import Generator, SamplingParams, vllm_generator
 from rl.mismatch import mismatch_stats
 from rl.policy import forward_logits, full_state_dict, token_logprobs
-from tests._rl_helpers import tiny_llama
+from tests.helpers.tiny_llama import tiny_llama
 
 PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13]]
 
@@ -105,3 +105,34 @@ def test_sampling_params_and_vllm_errors():
         SamplingParams(top_p=0)
     with pytest.raises((RuntimeError, NotImplementedError), match="native"):
         vllm_generator()
+
+
+def test_trainable_only_update_carries_just_the_adapter_like_parameters(model):
+    """With a frozen base (as under LoRA), the update holds only the trainable tensors."""
+    import copy
+
+    trainer_model = copy.deepcopy(model)
+    for n, p in trainer_model.named_parameters():
+        p.requires_grad_(n in ("norm.weight", "lm_head.weight"))
+    with torch.no_grad():
+        trainer_model.lm_head.weight.mul_(1.5)
+    sd = full_state_dict(trainer_model, trainable_only=True)
+    assert sorted(sd) == ["lm_head.weight", "norm.weight"]
+    gen = Generator.from_model(model)
+    gen.update_weights(sd, version=1)
+    p = SamplingParams(max_tokens=5, seed=11)
+    s = gen.generate(PROMPTS[:1], p)[0]
+    ref = full_forward_logprobs(trainer_model, PROMPTS[0], s.tokens, 1.0)
+    assert max(abs(a - b) for a, b in zip(ref, s.logprobs, strict=True)) < 1e-5
+
+
+def test_teacher_forced_score_equals_sampling_logprobs(model):
+    gen = Generator.from_model(model)
+    samples = gen.generate(PROMPTS, SamplingParams(max_tokens=6, n=2, seed=13, temperature=0.8))
+    scored = gen.score([PROMPTS[s.prompt_index] for s in samples], [s.tokens for s in samples], 0.8)
+    worst = max(
+        abs(a - b)
+        for s, sc in zip(samples, scored, strict=True)
+        for a, b in zip(s.logprobs, sc, strict=True)
+    )
+    assert worst < 1e-5, worst

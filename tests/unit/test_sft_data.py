@@ -18,7 +18,7 @@ from data.chat import (
 from data.loader import BadRecordError, PackedStream
 from data.packing import IGNORE_INDEX
 from data.sources import DatasetsSource
-from tests._data_helpers import make_tokenizer_dir
+from tests.helpers.tiny_data import make_tokenizer_dir
 
 CHATS = [
     {"messages": [{"role": "user", "content": f"add {i} and {i + 1}"},

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recipe.errors import ConfigError
+from core.errors import ConfigError
 from recipe.loader import check_recipe, load_recipe
 from runtime.build import build_trainer_config, choose_kernels
 from runtime.platform import Platform
-from tests.conftest import train_main_error
+from tests.helpers.runs import train_main_error
 
 CPU = Platform(device_type="cpu", device_name="cpu", compute_capability=None, backend="gloo")
 

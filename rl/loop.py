@@ -1,0 +1,422 @@
+"""An RL run from a recipe: torchtitan's trainer + our generator + an environment + a loss.
+
+`check(job)` validates what only RL needs (callables import, backend available) before any
+process group; `run(job)` trains. The trainer is the same TitanscaleTrainer pretraining and
+SFT use (model build, FSDP, optimizer, LR schedule, atomic checkpoints, metrics.jsonl); RL
+replaces its data loader with rollouts.
+
+Weight versions: version v = the weights after v RL updates. A batch trained at update s
+(1-based) was sampled by version v <= s - 1; policy_lag = s - 1 - v. `sync` samples with
+version s - 1 (lag 0) and the trainer waits for the whole generation; `async` runs the
+generator in a thread that samples batch s as soon as version >= s - 1 - max_policy_lag is
+available, so generation overlaps training. Off-policy correction: the losses' ratio is taken
+against the trainer's own recomputation pi_old, and tis_cap (or dppo) weights each token by
+pi_old / mu, truncated.
+
+Failures: a generation or reward function that raises is counted (rollout_errors in
+metrics.jsonl, with the message as an event) and its group skipped, or, with on_error =
+"fail", a checkpoint of the last completed update is saved and the run stops.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from core.errors import ConfigError
+from rl.envs import Environment, Task, load_callable, make_env
+from rl.generator import Generator, SamplingParams, vllm_generator
+from rl.losses import BUILTIN_LOSSES, LossConfig, LossFn, get_loss, group_advantages
+from rl.mismatch import mismatch_stats
+from rl.policy import full_state_dict
+from rl.trainer import PolicyTrainer, Rollout
+
+
+def check(job: Any) -> None:
+    """RL-only checks before any process group; ConfigError names the key."""
+    rl, f = job.recipe.rl, job.recipe.source
+    for key in ("env", "reward", "custom_loss"):
+        spec = getattr(rl, key)
+        if key == "custom_loss" and rl.loss != "custom":
+            continue
+        if spec and (key != "env" or ":" in spec):
+            try:
+                load_callable(spec)
+            except ValueError as e:
+                raise ConfigError(str(e), file=f, key=f"rl.{key}") from None
+    try:
+        make_env(rl.env, rl.reward)
+    except (KeyError, ValueError):
+        raise ConfigError(
+            f"unknown environment {rl.env!r}: expected arithmetic, letter_sort or 'module:factory'",
+            file=f,
+            key="rl.env",
+        ) from None
+    if rl.generator == "vllm":
+        try:
+            vllm_generator()
+        except (RuntimeError, NotImplementedError) as e:
+            raise ConfigError(str(e), file=f, key="rl.generator") from None
+
+
+class RolloutFailure(RuntimeError):
+    pass
+
+
+@dataclass
+class Batch:
+    step: int
+    rollouts: list[Rollout]
+    rewards: list[float]
+    gen_s: float
+    errors: list[str] = field(default_factory=list)
+    new_tokens: int = 0
+
+
+class RLRun:
+    def __init__(self, job: Any, trainer: Any) -> None:
+        self.job, self.trainer = job, trainer
+        self.rl = job.recipe.rl
+        self.steps = job.recipe.training.steps
+        self.tok = trainer.tokenizer
+        self.eos = self.tok.eos_id
+        self.env: Environment = make_env(self.rl.env, self.rl.reward)
+        model = trainer.model_parts[0]
+        dist = torch.distributed
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        rl = self.rl
+        self.loss_cfg = LossConfig(
+            clip_low=rl.clip_low, clip_high=rl.clip_high, kl_coef=rl.kl_coef, tis_cap=rl.tis_cap
+        )
+        self.loss_fn: LossFn = (
+            load_callable(rl.custom_loss)
+            if rl.loss == "custom"
+            else get_loss(rl.loss, self.loss_cfg)
+        )
+        assert rl.loss == "custom" or rl.loss in BUILTIN_LOSSES
+        self.policy = PolicyTrainer(
+            model,
+            trainer.optimizers,
+            trainer.lr_schedulers,
+            max_norm=job.recipe.training.max_norm,
+            temperature=rl.temperature,
+            pad_id=self.eos or 0,
+        )
+        self.generator = self._build_generator(model)
+        # async: samples are older than the trainer's weights, so the mismatch is measured by a
+        # second copy in the generator's numerics that always holds the trainer's version and
+        # re-scores each trained batch (one prefill per update; memory: one more model copy).
+        self.probe = self._build_generator(model) if rl.mode == "async" else None
+        self.sampling = SamplingParams(
+            max_tokens=rl.max_new_tokens,
+            temperature=rl.temperature,
+            top_p=rl.top_p,
+            n=rl.group_size,
+            stop_tokens=(self.eos,) if self.eos is not None else (),
+        )
+        self.mp = trainer.metrics_processor
+
+    # -- pieces ------------------------------------------------------------------------
+    def _fresh_model(self) -> torch.nn.Module:
+        """An unsharded copy of the trainer's model architecture (weights loaded later)."""
+        cfg = self.job.config.model_spec.model
+        with torch.device(self.policy.device):
+            m = cfg.build()
+        m.init_states(buffer_device=self.policy.device)
+        return m
+
+    def _build_generator(self, model: torch.nn.Module) -> Generator:
+        dtype = torch.bfloat16 if self.rl.generator_dtype == "bfloat16" else torch.float32
+        gen = Generator(self._fresh_model(), dtype=dtype, pad_id=self.eos or 0)
+        gen.update_weights(full_state_dict(model), version=0)
+        return gen
+
+    def attach_reference(self) -> None:
+        """kl_coef > 0: a frozen copy of the policy RL starts from (after any warmup). Saved
+        once to <output_dir>/rl_reference.pt so a resumed run keeps the same reference."""
+        if self.rl.kl_coef <= 0:
+            return
+        import os
+
+        path = os.path.join(self.job.recipe.output_dir, "rl_reference.pt")
+        if os.path.exists(path):
+            sd = torch.load(path, map_location=self.policy.device, weights_only=True)
+        else:
+            sd = full_state_dict(self.policy.model)
+            if self.rank == 0:
+                torch.save(sd, path + ".tmp")
+                os.replace(path + ".tmp", path)
+        ref = self._fresh_model()
+        ref.load_state_dict(sd)
+        self.policy.reference = ref.eval().requires_grad_(False)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_bos=True, add_eos=False)
+
+    def decode(self, toks: list[int]) -> str:
+        if toks and toks[-1] == self.eos:
+            toks = toks[:-1]
+        return self.tok.decode(toks)
+
+    def tasks(self, split: str, n: int, key: int) -> list[Task]:
+        return self.env.tasks(split, n, seed=(self.rl.seed * 1_000_003 + key) * 64 + self.rank)
+
+    def make_batch(self, step: int) -> Batch:
+        """Sample and reward prompts_per_step groups for update `step`."""
+        rl = self.rl
+        t0 = time.perf_counter()
+        tasks = self.tasks("train", rl.prompts_per_step, step)
+        prompts = [self.encode(t.prompt) for t in tasks]
+        errors: list[str] = []
+        params = SamplingParams(**{**self.sampling.__dict__, "seed": rl.seed * 7919 + step})
+        try:
+            samples = self.generator.generate(prompts, params)
+        except Exception as e:
+            if rl.on_error == "fail":
+                raise RolloutFailure(f"generation failed at update {step}: {e!r}") from e
+            return Batch(step, [], [], time.perf_counter() - t0, [f"generate: {e!r}"] * len(tasks))
+        rollouts, rewards = [], []
+        G = rl.group_size
+        for g, task in enumerate(tasks):
+            group = samples[g * G : (g + 1) * G]
+            try:
+                rs = [float(self.env.reward(task, self.decode(s.tokens))) for s in group]
+            except Exception as e:
+                if rl.on_error == "fail":
+                    raise RolloutFailure(f"reward failed at update {step}: {e!r}") from e
+                errors.append(f"reward({task.prompt!r}): {e!r}")
+                continue
+            adv = group_advantages(torch.tensor(rs), G, normalize_std=rl.normalize_std)
+            for s, r, a in zip(group, rs, adv.tolist(), strict=True):
+                rollouts.append(Rollout(prompts[g], s.tokens, s.logprobs, a, r, s.version, group=g))
+            rewards += rs
+        new_tokens = sum(len(s.tokens) for s in samples)
+        return Batch(step, rollouts, rewards, time.perf_counter() - t0, errors, new_tokens)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Greedy completions on held-out prompts: mean reward and exact-answer rate."""
+        n = self.rl.eval_prompts
+        if n == 0:
+            return {}
+        tasks = self.tasks("eval", n, key=-1)
+        greedy = SamplingParams(
+            max_tokens=self.rl.max_new_tokens, top_p=1e-9, stop_tokens=self.sampling.stop_tokens
+        )
+        samples = self.generator.generate([self.encode(t.prompt) for t in tasks], greedy)
+        rs = [
+            self.env.reward(t, self.decode(s.tokens)) for t, s in zip(tasks, samples, strict=True)
+        ]
+        exact = [
+            self.decode(s.tokens).strip() == t.answer for t, s in zip(tasks, samples, strict=True)
+        ]
+        return {
+            "eval_reward_mean": sum(rs) / len(rs),
+            "eval_exact_pct": 100.0 * sum(exact) / len(exact),
+        }
+
+    def push_weights(self, version: int) -> None:
+        sd = full_state_dict(self.policy.model)
+        self.generator.stage_weights(sd, version)
+        if self.probe is not None:
+            self.probe.update_weights(sd, version)
+
+    def sft_warmup(self) -> None:
+        """Supervised steps on reference answers (its own AdamW; the RL schedule untouched)."""
+        n = self.rl.sft_warmup_steps
+        if n == 0:
+            return
+        from torchtitan.tools.logging import logger
+
+        opt = torch.optim.AdamW(self.policy.model.parameters(), lr=self.rl.sft_warmup_lr)
+        warm = PolicyTrainer(
+            self.policy.model, opt, max_norm=self.policy.max_norm, pad_id=self.eos or 0
+        )
+        ce = get_loss("cross_entropy")
+        for i in range(n):
+            tasks = self.tasks("train", self.rl.prompts_per_step * self.rl.group_size, -2 - i)
+            rows = []
+            for t in tasks:
+                ans = self.tok.encode(t.answer, add_bos=False, add_eos=False) + [self.eos]
+                rows.append(Rollout(self.encode(t.prompt), ans, [0.0] * len(ans)))
+            c, _ = warm.score(rows)
+            loss = warm.forward_backward(c, warm.loss_batch(c, None), ce)
+            warm.optim_step()
+            if (i + 1) % 20 == 0 or i + 1 == n:
+                logger.info(f"rl: sft warmup {i + 1}/{n} loss {loss:.4f}")
+
+    # -- one update ----------------------------------------------------------------------
+    def train_on(self, batch: Batch, step: int) -> dict[str, float]:
+        if not batch.rollouts:
+            return {"loss": float("nan"), "grad_norm": 0.0}
+        c, old = self.policy.score(batch.rollouts)
+        lag = (step - 1) - c.versions
+        if self.probe is not None:
+            rs = batch.rollouts
+            probe = self.probe.score(
+                [r.prompt for r in rs], [r.completion for r in rs], self.rl.temperature
+            )
+            mm = mismatch_stats(
+                probe, [row[m > 0].tolist() for row, m in zip(old, c.mask, strict=True)]
+            )
+        else:
+            same = (lag == 0)[:, None] & c.mask.bool()
+            mm = mismatch_stats(c.sampling_logprobs, old, same) if bool(same.any()) else {}
+        behav = mismatch_stats(c.sampling_logprobs, old, c.mask)
+        lb = self.policy.loss_batch(c, old)
+        loss = self.policy.forward_backward(c, lb, self.loss_fn)
+        grad_norm = self.policy.optim_step()
+        out = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "policy_lag": float(lag.float().mean()),
+            "policy_lag_max": float(lag.max()),
+            "behaviour_kl": behav["train_infer_kl"],
+            "trained_tokens": float(c.mask.sum()),
+        }
+        out.update(mm)
+        return out
+
+
+def _mean_over_ranks(values: dict[str, float], world: int) -> dict[str, float]:
+    if world == 1 or not values:
+        return values
+    keys = sorted(values)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return {k: float(v) / world for k, v in zip(keys, t.tolist(), strict=True)}
+
+
+def run(job: Any) -> dict[str, Any] | None:
+    from torchtitan.tools.logging import logger
+
+    from runtime.trainer import TitanscaleTrainer
+
+    job.platform.apply()
+    logger.info(
+        f"titanscale rl: {job.recipe.source} | {job.recipe.model.flavor} | env {job.recipe.rl.env}"
+        f" | loss {job.recipe.rl.loss} | mode {job.recipe.rl.mode}"
+    )
+    trainer = TitanscaleTrainer(job.config)
+    try:
+        return _train(job, trainer)
+    finally:
+        trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _train(job: Any, trainer: Any) -> dict[str, Any] | None:
+    from torchtitan.tools.logging import logger
+
+    trainer.checkpointer.load(step=-1)
+    start = trainer.step  # updates already done (restored from a checkpoint)
+    r = RLRun(job, trainer)
+    rl = r.rl
+    if start == 0:
+        r.sft_warmup()
+    r.attach_reference()
+    r.push_weights(start)
+    mp = r.mp
+    errors_total = 0
+    wait_total = busy_total = 0.0
+    q: queue.Queue[Batch | BaseException] = queue.Queue()
+    stop = threading.Event()
+
+    def producer() -> None:
+        try:
+            for s in range(start + 1, r.steps + 1):
+                while r.generator.latest_version < s - 1 - rl.max_policy_lag:
+                    if stop.wait(0.005):
+                        return
+                q.put(r.make_batch(s))
+                if stop.is_set():
+                    return
+        except BaseException as e:  # handed to the trainer thread, which raises it
+            q.put(e)
+
+    thread = None
+    if rl.mode == "async":
+        thread = threading.Thread(target=producer, name="rl-generator", daemon=True)
+        thread.start()
+    eval_stats = r.evaluate()
+    if eval_stats:
+        logger.info(f"rl: held-out before RL: {eval_stats}")
+        mp.write_event("rl_eval", step=start, **eval_stats)
+    done = start  # the weights in memory are exactly version `done`
+    try:
+        for step in range(start + 1, r.steps + 1):
+            t0 = time.perf_counter()
+            if thread is None:
+                item: Batch | BaseException = r.make_batch(step)
+            else:
+                item = q.get()
+            if isinstance(item, BaseException):
+                raise item
+            batch = item
+            t_wait = time.perf_counter() - t0
+            stats = r.train_on(batch, step)
+            done = trainer.step = step
+            r.push_weights(step)
+            t_busy = time.perf_counter() - t0 - t_wait
+            wait_total += t_wait
+            busy_total += t_busy
+            for e in batch.errors:
+                mp.write_event("rl_rollout_error", step=step, error=e[:500])
+            errors_total += len(batch.errors)
+            rewards = batch.rewards
+            extra = {
+                "reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
+                "exact_pct": 100.0 * sum(x == 1.0 for x in rewards) / max(len(rewards), 1),
+                "rollout_errors": float(len(batch.errors)),
+                "generation_s": batch.gen_s,
+                "trainer_wait_s": t_wait,
+                "trainer_wait_pct": 100.0 * t_wait / (t_wait + t_busy),
+                "generated_tokens": float(batch.new_tokens),
+                **{k: v for k, v in stats.items() if k not in ("loss", "grad_norm")},
+            }
+            extra = _mean_over_ranks(extra, r.world)
+            trainer.checkpointer.save(step, last_step=(step == r.steps))
+            if step % rl.eval_every == 0 or step == r.steps:
+                ev = r.evaluate()
+                extra.update(ev)
+                if ev:
+                    mp.write_event("rl_eval", step=step, **ev)
+            mp.data_loading_times.append(t_wait)  # data_loading_pct = rollout wait share
+            ntok = int(stats.get("trained_tokens", 0))
+            mp.ntokens_since_last_log += ntok
+            mp.useful_ntokens_since_last_log += ntok
+            if mp.should_log(step):
+                mp.log(step, stats["loss"], stats["loss"], stats["grad_norm"], extra_metrics=extra)
+                logger.info(
+                    f"rl step {step}: reward {extra['reward_mean']:.3f} lag "
+                    f"{extra['policy_lag']:.2f} wait {extra['trainer_wait_pct']:.0f}% "
+                    f"kl {extra.get('train_infer_kl', float('nan')):.2e}"
+                )
+    except BaseException:
+        stop.set()
+        # Nothing trained is lost: keep the last completed update (when checkpoints are on).
+        if done > start and trainer.checkpointer.enable:
+            trainer.step = done
+            trainer.checkpointer.save(done, last_step=True)
+            logger.info(f"rl: stopped after update {done}; saved a checkpoint of it")
+        raise
+    finally:
+        stop.set()
+        if thread is not None:
+            thread.join(timeout=60)
+    mp.write_event(
+        "rl_summary",
+        mode=rl.mode,
+        updates=r.steps - start,
+        trainer_wait_pct=100.0 * wait_total / max(wait_total + busy_total, 1e-9),
+        rollout_errors=errors_total,
+    )
+    trainer.summary = mp.finish()
+    return trainer.summary

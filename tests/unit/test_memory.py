@@ -1,0 +1,72 @@
+"""The memory model: its parts behave, and it stays near the published memory column."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.axes import Layout
+from core.models import model_shape
+from parallel.calibration import rows
+from parallel.memory import (
+    estimate_memory,
+    inflight_stage_microbatches,
+    layer_activation_bytes,
+    memory_profile,
+    stage_layers,
+)
+from parallel.workload import Workload
+
+# The documented error (docs/perf_model.md, benchmarks/calibration.md): the torchtitan
+# 2024-12 memory column within 20% each; the 2025-06 H200 rows (newer torch / torchao,
+# 27-29% below our count, cause not identified) within 30%; the mean within 12%.
+MEMORY_TOL = {"tt2412": 0.20, "tt2506h200": 0.30}
+MEMORY_MEAN_TOL = 0.12
+MEM_ROWS = [r for r in rows() if r.memory_gib]
+
+
+@pytest.mark.parametrize("row", MEM_ROWS, ids=lambda r: r.name)
+def test_published_memory_rows(row):
+    got = estimate_memory(row.workload).reserved_gib
+    assert abs(got / row.memory_gib - 1) <= MEMORY_TOL[row.source], (got, row.memory_gib)
+
+
+def test_published_memory_mean():
+    errs = [abs(estimate_memory(r.workload).reserved_gib / r.memory_gib - 1) for r in MEM_ROWS]
+    assert len(errs) >= 12 and sum(errs) / len(errs) <= MEMORY_MEAN_TOL
+
+
+def test_parts_move_the_right_way():
+    s = model_shape("70B")
+    w = Workload(s, 8192, 2, Layout(dp_shard=8, tp=8), ac="none")
+    none_, sel, full = (
+        layer_activation_bytes(w.with_(ac=a)) for a in ("none", "selective", "full")
+    )
+    assert none_ > sel > full == 2 * s.dim / 8
+    assert layer_activation_bytes(w.with_(compile=True)) < none_
+    assert layer_activation_bytes(w.with_(dtype="float32")) == 2 * none_
+    m8 = estimate_memory(w)
+    m64 = estimate_memory(w.with_(layout=Layout(dp_shard=64, tp=8)))
+    assert m64.states == pytest.approx(m8.states / 8)
+    assert m64.activations == m8.activations
+    # 16 bytes per parameter (fp32 master, grad, two Adam moments), sharded tp x fsdp.
+    assert m8.states == pytest.approx(s.total_params * 16 / 64, rel=1e-9)
+    # The profile shortcut equals the direct estimate for every shard count.
+    prof = memory_profile(w)
+    for f in (1, 8, 64):
+        lay = Layout(dp_shard=f, tp=8)
+        assert prof.required_gib(f) == pytest.approx(
+            estimate_memory(w.with_(layout=lay)).required_gib
+        )
+
+
+def test_pipeline_schedules_hold_the_right_microbatches():
+    s = model_shape("70B")
+    w = Workload(s, 8192, 16, Layout(pp=4, dp_shard=2, tp=8), pp_microbatches=16, ac="full")
+    assert [inflight_stage_microbatches(w, r) for r in range(4)] == [4, 3, 2, 1]
+    assert inflight_stage_microbatches(w.with_(pp_schedule="GPipe"), 0) == 16
+    il = w.with_(pp_schedule="Interleaved1F1B")
+    assert inflight_stage_microbatches(il, 0) == (2 - 1) * 4 + 2 * 3 + 1
+    assert sum(stage_layers(80, 4)) == 80 and stage_layers(126, 8) == [15] + [16] * 6 + [15]
+    # PP keeps the stage's weights and fp32 gradients unsharded (no reshard after forward).
+    pp = estimate_memory(w)
+    assert pp.unsharded > estimate_memory(w.with_(layout=Layout(dp_shard=8, tp=8))).unsharded

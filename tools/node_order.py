@@ -1,0 +1,72 @@
+"""`python -m tools.node_order GATHERED [--scontrol-topology FILE] [--cluster C --recipe R
+[--set k=v ...]]`: print the job's nodes in the planner's order, one per line (line 1 =
+node rank 0 = the rendezvous host).
+
+GATHERED holds ``<SLURMD_NODENAME> <SLURM_TOPOLOGY_ADDR>`` lines, one per node, written by
+the job script's gathering ``srun``. Switch paths come from those addresses, else from
+`scontrol show topology` saved in FILE (a topology plugin that leaves the variable unset),
+else from the profile's regular topology. With a profile and a recipe the order is
+`parallel.placement.node_order(layout, fabric)` for the job's layout, which also refuses a
+layout whose tp x cp groups cannot stay inside an NVLink domain (exit 1, before training).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from core.errors import exit_on_config_error
+from launch.node_order import order_nodes, read_gathered
+from tools.cli import add_cluster_arg, add_override_arg, add_recipe_arg, run
+
+
+@exit_on_config_error
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.node_order", description=__doc__)
+    ap.add_argument("gathered", help="file of '<node> <SLURM_TOPOLOGY_ADDR>' lines")
+    ap.add_argument("--scontrol-topology", default="", help="saved `scontrol show topology`")
+    add_cluster_arg(ap)
+    add_recipe_arg(ap, help="recipe TOML or a name in recipes/ (the layout to place)")
+    add_override_arg(ap)
+    args = ap.parse_args(argv)
+    gathered = Path(args.gathered).read_text()
+    topo = ""
+    if args.scontrol_topology and Path(args.scontrol_topology).exists():
+        topo = Path(args.scontrol_topology).read_text()
+    cluster = layout = None
+    if args.cluster:
+        from parallel.cluster import load_cluster
+
+        cluster = load_cluster(args.cluster)
+        if args.recipe:
+            from launch.preflight import recipe_layout
+            from recipe.loader import load_recipe
+
+            recipe = load_recipe(args.recipe, args.overrides)
+            nodes = len({n for n, _ in read_gathered(gathered)})
+            layout = recipe_layout(recipe, nodes * cluster.gpus_per_node)
+    from parallel.placement import PlacementError
+
+    try:
+        order, paths = order_nodes(gathered, topo, cluster, layout)
+    except PlacementError as e:
+        print(f"node_order: error: {e}", file=sys.stderr)
+        return 1
+    if not order:
+        print("node_order: no nodes in " + args.gathered, file=sys.stderr)
+        return 1
+    if not any("." in paths.get(n, "") for n in order):
+        print(
+            "node_order: warning: no switch paths (SLURM_TOPOLOGY_ADDR empty, no `scontrol "
+            "show topology`, no profile topology); nodes keep name order",
+            file=sys.stderr,
+        )
+    for i, n in enumerate(order):
+        print(f"node_order: node_rank {i}: {n} {paths.get(n, '')}", file=sys.stderr)
+        print(n)
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)
