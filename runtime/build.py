@@ -158,6 +158,19 @@ def dataloader_config(recipe: Recipe) -> TitanscaleDataLoader.Config:
     )
 
 
+def recipe_model_spec(recipe: Recipe) -> ModelSpec:
+    """The ModelSpec for `[model]` (family, flavor, layer and vocabulary overrides), before
+    kernels and converters; shared by the Trainer config and the service (service/)."""
+    spec = model_spec(recipe.model.family, recipe.model.flavor)
+    if recipe.model.layers:
+        spec.model.layers = spec.model.layers[: recipe.model.layers]
+    if recipe.model.vocab_size:
+        spec.model.vocab_size = recipe.model.vocab_size
+        spec.model.tok_embeddings.num_embeddings = recipe.model.vocab_size
+        spec.model.lm_head.out_features = recipe.model.vocab_size
+    return spec
+
+
 def build_trainer_config(
     recipe: Recipe,
     layout: Layout,
@@ -167,13 +180,7 @@ def build_trainer_config(
     tokenizer_path: str,
 ) -> Trainer.Config:
     tr, par = recipe.training, recipe.parallel
-    spec = model_spec(recipe.model.family, recipe.model.flavor)
-    if recipe.model.layers:
-        spec.model.layers = spec.model.layers[: recipe.model.layers]
-    if recipe.model.vocab_size:
-        spec.model.vocab_size = recipe.model.vocab_size
-        spec.model.tok_embeddings.num_embeddings = recipe.model.vocab_size
-        spec.model.lm_head.out_features = recipe.model.vocab_size
+    spec = recipe_model_spec(recipe)
     # After every change to the model's dimensions: attention backend + linear conversion
     # (torchtitan's converters), with the converted/skipped list kept for the log.
     spec.model = apply_kernels(spec.model, kernels, tp=layout.tp).model_config

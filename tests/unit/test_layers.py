@@ -14,7 +14,8 @@ from tests.helpers.runs import ROOT
 
 # Bottom first. A package may import itself and anything before it in this list.
 LAYERS = (
-    "core", "recipe", "kernels", "data", "parallel", "launch", "runtime", "posttrain", "rl", "tools",
+    "core", "recipe", "kernels", "data", "parallel", "launch", "runtime", "posttrain", "rl", "service",
+    "tools",
     "train",
 )  # fmt: skip
 

@@ -72,6 +72,12 @@ PRIVATE_NAMES: list[tuple[str, str, str, str]] = [
         "read (dropped tail)",
         "data/packstats.py",
     ),
+    (
+        "torchtitan.components.lora",
+        "_get_lora_cls._lora_scaling",
+        "set per adapter (alpha / the adapter's own rank)",
+        "service/titan_backend.py",
+    ),
 ]
 
 # Module attributes that torchtitan looks up at call time and the CPU layer replaces
@@ -103,7 +109,11 @@ PATCHED_ATTRIBUTES: list[tuple[str, str]] = [
 ]
 
 # Instance attributes set in __init__/methods, not on the class: found in the class source.
-INSTANCE_ATTRIBUTES = {"ParallelDims._world_mesh", "HuggingFaceTextDataset._inputs_buffer"}
+INSTANCE_ATTRIBUTES = {
+    "ParallelDims._world_mesh",
+    "HuggingFaceTextDataset._inputs_buffer",
+    "_get_lora_cls._lora_scaling",  # LoRALinear is built inside this function
+}
 
 
 def missing(module: str, path: str) -> str | None:

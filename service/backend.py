@@ -1,0 +1,91 @@
+"""The narrow interface between the service and a model backend.
+
+The service owns HTTP, ordering, fairness, futures, sessions, storage and accounting; a
+backend owns one frozen base model on this process's device(s) and any number of LoRA
+adapters on it, addressed by an opaque `adapter` string. Every method is called from the
+scheduler's single worker thread, one at a time, so a backend needs no locking, and an
+adapter's results never depend on what other adapters did in between (the service's
+isolation guarantee rests on that: adapters take turns on the shared base).
+
+Errors: raise `ServiceError` for a request the client got wrong (it fails the future with
+category "user"); anything else fails it with category "server". Either way the service
+keeps serving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from service.types import AdamParams, Datum, FwdBwdResult, LoraSpec, SampleResult, SamplingParams
+
+
+@dataclass(frozen=True)
+class BaseModelInfo:
+    name: str  # what clients pass as base_model
+    max_context: int  # tokens per sequence
+    vocab_size: int
+    arch: str
+    tokenizer_id: str | None = None
+
+
+class Backend(Protocol):
+    devices: int  # accelerators held: device-seconds = wall seconds x devices
+    max_lora_rank: int
+
+    def base_model(self) -> BaseModelInfo: ...
+
+    def create_adapter(self, adapter: str, spec: LoraSpec) -> None: ...
+
+    def drop_adapter(self, adapter: str) -> None: ...
+
+    def forward_backward(
+        self,
+        adapter: str,
+        data: list[Datum],
+        loss_fn: str,
+        loss_config: dict[str, float | str],
+        *,
+        forward_only: bool,
+    ) -> FwdBwdResult:
+        """Per-datum `logprobs` of target_tokens (and the loss's outputs) and `name:reduction`
+        metrics; unless `forward_only`, add the loss's gradient to the adapter's gradients
+        (they accumulate until `optim_step`)."""
+        ...
+
+    def optim_step(self, adapter: str, params: AdamParams) -> dict[str, float]:
+        """One AdamW step on the accumulated gradients, then zero them."""
+        ...
+
+    def save_state(self, adapter: str, folder: Path) -> None:
+        """Adapter weights + optimizer state (everything `load_state` needs) into `folder`."""
+        ...
+
+    def load_state(self, adapter: str, folder: Path, *, optimizer: bool) -> None: ...
+
+    def save_sampler_weights(self, adapter: str, folder: Path) -> None:
+        """Adapter weights only (PEFT-style safetensors) into `folder`."""
+        ...
+
+    def snapshot(self, adapter: str) -> str:
+        """Freeze the adapter's current weights for sampling; returns a sampler handle."""
+        ...
+
+    def load_sampler(self, folder: Path, spec: LoraSpec) -> str:
+        """Load sampler weights saved by `save_sampler_weights`; returns a sampler handle."""
+        ...
+
+    def drop_sampler(self, handle: str) -> None: ...
+
+    def sample(
+        self,
+        handle: str | None,
+        prompt: list[int],
+        num_samples: int,
+        params: SamplingParams,
+        *,
+        prompt_logprobs: bool,
+    ) -> SampleResult:
+        """Sample from the adapter behind `handle` (None: the base model alone)."""
+        ...

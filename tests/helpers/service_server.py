@@ -1,0 +1,86 @@
+"""Start `python -m tools.serve` on the tiny debug model for the service tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY = "tml-test-key-7f3a91c2"
+BASE_MODEL = "titanscale/debug"
+# Two layers, 64 tokens: the debug model's width and vocabulary, small enough that a
+# forward_backward takes ~0.1 s on one loaded CPU core.
+TINY = ["model.layers=2", "training.seq_len=64"]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    storage: Path
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(tmp: Path, *extra: str, storage: Path | None = None, sets=TINY) -> Server:
+    tmp.mkdir(parents=True, exist_ok=True)
+    keyfile = tmp / "keys.txt"
+    keyfile.write_text(f"# test keys\n{KEY}\n")
+    port = free_port()
+    storage = storage or tmp / "storage"
+    log = tmp / f"server-{port}.log"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "tools.serve",
+        "--recipe",
+        "recipes/debug.toml",
+        "--port",
+        str(port),
+        "--api-key-file",
+        str(keyfile),
+        "--storage",
+        str(storage),
+        "--drain",
+        "30",
+        *extra,
+    ]
+    for s in sets:
+        cmd += ["--set", s]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    end = time.monotonic() + 180
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
+                return Server(proc, url, storage, log)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"server did not start:\n{log.read_text()[-3000:]}")

@@ -1,0 +1,82 @@
+"""Load: 4 SDK client processes x 50 steps at once against one service, each session's
+losses equal to the same client running alone, every step run exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("tinker")
+
+from tests.helpers.service_server import KEY, ROOT, start_server  # noqa: E402
+
+CLIENTS, STEPS = 4, 50
+
+
+def _run(server, tmp, groups: list[str], tag):
+    """One client process per group of comma-separated seeds (a group's seeds run in turn)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    procs = []
+    for i, seeds in enumerate(groups):
+        out = tmp / f"{tag}-{i}.json"
+        cmd = [
+            sys.executable,
+            str(ROOT / "tests" / "helpers" / "service_load_client.py"),
+            server.url,
+            KEY,
+            seeds,
+            str(STEPS),
+            str(out),
+        ]
+        procs.append(
+            (
+                out,
+                subprocess.Popen(
+                    cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                ),
+            )
+        )
+    results = {}
+    for out, p in procs:
+        log, _ = p.communicate(timeout=600)
+        assert p.returncode == 0, log[-3000:]
+        results.update({int(k): v for k, v in json.loads(out.read_text()).items()})
+    return results
+
+
+@pytest.mark.slow
+def test_four_clients_fifty_steps_each(tmp_path):
+    # One layer keeps the 400 steps of this test near a minute on two busy cores.
+    server = start_server(tmp_path, sets=["model.layers=1", "training.seq_len=64"])
+    try:
+        seeds = [str(s) for s in range(CLIENTS)]
+        alone = _run(server, tmp_path, [",".join(seeds)], "alone")  # one after another
+        t0 = time.monotonic()
+        together = _run(server, tmp_path, seeds, "together")  # four processes at once
+        wall = time.monotonic() - t0
+        for s in range(CLIENTS):
+            a, b = alone[s]["losses"], together[s]["losses"]
+            assert len(b) == STEPS
+            assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-5, (s, a, b)
+            assert b[-1] < b[0]  # it trained
+            u = httpx.get(
+                f"{server.url}/api/v1/sessions/{together[s]['session_id']}/usage",
+                headers={"X-API-Key": KEY},
+            ).json()
+            # every step ran exactly once: no lost and no duplicated operation
+            assert u["ops"] == {
+                "create_model": 1,
+                "forward_backward": STEPS,
+                "optim_step": STEPS,
+                "free": 1,
+            }, u
+            assert u["failed_ops"] == {}
+        print(f"4 clients x {STEPS} steps together: {wall:.1f} s")
+    finally:
+        assert server.stop() == 0
