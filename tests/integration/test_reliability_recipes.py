@@ -50,7 +50,11 @@ BASE: dict[str, dict[str, Any]] = {
 # [torchtitan] is a free-form table (checked against torchtitan's dataclasses at prepare,
 # tests/unit/test_torchtitan_overrides.py), so it is no section with fixed keys here.
 FREE_TABLES = ("torchtitan",)
-FIELDS = {key: tp for key, tp, _default, _doc in describe(Recipe) if key not in FREE_TABLES}
+# Top-level arrays of tables ([[adapters]]) have no "section.key" of their own: the section
+# mutators skip them, and test_adapter_array_errors_name_the_entry covers them.
+FIELDS = {
+    key: tp for key, tp, _default, _doc in describe(Recipe) if key not in FREE_TABLES and "." in key
+}
 SECTIONS = sorted({k.split(".")[0] for k in FIELDS})
 
 
@@ -617,3 +621,29 @@ def test_bad_recipes_through_train_py_subprocess(tmp_path):
     record("recipes_through_train_py_subprocess", n)
     if TRAIN_CASES:
         record("recipes_through_train_main", sum(TRAIN_CASES.values()))
+
+
+@pytest.mark.parametrize(
+    "text, expect",
+    [
+        ("adapters = 3\n", r"adapters: expected a list of AdapterSection, got 3"),
+        (
+            '[[adapters]]\nname = "x"\nsource = "d.jsonl"\nlrr = 1\n',
+            r"adapters\[0\]\.lrr: unknown key \(did you mean 'lr'\?\)",
+        ),
+        (
+            '[[adapters]]\nname = "ok"\nsource = "d.jsonl"\n[[adapters]]\nname = "a b"\n'
+            'source = "d.jsonl"\n',
+            r"adapters\[1\]\.name: expected a name of letters, digits, _ or -",
+        ),
+        ('[[adapters]]\nname = "x"\nsource = "d.jsonl"\nsteps = -2\n', r"adapters\[0\]\.steps"),
+    ],
+)
+def test_adapter_array_errors_name_the_entry(tmp_path, text, expect):
+    """[[adapters]] entries: one ConfigError naming the file and adapters[i].key."""
+    from recipe.loader import load_recipe
+
+    f = tmp_path / "r.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(str(f)) + ": " + expect):
+        load_recipe(str(f), [])
