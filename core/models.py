@@ -62,6 +62,9 @@ class ModelShape:
     weight_tying: bool
     family: str = "llama3"
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's queries and keys
+    # Longest sequence the flavor's RoPE supports (torchtitan refuses a longer seq_len only
+    # after the process group starts; recipe.model_checks checks it before). 0 = unknown.
+    max_seq_len: int = 0
 
     @property
     def embedding_params(self) -> int:
@@ -128,6 +131,7 @@ def model_shape(flavor: str, family: str = "llama3") -> ModelShape:
         weight_tying=bool(getattr(cfg, "enable_weight_tying", False)),
         family=family,
         qk_norm=getattr(attn, "qk_norm", None) is not None,
+        max_seq_len=int(getattr(getattr(attn, "rope", None), "max_seq_len", 0) or 0),
     )
 
 

@@ -97,3 +97,16 @@ def resolve_tokenizer(spec: str, *, vocab_size: int, recipe_file: str | None = N
         if not (out / "tokenizer.json").exists():
             _train_embedded(out, vocab_size)
     return str(out)
+
+
+def tokenizer_id_count(folder: str) -> int | None:
+    """The tokenizer's largest token id + 1 (added tokens included): the embedding rows it
+    needs. None when the folder has no tokenizer.json (vocab.json + merges.txt: read by
+    torchtitan only)."""
+    tj = Path(folder) / "tokenizer.json"
+    if not tj.exists():
+        return None
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(tj)).get_vocab(with_added_tokens=True)
+    return max(vocab.values()) + 1 if vocab else 0

@@ -95,6 +95,9 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> Layout:
             key="model.layers",
         )
     check_finetune(recipe)
+    from recipe.model_checks import check_model  # imports this module
+
+    check_model(recipe)
     layout = recipe_degrees(recipe, world_size)
     if not recipe.parallel.auto:
         check_layout(recipe, layout)

@@ -294,7 +294,8 @@ def prepare(recipe_path: str | None, overrides: list[str]) -> Job:
     kernels = choose_kernels(recipe, platform, layout)
     check_environment(recipe)
     check_data_source(recipe)
-    from data.tokenizer import resolve_tokenizer
+    from data.tokenizer import resolve_tokenizer, tokenizer_id_count
+    from recipe.model_checks import check_vocab
 
     vocab = (
         recipe.model.vocab_size or model_shape(recipe.model.flavor, recipe.model.family).vocab_size
@@ -303,6 +304,9 @@ def prepare(recipe_path: str | None, overrides: list[str]) -> Job:
         recipe.model.tokenizer, vocab_size=vocab, recipe_file=recipe.source
     )
     check_tokenizer(tokenizer_path, recipe)
+    ids = tokenizer_id_count(tokenizer_path)
+    if ids is not None:
+        check_vocab(recipe, ids, tokenizer_path)
     check_data_tokenizer(recipe, tokenizer_path)
     check_faults()
     check_wandb(recipe)

@@ -1,0 +1,97 @@
+"""Model checks torchtitan would otherwise make only after the process group starts.
+
+Pure functions of the recipe and the model's shape (torchtitan's own config numbers, through
+`core.models.model_shape`), so training (`runtime.session.prepare`) and the planning tools
+(tools.plan / predict / launch) make the same checks and print the same line:
+
+    check_model(recipe)                       # seq_len vs RoPE, head/layer arithmetic
+    check_vocab(recipe, tokenizer_ids, path)  # the tokenizer's ids vs the model's vocabulary
+
+Each raises `ConfigError` naming the recipe file and the key to change.
+"""
+
+from __future__ import annotations
+
+from core.errors import ConfigError
+from core.models import ModelShape
+from recipe.loader import effective_shape
+from recipe.schema import Recipe
+
+# Token ids travel as int32 (data.loader, data.store, packing): a vocabulary must fit.
+MAX_VOCAB = 2**31 - 1
+
+
+def _where(recipe: Recipe) -> str:
+    return f"{recipe.model.family} {recipe.model.flavor}"
+
+
+def check_seq_len(recipe: Recipe, shape: ModelShape | None = None) -> None:
+    """`training.seq_len` within the model's RoPE maximum (torchtitan raises "Training
+    sequence length ... exceeds attention RoPE maximum" only inside the Trainer)."""
+    shape = shape or effective_shape(recipe)
+    seq = recipe.training.seq_len
+    if shape.max_seq_len and seq > shape.max_seq_len:
+        raise ConfigError(
+            f"{seq} exceeds the model's maximum sequence length {shape.max_seq_len} (the RoPE "
+            f"table of {_where(recipe)}, set by model.family/model.flavor); use at most "
+            f"{shape.max_seq_len} or a flavor with a longer context",
+            file=recipe.source,
+            key="training.seq_len",
+        )
+
+
+def check_model_dims(recipe: Recipe, shape: ModelShape | None = None) -> None:
+    """Attention arithmetic torchtitan asserts while building: key/value heads divide the
+    query heads (grouped-query attention), whole heads, at least one layer."""
+    shape = shape or effective_shape(recipe)
+    f = recipe.source
+    if shape.n_layers < 1:
+        raise ConfigError(f"{_where(recipe)} has no layers", file=f, key="model.layers")
+    if shape.n_kv_heads < 1 or shape.n_heads % shape.n_kv_heads:
+        raise ConfigError(
+            f"{_where(recipe)}: {shape.n_kv_heads} key/value heads do not divide "
+            f"{shape.n_heads} query heads",
+            file=f,
+            key="model.flavor",
+        )
+    if shape.head_dim < 1 or shape.head_dim % 2:
+        raise ConfigError(
+            f"{_where(recipe)}: head_dim {shape.head_dim} must be a positive even number (RoPE "
+            "rotates pairs)",
+            file=f,
+            key="model.flavor",
+        )
+    if recipe.model.vocab_size > MAX_VOCAB:
+        raise ConfigError(
+            f"{recipe.model.vocab_size} entries do not fit int32 token ids (at most {MAX_VOCAB})",
+            file=f,
+            key="model.vocab_size",
+        )
+
+
+def check_model(recipe: Recipe) -> None:
+    """Every model check that needs no tokenizer (cheap: torchtitan's config only)."""
+    shape = effective_shape(recipe)
+    check_model_dims(recipe, shape)
+    check_seq_len(recipe, shape)
+
+
+def check_vocab(recipe: Recipe, tokenizer_ids: int, tokenizer_path: str) -> None:
+    """The tokenizer's largest id + 1 (`tokenizer_ids`) must fit the model's embedding table;
+    otherwise the first such token is an index error inside the model (a device-side assert
+    on GPU)."""
+    model_vocab = effective_shape(recipe).vocab_size
+    if tokenizer_ids <= model_vocab:
+        return
+    set_by = (
+        f"model.vocab_size = {recipe.model.vocab_size}"
+        if recipe.model.vocab_size
+        else f"model.vocab_size = 0: the {_where(recipe)} vocabulary"
+    )
+    raise ConfigError(
+        f"the tokenizer ({tokenizer_path}, model.tokenizer) has ids up to {tokenizer_ids - 1}, "
+        f"but the model's vocabulary ({set_by}) has {model_vocab} entries; set "
+        f"model.vocab_size to at least {tokenizer_ids} or use the model's own tokenizer",
+        file=recipe.source,
+        key="model.vocab_size",
+    )

@@ -1,0 +1,100 @@
+"""recipe.model_checks against torchtitan's own checks: the same seq_len / vocabulary limits,
+but before any process group, as one ConfigError naming the key.
+
+The reference is torchtitan itself: `Decoder.Config.update_from_config` (the RoPE maximum it
+enforces inside the Trainer) and the embedding table's size (an id >= vocab_size is an
+IndexError in `nn.Embedding`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from core.errors import ConfigError
+from core.models import model_config
+from recipe.loader import check_recipe, load_recipe
+from recipe.model_checks import MAX_VOCAB, check_model, check_vocab
+from tools.reliability_report import record_case
+
+
+def _torchtitan_accepts_seq_len(family: str, flavor: str, seq_len: int) -> bool:
+    from torchtitan.trainer import Trainer
+
+    cfg = Trainer.Config()
+    cfg.training.seq_len = seq_len
+    try:
+        model_config(flavor, family).update_from_config(config=cfg)
+    except ValueError as e:
+        assert "RoPE" in str(e), e
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "family, flavor, seq_len",
+    [
+        ("llama3", "debugmodel", 131072),
+        ("llama3", "debugmodel", 131073),
+        ("llama3", "debugmodel", 1_000_000),
+        ("qwen3", "debugmodel", 4096),
+        ("qwen3", "debugmodel", 4097),
+        ("qwen3", "8B", 40961),
+        ("llama3", "debugmodel", 2**62),
+    ],
+)
+def test_seq_len_limit_equals_torchtitans(family, flavor, seq_len):
+    recipe = load_recipe(
+        None, [f"model.family={family}", f"model.flavor={flavor}", f"training.seq_len={seq_len}"]
+    )
+    expect_ok = _torchtitan_accepts_seq_len(family, flavor, min(seq_len, 2**40))
+    if expect_ok:
+        check_model(recipe)
+        return
+    with pytest.raises(ConfigError) as e:
+        check_recipe(recipe, 1)  # check_recipe runs check_model: every tool gets it
+    msg = str(e.value)
+    assert e.value.key == "training.seq_len" and "model.flavor" in msg, msg
+    assert str(model_config(flavor, family).max_seq_len) in msg, msg
+    assert "\n" not in msg
+    record_case("train.py", "model shape")
+
+
+def test_vocab_check_matches_the_embedding_table():
+    """An id the embedding table cannot index is refused; the largest id it can is accepted."""
+    import torch
+
+    recipe = load_recipe(None, ["model.vocab_size=300"])
+    emb = torch.nn.Embedding(300, 4)
+    emb(torch.tensor([299]))  # the reference: 300 ids fit
+    with pytest.raises(IndexError):
+        emb(torch.tensor([300]))
+    check_vocab(recipe, 300, "tok")
+    with pytest.raises(ConfigError) as e:
+        check_vocab(recipe, 301, "tok")
+    msg = str(e.value)
+    assert e.value.key == "model.vocab_size" and "model.tokenizer" in msg and "301" in msg, msg
+    record_case("train.py", "model shape")
+    # The flavor's own vocabulary (no override) is named as such.
+    with pytest.raises(ConfigError, match="vocabulary"):
+        check_vocab(load_recipe(None, []), 2049, "tok")
+    record_case("train.py", "model shape")
+
+
+def test_vocab_over_int32_is_refused():
+    with pytest.raises(ConfigError) as e:
+        check_model(load_recipe(None, [f"model.vocab_size={MAX_VOCAB + 1}"]))
+    assert e.value.key == "model.vocab_size"
+    record_case("train.py", "model shape")
+
+
+def test_tokenizer_id_count_counts_added_tokens(tmp_path):
+    """The embedded tokenizer's specials are added tokens: the count must include them."""
+    from tokenizers import Tokenizer
+
+    from data.tokenizer import resolve_tokenizer, tokenizer_id_count
+
+    folder = resolve_tokenizer("embedded", vocab_size=300)
+    tok = Tokenizer.from_file(f"{folder}/tokenizer.json")
+    eos = tok.token_to_id("<|end_of_text|>")
+    assert eos is not None and tokenizer_id_count(folder) > eos
+    assert tokenizer_id_count(str(tmp_path)) is None
