@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from core.errors import exit_on_config_error
+from core.errors import exit_on_config_error, held_stderr
 from tools.cli import add_override_arg, add_recipe_arg
 
 
@@ -27,21 +27,27 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     # Syntax, keys and types first: pure Python, so a typo in a recipe or a --set costs a
     # tenth of a second, not the several seconds of importing torch and torchtitan.
-    from recipe.loader import load_recipe
+    from recipe.loader import blamed, load_recipe
 
     load_recipe(args.recipe, args.overrides)
 
-    from torchtitan.tools.logging import init_logger
+    # Libraries warn on stderr while they import (torch, torchao); for bad input found below
+    # the user's stderr must hold only our one line, so that output waits until prepare passes.
+    with held_stderr():
+        from torchtitan.tools.logging import init_logger
 
-    from posttrain import jobs
-    from runtime import session
-
-    init_logger()
-    job = session.prepare(args.recipe, args.overrides)
-    if job.recipe.rl.enabled:  # [rl]: rollouts replace the data loader (rl/loop.py)
+        from posttrain import jobs
         from rl import loop
+        from runtime import session
 
-        loop.check(job)
+        init_logger()
+        job = session.prepare(args.recipe, args.overrides)
+        with blamed(job.recipe):  # post-training checks that need the launch
+            if job.recipe.rl.enabled:
+                loop.check(job)
+            else:
+                jobs.check(job)
+    if job.recipe.rl.enabled:  # [rl]: rollouts replace the data loader (rl/loop.py)
         loop.run(job)
     else:
         jobs.run(job)

@@ -7,9 +7,12 @@ the file and the dotted key (or the file position for TOML syntax errors).
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import os
 import sys
-from collections.abc import Callable, Iterable
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from functools import wraps
 from typing import Any, TypeVar
 
@@ -52,3 +55,35 @@ def exit_on_config_error(fn: F) -> F:
             raise SystemExit(EXIT_BAD_INPUT) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def held_stderr() -> Iterator[None]:
+    """Hold everything written to stderr (file descriptor 2: Python warnings, torch's import-
+    time log lines, C++ messages) while bad input may still be found. On success it is written
+    out afterwards, in order; on a ConfigError it is dropped, so the user's stderr holds only
+    our one line. Cost: a temporary file for the import and check phase (a few KB).
+    Any other exception writes it out too (context for the traceback)."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no usable fd 2: nothing to hold
+        yield
+        return
+    with tempfile.TemporaryFile() as hold:
+        os.dup2(hold.fileno(), 2)
+        replay = True
+        try:
+            yield
+        except ConfigError:
+            replay = False
+            raise
+        finally:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if replay:
+                hold.seek(0)
+                while chunk := hold.read(1 << 16):
+                    os.write(2, chunk)

@@ -126,11 +126,43 @@ def resolve_named(name_or_path: str | Path, folder: Path, *, what: str | None = 
     raise ConfigError(f"no {what} named {text!r}{hint}; known: {', '.join(known)}", file=text)
 
 
-def read_with_bases(path: str | Path, *, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+def leaf_keys(data: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted paths of every non-table value in `data` (tables recurse; lists are leaves)."""
+    out: list[str] = []
+    todo = [(prefix, data)]  # a stack, not recursion: tables may nest thousands deep
+    while todo:
+        pre, table = todo.pop()
+        for k, v in table.items():
+            key = f"{pre}.{k}" if pre else str(k)
+            if isinstance(v, dict) and v:
+                todo.append((key, v))
+            else:
+                out.append(key)
+    return out
+
+
+def origin_of(key: str | None, origins: dict[str, str]) -> str | None:
+    """Where the value at dotted `key` came from (a file, or `--set k=v`): the entry for the
+    key or, for a key inside a list or a free table, for the closest enclosing one."""
+    while key:
+        if key in origins:
+            return origins[key]
+        cut = max(key.rfind("."), key.rfind("["))
+        key = key[:cut] if cut > 0 else ""
+    return None
+
+
+def read_with_bases(
+    path: str | Path,
+    *,
+    origins: dict[str, str] | None = None,
+    _chain: tuple[Path, ...] = (),
+) -> dict[str, Any]:
     """Read `path` and its `base = "other.toml"` chain (relative to each file), merged.
 
     The base is read first and the child merged over it. A cycle or a missing base is an
-    error naming the file that points at it.
+    error naming the file that points at it. `origins`, when given, receives the file each
+    value came from (dotted key -> file), so an error about a base file's value names it.
     """
     try:
         p = Path(path).resolve()
@@ -142,6 +174,8 @@ def read_with_bases(path: str | Path, *, _chain: tuple[Path, ...] = ()) -> dict[
     data = read_toml(path)
     base = data.pop("base", None)
     if base is None:
+        if origins is not None:
+            origins.update(dict.fromkeys(leaf_keys(data), str(path)))
         return data
     if not isinstance(base, str) or not base:
         raise ConfigError(
@@ -162,11 +196,14 @@ def read_with_bases(path: str | Path, *, _chain: tuple[Path, ...] = ()) -> dict[
     except (OSError, ValueError) as e:  # name too long, NUL byte
         why = getattr(e, "strerror", None) or str(e)
         raise ConfigError(f"unusable base path: {show(why)}", file=str(path), key="base") from None
-    parent = read_with_bases(base_path, _chain=(*_chain, p))
+    parent = read_with_bases(base_path, origins=origins, _chain=(*_chain, p))
     try:
-        return deep_merge(parent, data)
+        merged = deep_merge(parent, data)
+        if origins is not None:
+            origins.update(dict.fromkeys(leaf_keys(data), str(path)))
     except RecursionError:
         raise ConfigError("tables nested too deep to merge with the base", file=str(path)) from None
+    return merged
 
 
 def _type_name(tp: Any) -> str:
@@ -292,15 +329,27 @@ def parse_scalar(text: str) -> Any:
 
 
 def apply_override(
-    data: dict[str, Any], assignment: str, root: type, *, source: str = "--set"
+    data: dict[str, Any],
+    assignment: str,
+    root: type,
+    *,
+    source: str = "--set",
+    origins: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Apply `section.key=value` to the raw dict; the key path is checked against `root`."""
+    """Apply `section.key=value` to the raw dict; the key path is checked against `root`.
+
+    A table value given for a table (`--set 'training={steps=5, lr=1e-3}'`) merges into it
+    key by key, as a recipe merges over its base; every other value replaces the old one.
+    Errors name the override (`--set training.steps=-1`), and `origins` (dotted key ->
+    where the value came from) records it, so later checks blame the override, not the file.
+    """
     if "=" not in assignment:
         raise ConfigError(
             f"expected section.key=value, got {show(assignment)}", file=source, key=assignment
         )
     dotted, _, raw = assignment.partition("=")
     dotted = dotted.strip()
+    source = f"{source} {show(assignment.strip()).strip(chr(39))}"
     parts = dotted.split(".")
     cls: Any = root
     for i, part in enumerate(parts):
@@ -322,8 +371,19 @@ def apply_override(
         if not last and not dataclasses.is_dataclass(cls):
             raise ConfigError("not a section", file=source, key=".".join(parts[: i + 1]))
     value = parse_scalar(raw.strip())
-    # A bare word that the schema wants as a number or bool is a type error, said clearly.
-    coerce(value, cls, file=source, key=dotted)
+    section = dataclasses.is_dataclass(cls) or get_origin(cls) is dict
+    if section and isinstance(value, dict):
+        # Merged into the section below; its keys and types are checked with the whole
+        # recipe (a key alone may break a cross-key check that the merged section passes).
+        if not value:
+            raise ConfigError(
+                "an empty table changes nothing (a table merges into the section key by key)",
+                file=source,
+                key=dotted,
+            )
+    else:
+        # A bare word that the schema wants as a number or bool is a type error, said clearly.
+        coerce(value, cls, file=source, key=dotted)
     out = dict(data)
     cur = out
     for part in parts[:-1]:
@@ -331,7 +391,17 @@ def apply_override(
         nxt = dict(nxt) if isinstance(nxt, dict) else {}
         cur[part] = nxt
         cur = nxt
-    cur[parts[-1]] = value
+    previous = cur.get(parts[-1])
+    try:
+        if isinstance(value, dict) and isinstance(previous, dict):
+            cur[parts[-1]] = deep_merge(previous, value)
+        else:
+            cur[parts[-1]] = value
+        if origins is not None:
+            leaves = leaf_keys(value, dotted) if isinstance(value, dict) else [dotted]
+            origins.update(dict.fromkeys(leaves, source))
+    except RecursionError:
+        raise ConfigError("table nested too deep", file=source, key=dotted) from None
     return out
 
 

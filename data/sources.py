@@ -249,6 +249,148 @@ def local_files(path: Path, *, file: str | None, key: str) -> tuple[str, list[Pa
     return kinds[0], files
 
 
+def _file_kind(path: Path) -> str:
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return "file that cannot be read"
+    if stat.S_ISFIFO(mode):
+        return "FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device"
+    return "special file"
+
+
+# check_records reads at most this much looking for one usable record; past it, the loader
+# decides (a file this large with no usable record near its start is left to it).
+SCAN_BYTES = 64 * 2**20
+
+
+def _scan_lines(files: list[Path], classify: Any, bad: dict[str, int], budget: list[int]) -> bool:
+    """True at the first line `classify(line) -> reason | None` accepts; counts the bad."""
+    for p in files:
+        with open(p, "rb") as fh:
+            for raw in fh:
+                budget[0] -= len(raw)
+                if budget[0] < 0:
+                    return True  # not decided within the budget: the loader decides
+                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                if not line.strip():
+                    continue  # blank lines are not records
+                reason = classify(line)
+                if reason is None:
+                    return True
+                bad[reason] = bad.get(reason, 0) + 1
+    return False
+
+
+def check_records(
+    spec: str,
+    *,
+    text_field: str = "text",
+    sft: bool = False,
+    file: str | None = None,
+    key: str = "data.source",
+) -> None:
+    """A local source holds at least one usable record, checked before any process group
+    (the loader would otherwise find out after the device mesh exists). Reads only until
+    the first usable record (at most SCAN_BYTES); `sft`: records must be chats with an
+    assistant turn (data.chat.parse_record; rendering and length need the tokenizer and are
+    left to the loader). Empty files, all-bad files and parquet without the text column
+    are one ConfigError naming the key and what was found."""
+    path = Path(spec)
+    if spec == "stdlib" or not path.exists():
+        return
+    from data.store import is_store
+
+    if is_store(path):
+        from data.store import TokenStore
+
+        store = TokenStore(path, key=key)  # manifest, index and shards agree, or ConfigError
+        if store.n_docs == 0:
+            raise ConfigError(f"store {spec} holds 0 documents", file=file, key=key)
+        return
+    kind, files = local_files(path, file=file, key=key)
+    where = spec if len(files) == 1 else f"{spec} ({len(files)} {kind} files)"
+    try:
+        if sum(p.stat().st_size for p in files) == 0:
+            raise ConfigError(f"{where} is empty (0 records)", file=file, key=key)
+        bad: dict[str, int] = {}
+        budget = [SCAN_BYTES]
+        if kind == "parquet":
+            _check_parquet(files, text_field, where, file=file, key=key)
+            return
+        if kind == "text":
+            ok = False
+            for p in files:
+                with open(p, "rb") as fh:
+                    text = fh.read(SCAN_BYTES).decode("utf-8", errors="replace")
+                _t, reason = _classify_text(text, check_replacement=True)
+                if reason is None or p.stat().st_size > SCAN_BYTES:  # too big to decide here
+                    ok = True
+                    break
+                bad[reason] = bad.get(reason, 0) + 1
+        elif sft:
+            from data.chat import BadChat, parse_record
+
+            def classify_chat(line: str) -> str | None:
+                try:
+                    parse_record(json.loads(line))
+                except BadChat as e:
+                    return e.reason
+                except ValueError:
+                    return "invalid_json"
+                return None
+
+            ok = _scan_lines(files, classify_chat, bad, budget)
+        else:
+            ok = _scan_lines(files, lambda ln: classify_jsonl_line(ln, text_field)[1], bad, budget)
+    except OSError as e:
+        raise ConfigError(f"cannot read {spec!r}: {e.strerror or e}", file=file, key=key) from None
+    if not ok:
+        if kind == "text":
+            what = "documents (non-blank UTF-8 text)"
+        elif sft:
+            what = "chat records with an assistant turn"
+        else:
+            what = f"records with a string field {text_field!r}"
+        found = ", ".join(f"{k} {v}" for k, v in sorted(bad.items()))
+        found = f"{sum(bad.values())} bad: {found}" if bad else "only blank lines"
+        raise ConfigError(f"{where} holds no usable {what} ({found})", file=file, key=key)
+
+
+def _check_parquet(
+    files: list[Path], text_field: str, where: str, *, file: str | None, key: str
+) -> None:
+    import pyarrow.parquet as pq
+
+    rows = 0
+    for p in files:
+        try:
+            meta = pq.read_metadata(p)
+            names = pq.read_schema(p).names
+        except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a damaged file
+            raise ConfigError(
+                f"{p} is not a readable parquet file: {str(e).splitlines()[0][:200]}",
+                file=file,
+                key=key,
+            ) from None
+        if meta.num_rows and text_field not in names:
+            raise ConfigError(
+                f"{p} has no column {text_field!r} (columns: {', '.join(names[:20])}); set "
+                "the source's text_field",
+                file=file,
+                key=key,
+            )
+        rows += meta.num_rows
+    if rows == 0:
+        raise ConfigError(f"{where} is empty (0 records)", file=file, key=key)
+
+
 def check_source(spec: str, *, file: str | None = None, key: str = "data.source") -> str:
     """Cheap validation of `[data] source` (no `datasets` import, nothing read): returns
     'stdlib', 'local' or 'hub', or raises ConfigError naming the key."""
@@ -267,6 +409,12 @@ def check_source(spec: str, *, file: str | None = None, key: str = "data.source"
             key=key,
         )
     if path.exists():
+        if not path.is_file() and not path.is_dir():
+            raise ConfigError(
+                f"{spec!r} is a {_file_kind(path)}, not a regular file or a folder",
+                file=file,
+                key=key,
+            )
         local_files(path, file=file, key=key)
         return "local"
     looks_local = spec.startswith((".", "/", "~")) or path.suffix.lower() in KINDS

@@ -8,7 +8,8 @@ Both raise ConfigError (file + dotted key) and never touch torch.distributed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,13 @@ from typing import Any
 from core.axes import Layout, resolve_layout
 from core.errors import ConfigError
 from core.models import ModelShape, model_shape, pp_layer_weights, stages_per_rank
-from core.typed_toml import apply_override, build_dataclass, read_with_bases, resolve_named
+from core.typed_toml import (
+    apply_override,
+    build_dataclass,
+    origin_of,
+    read_with_bases,
+    resolve_named,
+)
 from recipe.schema import Recipe
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -32,20 +39,52 @@ def resolve_recipe_path(path_or_name: str | Path | None) -> str | Path:
     return path_or_name if Path(path_or_name) == resolved else resolved
 
 
-def load_recipe_dict(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    data = read_with_bases(resolve_recipe_path(path))
+def load_recipe_dict(
+    path: str | Path, overrides: Sequence[str] = (), origins: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """The merged raw recipe; `origins` receives where each value came from (dotted key ->
+    the file, a base file, or `--set key=value`)."""
+    data = read_with_bases(resolve_recipe_path(path), origins=origins)
     for o in overrides:
-        data = apply_override(data, o, Recipe)
+        data = apply_override(data, o, Recipe, origins=origins)
     return data
+
+
+def blame(err: ConfigError, recipe_or_origins: Recipe | dict[str, str]) -> ConfigError:
+    """`err` re-addressed to where its key's value came from: a value given with `--set`
+    (or read from a base file) is named as such, not as the recipe file's. Unchanged when
+    the key has no recorded origin or the error names another file (a data file, a cluster)."""
+    origins = (
+        recipe_or_origins if isinstance(recipe_or_origins, dict) else recipe_or_origins.origins
+    )
+    where = origin_of(err.key, origins)
+    source = recipe_or_origins.source if isinstance(recipe_or_origins, Recipe) else None
+    if where is None or where == err.file or (source is not None and err.file != source):
+        return err
+    return ConfigError(err.detail, file=where, key=err.key)
+
+
+@contextlib.contextmanager
+def blamed(recipe: Recipe) -> Iterator[None]:
+    """Re-address a ConfigError raised inside to where its value came from (`blame`)."""
+    try:
+        yield
+    except ConfigError as e:
+        raise blame(e, recipe) from None
 
 
 def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Recipe:
     """Load, merge bases, apply overrides and check every key and type."""
     path = resolve_recipe_path(path)
-    data = load_recipe_dict(path, overrides)
-    # An override's key is named with --set; a file's key with the file.
-    recipe = build_dataclass(Recipe, data, file=str(path), prefix="")
+    origins: dict[str, str] = {}
+    data = load_recipe_dict(path, overrides, origins)
+    try:
+        recipe = build_dataclass(Recipe, data, file=str(path), prefix="")
+    except ConfigError as e:
+        # An override's key is named with --set; a base file's key with that file.
+        raise blame(e, origins) from None
     recipe.source = str(path)
+    recipe.origins = origins
     return recipe
 
 

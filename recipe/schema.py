@@ -826,6 +826,9 @@ class Recipe:
         ),
     )
     source: str = field(default="<defaults>", init=False, compare=False)
+    # dotted key -> where its value came from (this file, a base file, `--set k=v`), for
+    # error messages (recipe.loader.blame).
+    origins: dict[str, str] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def output_dir(self) -> str:

@@ -22,7 +22,7 @@ from core.errors import ConfigError
 from core.models import model_shape
 from parallel.cluster import Cluster, load_cluster
 from parallel.planner import apply_plan, best_plan
-from recipe.loader import check_recipe, effective_shape, load_recipe
+from recipe.loader import blamed, check_recipe, effective_shape, load_recipe
 from recipe.schema import Recipe
 from runtime.build import KernelChoice, build_trainer_config, choose_kernels
 from runtime.platform import BRIDGED, Platform, check_pipeline_step
@@ -187,24 +187,37 @@ def check_faults() -> None:
 def check_data_source(recipe: Recipe) -> None:
     """The data source(s) exist and are readable in kind (no data read, no process group);
     mixing weights give every source a row per window."""
-    from data.sources import check_source
+    from data.sources import check_records, check_source
 
     d = recipe.data
+    sft = d.format == "sft"
+
+    def check(spec: str, key: str, *, chats: bool, text_field: str = "text") -> None:
+        # Kind first (exists, a file or folder of one kind), then one usable record: an
+        # empty or all-bad source stops here, not after the device mesh exists.
+        check_source(spec, file=recipe.source, key=key)
+        check_records(spec, text_field=text_field, sft=chats, file=recipe.source, key=key)
+
     if d.eval_source:
-        check_source(d.eval_source, file=recipe.source, key="data.eval_source")
+        check(d.eval_source, "data.eval_source", chats=True)
     for i, a in enumerate(recipe.adapters):
-        check_source(a.source, file=recipe.source, key=f"adapters[{i}].source")
+        check(a.source, f"adapters[{i}].source", chats=True)
         if a.eval_source:
-            check_source(a.eval_source, file=recipe.source, key=f"adapters[{i}].eval_source")
+            check(a.eval_source, f"adapters[{i}].eval_source", chats=True)
     if recipe.validation.enable and recipe.validation.source:
-        check_source(recipe.validation.source, file=recipe.source, key="validation.source")
+        check(
+            recipe.validation.source,
+            "validation.source",
+            chats=sft,
+            text_field=recipe.validation.text_field,
+        )
     if not d.sources:
-        check_source(d.source, file=recipe.source)
+        check(d.source, "data.source", chats=sft, text_field=d.text_field)
         return
     from data.store_stream import mix_counts
 
     for i, e in enumerate(d.sources):
-        check_source(e.source, file=recipe.source, key=f"data.sources[{i}].source")
+        check(e.source, f"data.sources[{i}].source", chats=False, text_field=e.text_field)
     try:
         mix_counts([e.weight for e in d.sources], d.mix_window)
     except ValueError as e:
@@ -263,8 +276,14 @@ def apply_auto_plan(recipe: Recipe, cluster: Cluster | None) -> tuple[Recipe, st
 
 
 def prepare(recipe_path: str | None, overrides: list[str]) -> Job:
-    """Everything up to (not including) the process group. Raises ConfigError on bad input."""
+    """Everything up to (not including) the process group. Raises ConfigError on bad input,
+    naming where the offending value came from (the file, a base file or `--set`)."""
     recipe = load_recipe(recipe_path, overrides)
+    with blamed(recipe):
+        return _prepare(recipe)
+
+
+def _prepare(recipe: Recipe) -> Job:
     world_size = _launch_env()
     platform = Platform.detect()
     cluster = cluster_for_job(recipe, world_size, platform)
