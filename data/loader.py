@@ -141,6 +141,9 @@ class PackedStream(IterableDataset, Stateful):
         self.bad_records = bad_records
         self.infinite = infinite
         self.pad_id = _pad_id(tokenizer)
+        # Rows one optimizer microstep takes over all ranks (local batch x dp; set by the
+        # loader). A pass shorter than this is re-read within a step: logged sparingly.
+        self.rows_per_step = dp_world_size
         self.fingerprint = {
             "source": self.source.description,
             "text_field": text_field,
@@ -165,6 +168,7 @@ class PackedStream(IterableDataset, Stateful):
         self._bad = dict.fromkeys(self._bad_reasons(), 0)
         self._finished = False
         self._prune_at = 2 * self.window + 64
+        self._small_warned = False
 
     # -- the stream -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
@@ -172,6 +176,8 @@ class PackedStream(IterableDataset, Stateful):
         while not self._finished:
             good_in_epoch = 0
             pass_start = self._next_record
+            rows_before = len(self._queue) + self._rows_consumed
+            tokens_in_epoch = 0
             records = self.source.records(self._next_record)
             exhausted = False
             while not exhausted:
@@ -197,6 +203,7 @@ class PackedStream(IterableDataset, Stateful):
                         continue
                     good_in_epoch += 1
                     assert ids is not None
+                    tokens_in_epoch += len(ids) - 1
                     doc = self._doc_seq
                     self._doc_seq += 1
                     self._tokens[doc] = ids
@@ -218,7 +225,8 @@ class PackedStream(IterableDataset, Stateful):
             if self.infinite:
                 self._epoch += 1
                 self._next_record = 0
-                logger.info(f"data: epoch {self._epoch} of {self.source.description}")
+                rows = len(self._queue) + self._rows_consumed - rows_before
+                self._log_epoch(rows, tokens_in_epoch, whole=pass_start == 0)
                 continue
             while len(self._queue) % dp:
                 # Keep every rank at the same number of rows: pad the last group with rows
@@ -227,6 +235,29 @@ class PackedStream(IterableDataset, Stateful):
             while self._queue:
                 yield self._take_group()
             self._finished = True
+
+    def _log_epoch(self, rows: int, tokens: int, *, whole: bool) -> None:
+        """One line per epoch, unless a pass is shorter than one step's batch: then a warning
+        once and epoch lines at powers of two only (a 3-token source would otherwise log
+        hundreds of epochs per step)."""
+        e, desc = self._epoch, self.source.description
+        if rows >= self.rows_per_step or not whole:
+            logger.info(f"data: epoch {e} of {desc}")
+            return
+        if not self._small_warned:
+            self._small_warned = True
+            logger.warning(
+                f"data: {desc} holds {tokens} tokens per pass ({rows} rows of seq_len "
+                f"{self.seq_len}), less than one step's batch ({self.rows_per_step} rows = "
+                "local batch x data-parallel size): every step re-reads it; epoch lines "
+                "are logged at powers of two"
+            )
+        if e & (e - 1) == 0:
+            logger.info(
+                f"data: epoch {e} of {desc} (dataset re-read {e - 1} times in "
+                f"{self._rows_consumed // max(self.rows_per_step, 1)} steps: {tokens} tokens "
+                "< one batch)"
+            )
 
     def _bad_reasons(self) -> tuple[str, ...]:
         return BAD_REASONS + (CHAT_BAD_REASONS if self.renderer is not None else ())
@@ -598,6 +629,8 @@ class TitanscaleDataLoader(ParallelAwareDataloader):
             dp_rank=dp_rank,
             dp_world_size=dp_world_size,
         )
+        if isinstance(self.stream, PackedStream):
+            self.stream.rows_per_step = local_batch_size * dp_world_size
         super().__init__(
             self.stream,
             dp_rank=dp_rank,
