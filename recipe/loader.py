@@ -24,6 +24,7 @@ from core.typed_toml import (
     read_with_bases,
     resolve_named,
 )
+from recipe.limits import check_limits
 from recipe.schema import Recipe
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -85,6 +86,8 @@ def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         raise blame(e, origins) from None
     recipe.source = str(path)
     recipe.origins = origins
+    with blamed(recipe):
+        check_limits(recipe)
     return recipe
 
 
@@ -138,8 +141,13 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> Layout:
 
     check_model(recipe)
     layout = recipe_degrees(recipe, world_size)
+    from recipe.model_checks import check_loss_chunks
+
     if not recipe.parallel.auto:
         check_layout(recipe, layout)
+        check_loss_chunks(recipe, layout.tp, layout.cp)
+    else:  # the planner's tp/cp are not known yet: the layout-free part
+        check_loss_chunks(recipe)
     gbs = tr.global_batch_size
     if gbs != -1 and gbs % (tr.local_batch_size * layout.dp):
         raise ConfigError(

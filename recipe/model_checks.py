@@ -61,11 +61,39 @@ def check_model_dims(recipe: Recipe, shape: ModelShape | None = None) -> None:
             file=f,
             key="model.flavor",
         )
+    lora = recipe.finetune.mode == "lora" or recipe.adapters
+    if lora and recipe.lora.rank > shape.dim:
+        raise ConfigError(
+            f"rank {recipe.lora.rank} exceeds the model width {shape.dim} of {_where(recipe)}: "
+            "a LoRA update of rank r <= width already spans every direction",
+            file=f,
+            key="lora.rank",
+        )
     if recipe.model.vocab_size > MAX_VOCAB:
         raise ConfigError(
             f"{recipe.model.vocab_size} entries do not fit int32 token ids (at most {MAX_VOCAB})",
             file=f,
             key="model.vocab_size",
+        )
+
+
+# torchtitan's ChunkedLossWrapper (runtime.build) splits each rank's sequence into this many
+# equal chunks for the output projection and loss (its Config default).
+LOSS_CHUNKS = 8
+
+
+def check_loss_chunks(recipe: Recipe, tp: int = 1, cp: int = 1) -> None:
+    """Each rank's share of a sequence (seq_len / (tp x cp) under sequence and context
+    parallelism) must split into LOSS_CHUNKS equal chunks (torchtitan checks it in the
+    first loss, after the process group starts)."""
+    seq = recipe.training.seq_len
+    if seq % (LOSS_CHUNKS * tp * cp):
+        raise ConfigError(
+            f"{seq} must be a multiple of {LOSS_CHUNKS * tp * cp}: the loss splits each rank's "
+            f"share of a sequence (seq_len / (tp {tp} x cp {cp})) into {LOSS_CHUNKS} equal "
+            "chunks (torchtitan's ChunkedLossWrapper)",
+            file=recipe.source,
+            key="training.seq_len",
         )
 
 
