@@ -14,12 +14,17 @@ them but break later, inside torch or the data path, or train silently to nonsen
   (and 1e308 makes them inf, then every loss NaN);
 - `training.lr x training.weight_decay` below 1: AdamW multiplies each weight by
   1 - lr x weight_decay every step, so at 1 or more the weights are zeroed or flip sign;
-- `rl.temperature` at least 1e-6: the generator divides float32 logits by it (5e-324 makes
-  them inf and sampling NaN); smaller values are greedy sampling to float32 precision;
+- `rl.temperature` in [1e-6, 1e6]: the generator divides float32 logits by it (5e-324 makes
+  them inf, 1e308 becomes inf in float32: NaN probabilities either way); beyond the range
+  sampling is already greedy or uniform to float32 precision;
+- `rl.top_p` at least 1e-6: compared with float32 probabilities (5e-324 rounds to 0 and
+  drops every token, so no sample can be drawn); tiny values keep the top token only;
 - `rl.group_size` at least 2 with `[rl] enabled`: advantages are normalised per group, and
   a group of one has advantage 0 (nothing is learned, the loss is NaN);
 - `rl.clip_low` at most 1: the ratio is clipped below at 1 - clip_low, and a ratio is never
   negative (1 = no lower clip);
+- `rl.clip_high` and `rl.tis_cap` at most 1e6: they clamp float32 ratios (1e308 overflows
+  the clamp); anything larger is no bound;
 - `rl.kl_coef` and the LoRA scale `lora.alpha / lora.rank` at most 1e6: float32 keeps about
   7 significant digits, so a term weighted 1e7 times more than the rest swamps it in rounding.
 
@@ -94,12 +99,28 @@ def check_limits(recipe: Any) -> None:
             key="training.weight_decay",
         )
     rl = recipe.rl
+    if rl.temperature > MAX_COEF:
+        raise ConfigError(
+            f"{rl.temperature} is above {MAX_COEF:g}: sampling is already uniform to float32 "
+            "precision, and above float32's range (3.4e38) the divisor becomes inf and the "
+            "probabilities NaN",
+            file=f,
+            key="rl.temperature",
+        )
     if rl.temperature < MIN_TEMPERATURE:
         raise ConfigError(
             f"{rl.temperature} is below {MIN_TEMPERATURE}: the generator divides float32 "
             "logits by it (they overflow); use a small value such as 1e-3 for near-greedy",
             file=f,
             key="rl.temperature",
+        )
+    if rl.top_p < MIN_TEMPERATURE:
+        raise ConfigError(
+            f"{rl.top_p} is below {MIN_TEMPERATURE}: the generator compares it with float32 "
+            "probabilities (below 1.4e-45 it rounds to 0 and drops every token); any value "
+            "this small keeps only the most likely token",
+            file=f,
+            key="rl.top_p",
         )
     if rl.enabled and rl.group_size < 2:
         raise ConfigError(
@@ -122,6 +143,14 @@ def check_limits(recipe: Any) -> None:
             file=f,
             key="rl.kl_coef",
         )
+    for name in ("clip_high", "tis_cap"):
+        if getattr(rl, name) > MAX_COEF:
+            raise ConfigError(
+                f"{getattr(rl, name)} is above {MAX_COEF:g}: it bounds float32 ratios (which "
+                "overflow past 3.4e38), and any value this large is no bound at all",
+                file=f,
+                key=f"rl.{name}",
+            )
     if recipe.lora.alpha / recipe.lora.rank > MAX_COEF:
         raise ConfigError(
             f"the LoRA scale alpha / rank = {recipe.lora.alpha / recipe.lora.rank:.3g} is above "

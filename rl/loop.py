@@ -396,7 +396,7 @@ def _train(job: Any, trainer: Any) -> dict[str, Any] | None:
                 mp.log(step, stats["loss"], stats["loss"], stats["grad_norm"], extra_metrics=extra)
                 logger.info(
                     f"rl step {step}: reward {extra['reward_mean']:.3f} lag "
-                    f"{extra['policy_lag']:.2f} wait {extra['trainer_wait_pct']:.0f}% "
+                    f"{extra.get('policy_lag', float('nan')):.2f} wait {extra['trainer_wait_pct']:.0f}% "
                     f"kl {extra.get('train_infer_kl', float('nan')):.2e}"
                 )
     except BaseException:
