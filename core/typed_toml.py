@@ -349,7 +349,9 @@ def apply_override(
         )
     dotted, _, raw = assignment.partition("=")
     dotted = dotted.strip()
-    source = f"{source} {show(assignment.strip()).strip(chr(39))}"
+    text = assignment.strip()
+    # Named as typed when short and printable, else as a bounded repr (one short line).
+    source = f"{source} {text if len(text) <= 120 and text.isprintable() else show(text)}"
     parts = dotted.split(".")
     cls: Any = root
     for i, part in enumerate(parts):

@@ -396,6 +396,12 @@ def check_source(spec: str, *, file: str | None = None, key: str = "data.source"
     'stdlib', 'local' or 'hub', or raises ConfigError naming the key."""
     if spec == "stdlib":
         return "stdlib"
+    if not spec.strip():
+        raise ConfigError(
+            f"{spec!r} does not exist (expected 'stdlib', a file, a folder or a hub name)",
+            file=file,
+            key=key,
+        )
     path = Path(spec)
     from data.store import is_store
 
