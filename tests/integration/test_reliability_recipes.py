@@ -393,7 +393,8 @@ def huge_number(draw) -> Case:
             st.sampled_from(["parallel.tp", "parallel.pp", "parallel.cp", "parallel.dp_replicate"])
         )
         value = draw(st.integers(2**31, MAX_INT))
-        return one_file("huge degree", with_value(key, value), "parallel.dp_shard")
+        # Named at the degree itself (recipe.limits: over 2^31 - 1), or by the world-size fit.
+        return one_file("huge degree", with_value(key, value), f"{key}|parallel.dp_shard")
     return one_file(f"huge number ({how})", with_value(key, value), key)
 
 
