@@ -270,8 +270,9 @@ def _file_kind(path: Path) -> str:
 SCAN_BYTES = 64 * 2**20
 
 
-def _scan_lines(files: list[Path], classify: Any, bad: dict[str, int], budget: list[int]) -> bool:
-    """True at the first line `classify(line) -> reason | None` accepts; counts the bad."""
+def scan_lines(files: list[Path], classify: Any, bad: dict[str, int], budget: list[int]) -> bool:
+    """True at the first line `classify(line) -> reason | None` accepts (or when `budget[0]`
+    bytes are read without deciding); counts the bad reasons in `bad`."""
     for p in files:
         with open(p, "rb") as fh:
             for raw in fh:
@@ -346,9 +347,9 @@ def check_records(
                     return "invalid_json"
                 return None
 
-            ok = _scan_lines(files, classify_chat, bad, budget)
+            ok = scan_lines(files, classify_chat, bad, budget)
         else:
-            ok = _scan_lines(files, lambda ln: classify_jsonl_line(ln, text_field)[1], bad, budget)
+            ok = scan_lines(files, lambda ln: classify_jsonl_line(ln, text_field)[1], bad, budget)
     except OSError as e:
         raise ConfigError(f"cannot read {spec!r}: {e.strerror or e}", file=file, key=key) from None
     if not ok:

@@ -224,6 +224,40 @@ def check_data_source(recipe: Recipe) -> None:
         raise ConfigError(str(e), file=recipe.source, key="data.mix_window") from None
 
 
+def check_sft_renders(recipe: Recipe, tokenizer_path: str) -> None:
+    """SFT: each chat source holds an example that renders within seq_len + 1 tokens (or is
+    cut to it with data.truncate): a file of only too-long examples stops here, not after
+    the device mesh exists. Reads until the first such example (data.sources.SCAN_BYTES)."""
+    from data.chat import make_renderer
+    from data.sources import SCAN_BYTES, local_files, scan_lines
+
+    specs = [("data.source", recipe.data.source)] if recipe.data.format == "sft" else []
+    specs += [(f"adapters[{i}].source", a.source) for i, a in enumerate(recipe.adapters)]
+    if not specs:
+        return
+    renderer = make_renderer(tokenizer_path, recipe.data.chat_template)
+    limit = recipe.training.seq_len + 1
+
+    def renders(line: str) -> str | None:
+        return renderer.render_line(line, max_tokens=limit, truncate=recipe.data.truncate)[2]
+
+    for key, spec in specs:
+        if not Path(spec).exists():
+            continue
+        _kind, files = local_files(Path(spec), file=recipe.source, key=key)
+        bad: dict[str, int] = {}
+        if scan_lines(files, renders, bad, [SCAN_BYTES]):
+            continue
+        found = ", ".join(f"{k} {v}" for k, v in sorted(bad.items())) or "no records"
+        hint = " (raise training.seq_len or set data.truncate = true)" if "too_long" in bad else ""
+        raise ConfigError(
+            f"{spec} holds no example that renders within seq_len + 1 = {limit} tokens "
+            f"({found}){hint}",
+            file=recipe.source,
+            key=key,
+        )
+
+
 def check_data_tokenizer(recipe: Recipe, tokenizer_path: str) -> None:
     """A prepared store must have been tokenized with this tokenizer (one line, exit 2)."""
     from data.store import TokenStore, is_store
@@ -311,6 +345,11 @@ def _prepare(recipe: Recipe) -> Job:
             key="checkpoint.async_mode",
         )
     kernels = choose_kernels(recipe, platform, layout)
+    if kernels.attention == "dense":
+        from recipe.model_checks import check_dense_attention_memory
+
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        check_dense_attention_memory(recipe, ram, layout.tp)
     check_environment(recipe)
     check_data_source(recipe)
     from data.tokenizer import resolve_tokenizer, tokenizer_id_count
@@ -327,6 +366,7 @@ def _prepare(recipe: Recipe) -> Job:
     if ids is not None:
         check_vocab(recipe, ids, tokenizer_path)
     check_data_tokenizer(recipe, tokenizer_path)
+    check_sft_renders(recipe, tokenizer_path)
     check_faults()
     check_wandb(recipe)
     config = build_trainer_config(

@@ -236,3 +236,15 @@ def test_stderr_is_exactly_our_line(tmp_path):
         assert proc.returncode == 2 and len(lines) == 1, (ovs, err[-3000:])
         assert lines[0].startswith("error: ") and "Traceback" not in out, (ovs, lines)
         record_case("train.py", "stderr before our line")
+
+
+def test_sft_examples_all_too_long_stop_before_the_mesh(env, tmp_path, capsys):
+    """Every letter_sort example is longer than seq_len 8 + 1 tokens: refused in prepare (the
+    loader would find no usable example only after the mesh exists); with truncate it runs."""
+    out = tmp_path / "o"
+    argv = ["--recipe", "recipes/sft_debug.toml", "--set", f"job.output_dir={out}",
+            "--set", "checkpoint.load_from=", "--set", "training.seq_len=8"]  # fmt: skip
+    line = one_line(capsys, argv)
+    assert "data.source: " in line and "too_long" in line and "data.truncate" in line, line
+    assert not (out / "metrics.jsonl").exists()
+    record_case("train.py", "data source")

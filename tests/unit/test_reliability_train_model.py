@@ -97,3 +97,23 @@ def test_tokenizer_id_count_counts_added_tokens(tmp_path):
     eos = tok.token_to_id("<|end_of_text|>")
     assert eos is not None and tokenizer_id_count(folder) > eos
     assert tokenizer_id_count(str(tmp_path)) is None
+
+
+def test_dense_attention_memory_against_a_real_allocation():
+    """The byte count equals what torch's dense attention allocates for its scores, and a
+    seq_len whose matrices exceed the machine is refused naming training.seq_len."""
+    import torch
+
+    from recipe.model_checks import check_dense_attention_memory, dense_attention_bytes
+
+    r = load_recipe(None, ["training.seq_len=64", "training.local_batch_size=2"])
+    q = torch.zeros(2, 16, 64, 16)
+    scores = q @ q.transpose(-1, -2)
+    probs = scores.softmax(-1)
+    measured = scores.numel() * scores.element_size() + probs.numel() * probs.element_size()
+    assert dense_attention_bytes(r) == measured
+    check_dense_attention_memory(r, total_bytes=measured)
+    with pytest.raises(ConfigError) as e:
+        check_dense_attention_memory(r, total_bytes=measured - 1)
+    assert e.value.key == "training.seq_len" and "kernels.attention" in str(e.value)
+    record_case("train.py", "model shape")
