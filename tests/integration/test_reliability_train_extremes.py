@@ -157,7 +157,7 @@ SFT_RUN = [
     *SFT, "training.steps=1", "training.warmup_steps=0", "training.seq_len=64", "model.layers=1",
     "lora.rank=1", "lora.alpha=5e-324", "finetune.eval_every=1", "lora.dropout=0.0",
     "training.local_batch_size=1", "training.weight_decay=0.0", "training.seed=0",
-    "checkpoint.load_from=", "data.eval_source=",
+    "checkpoint.load_from=", "data.eval_source=", "training.global_batch_size=1",
 ]  # fmt: skip
 ADAPTERS_RUN = [
     *SFT_RUN, "lora.alpha=1.0",
@@ -299,3 +299,42 @@ def test_accepted_extremes_train(name, env, tmp_path):
     steps = [r for r in rows if "step" in r and "loss" in r]
     assert steps, rows[-3:]
     record_case("train.py", "numeric extreme (valid)")
+
+
+@pytest.mark.parametrize(
+    "recipe, sections",
+    [
+        ("recipes/sft_debug.toml", ("training", "data", "finetune", "lora")),
+        ("recipes/rl_debug.toml", ("training", "rl")),
+    ],
+)
+def test_post_training_recipes_extremes(recipe, sections):
+    """The same extremes over the post-training recipes' own sections (their values as the
+    context): refused naming the key, or a value class the proof runs train."""
+    from runtime.session import check_data_source
+
+    proven = covered()
+    missing, wrong = [], []
+    for key, tp in numeric_fields():
+        if key.split(".")[0] not in sections or "[" in key:
+            continue
+        for v in INTS if tp is int else FLOATS:
+            ctx = ["training.warmup_steps=0"] if key == "training.steps" else []
+            try:
+                r = load_recipe(recipe, [*ctx, f"{key}={lit(v)}"])
+                with blamed(r):
+                    check_recipe(r, 1)
+                    if key.startswith("data."):  # reads the data file: only where it matters
+                        check_data_source(r)
+            except ConfigError as e:
+                if e.key not in (key, ALSO_NAMED.get(key)) or "\n" in str(e):
+                    wrong.append(f"{key}={lit(v)} -> {e}")
+                else:
+                    record_case("train.py", "numeric extreme")
+                continue
+            if (key, value_class(v)) not in proven:
+                missing.append(f"{key}={lit(v)}")
+            else:
+                record_case("train.py", "numeric extreme (valid)")
+    assert not wrong, "\n".join(wrong)
+    assert not missing, "\n".join(missing)
