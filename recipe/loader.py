@@ -9,6 +9,7 @@ Both raise ConfigError (file + dotted key) and never touch torch.distributed.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -59,6 +60,21 @@ def blame(err: ConfigError, recipe_or_origins: Recipe | dict[str, str]) -> Confi
         recipe_or_origins if isinstance(recipe_or_origins, dict) else recipe_or_origins.origins
     )
     where = origin_of(err.key, origins)
+    if err.key and not (where or "").startswith("--set"):
+        # A cross-key check names one key, but the value that broke it may be another one of
+        # the same section given with --set and named in the message (`--set parallel.tp=3`
+        # -> "parallel.dp_shard: ... x tp x ... does not divide ...").
+        section = err.key.split(".")[0]
+        for k, src in origins.items():
+            leaf = k.rsplit(".", 1)[-1]
+            if (
+                src.startswith("--set")
+                and k.split(".")[0] == section
+                and k != err.key
+                and re.search(rf"(?<![\w.]){re.escape(leaf)}(?![\w])", err.detail)
+            ):
+                where = src
+                break
     source = recipe_or_origins.source if isinstance(recipe_or_origins, Recipe) else None
     if where is None or where == err.file or (source is not None and err.file != source):
         return err

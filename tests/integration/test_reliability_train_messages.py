@@ -82,6 +82,10 @@ def test_a_table_merges_into_its_section():
         ("rl={temperature=0.0}", "rl.temperature", "positive"),
         ("lora.dropout=0.1", "lora.dropout", "no dropout"),
         ("data={source=''}", "data.source", "does not exist"),
+        # Cross-key: the named key came from the file, the --set value broke it.
+        ("parallel.tp=3", "parallel.dp_shard", "does not divide"),
+        ("training.steps=1", "training.warmup_steps", "exceeds steps (1)"),
+        ("training.weight_decay=2000", "training.weight_decay", "lr x weight_decay"),
     ],
 )
 def test_set_values_are_blamed_on_set(override, key, words):
