@@ -146,3 +146,30 @@ def check_dense_attention_memory(recipe: Recipe, total_bytes: int, tp: int = 1) 
             file=recipe.source,
             key="training.seq_len",
         )
+
+
+# fp32 weights, gradients and AdamW's two moments; a LoRA base is frozen (weights only).
+TRAIN_BYTES_PER_PARAM = 16
+FROZEN_BYTES_PER_PARAM = 4
+
+
+def check_host_memory(recipe: Recipe, total_bytes: int) -> None:
+    """On CPU every rank lives on this machine: the model's training state (all ranks
+    together, FSDP or not) must fit its memory, or the first allocation fails after the
+    process group starts. Names model.vocab_size when it is set (the usual culprit of a
+    huge embedding), else model.flavor / model.layers."""
+    shape = effective_shape(recipe)
+    frozen = recipe.finetune.mode == "lora" or bool(recipe.adapters)
+    per = FROZEN_BYTES_PER_PARAM if frozen else TRAIN_BYTES_PER_PARAM
+    need = shape.total_params * per
+    if need <= total_bytes:
+        return
+    key = "model.vocab_size" if recipe.model.vocab_size else "model.flavor"
+    raise ConfigError(
+        f"{_where(recipe)} with {shape.n_layers} layers and a {shape.vocab_size:,}-entry "
+        f"vocabulary has {shape.total_params / 1e9:,.2f}B parameters: {need / 2**30:,.1f} GiB "
+        f"to train ({per} bytes each), more than this machine's {total_bytes / 2**30:,.1f} "
+        "GiB (use model.layers for a slice, a smaller flavor, or GPUs)",
+        file=recipe.source,
+        key=key,
+    )

@@ -345,11 +345,13 @@ def _prepare(recipe: Recipe) -> Job:
             key="checkpoint.async_mode",
         )
     kernels = choose_kernels(recipe, platform, layout)
-    if kernels.attention == "dense":
-        from recipe.model_checks import check_dense_attention_memory
+    if platform.is_cpu:
+        from recipe.model_checks import check_dense_attention_memory, check_host_memory
 
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        check_dense_attention_memory(recipe, ram, layout.tp)
+        check_host_memory(recipe, ram)
+        if kernels.attention == "dense":
+            check_dense_attention_memory(recipe, ram, layout.tp)
     check_environment(recipe)
     check_data_source(recipe)
     from data.tokenizer import resolve_tokenizer, tokenizer_id_count

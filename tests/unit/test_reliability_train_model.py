@@ -117,3 +117,38 @@ def test_dense_attention_memory_against_a_real_allocation():
         check_dense_attention_memory(r, total_bytes=measured - 1)
     assert e.value.key == "training.seq_len" and "kernels.attention" in str(e.value)
     record_case("train.py", "model shape")
+
+
+def test_host_memory_check_counts_what_adamw_holds():
+    """16 bytes per parameter: what torch's AdamW actually holds after one step (fp32 weight,
+    gradient, exp_avg, exp_avg_sq), measured; a model whose state exceeds the machine is
+    refused naming the key that sized it."""
+    import torch
+
+    from recipe.model_checks import TRAIN_BYTES_PER_PARAM, check_host_memory, effective_shape
+
+    lin = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(lin.parameters())
+    lin(torch.ones(1, 8)).sum().backward()
+    opt.step()
+    n = sum(p.numel() for p in lin.parameters())
+    held = sum(p.numel() * p.element_size() for p in lin.parameters())
+    held += sum(p.grad.numel() * p.grad.element_size() for p in lin.parameters())
+    held += sum(
+        t.numel() * t.element_size()
+        for s in opt.state.values()
+        for k, t in s.items()
+        if k != "step"
+    )
+    assert held == n * TRAIN_BYTES_PER_PARAM
+
+    r = load_recipe(None, [])
+    need = effective_shape(r).total_params * TRAIN_BYTES_PER_PARAM
+    check_host_memory(r, need)
+    with pytest.raises(ConfigError) as e:
+        check_host_memory(r, need - 1)
+    assert e.value.key == "model.flavor", str(e.value)
+    with pytest.raises(ConfigError) as e:
+        check_host_memory(load_recipe(None, ["model.vocab_size=2147483647"]), 24 * 2**30)
+    assert e.value.key == "model.vocab_size" and "GiB" in str(e.value)
+    record_case("train.py", "model shape", n=2)
