@@ -631,6 +631,16 @@ class TitanscaleDataLoader(ParallelAwareDataloader):
         )
         if isinstance(self.stream, PackedStream):
             self.stream.rows_per_step = local_batch_size * dp_world_size
+        else:
+            # A prepared store (or a mix member) knows its rows per epoch up front.
+            rows = getattr(getattr(getattr(self.stream, "rows", None), "plan", None),
+                           "rows_per_epoch", None)  # fmt: skip
+            if rows is not None and rows < local_batch_size * dp_world_size:
+                logger.warning(
+                    f"data: {config.source} holds {rows} rows of seq_len {seq_len} per epoch, "
+                    f"less than one step's batch ({local_batch_size * dp_world_size} rows = "
+                    "local batch x data-parallel size): every step re-reads it"
+                )
         super().__init__(
             self.stream,
             dp_rank=dp_rank,

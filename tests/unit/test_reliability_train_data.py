@@ -157,3 +157,29 @@ def test_normal_dataset_logs_every_epoch(caplog):
     assert [ln.split(" of ")[0] for ln in lines] == [
         f"data: epoch {e}" for e in range(1, len(lines) + 1)
     ]
+
+
+def test_tiny_store_warns_once_and_store_checks(tmp_path, caplog):
+    """A prepared store of one short document: the loader warns (rows per epoch < one
+    batch) when built; check_records opens the store (index and shards must agree)."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    from data.loader import TitanscaleDataLoader
+    from data.store import prepare
+    from tests.helpers.tiny_data import ListSource, make_tokenizer_dir
+
+    tok_dir = make_tokenizer_dir(tmp_path / "tok", ["some words here"] * 20)
+    out = tmp_path / "store"
+    prepare(ListSource(["a b"]), tokenizer_dir=tok_dir, tokenizer_spec="test", out=out,
+            fingerprint="fp", progress=False)  # fmt: skip
+    _check(str(out))  # one document: usable
+    cfg = TitanscaleDataLoader.Config(source=str(out))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        TitanscaleDataLoader(cfg, dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=8,
+                             tokenizer=HuggingFaceTokenizer(tokenizer_path=tok_dir))  # fmt: skip
+    warned = [
+        r.getMessage() for r in caplog.records if "less than one step's batch" in r.getMessage()
+    ]
+    assert len(warned) == 1 and "8 rows" in warned[0], warned
+    record_case("train.py", "tiny dataset")
