@@ -304,10 +304,17 @@ def check_records(
     left to the loader). Empty files, all-bad files and parquet without the text column
     are one ConfigError naming the key and what was found."""
     path = Path(spec)
-    if spec == "stdlib" or not path.exists():
-        return
     from data.store import is_store
 
+    if sft and (spec == "stdlib" or is_store(path)):
+        raise ConfigError(
+            f"{spec!r} is not JSON Lines: sft records (chats or prompt/completion pairs) are "
+            "read from local .jsonl files or folders (data.format = 'sft')",
+            file=file,
+            key=key,
+        )
+    if spec == "stdlib" or not path.exists():
+        return
     if is_store(path):
         from data.store import TokenStore
 
@@ -317,6 +324,12 @@ def check_records(
         return
     kind, files = local_files(path, file=file, key=key)
     where = spec if len(files) == 1 else f"{spec} ({len(files)} {kind} files)"
+    if sft and kind != "jsonl":
+        raise ConfigError(
+            f"{where} holds {kind} files: sft records are read from JSON Lines (.jsonl)",
+            file=file,
+            key=key,
+        )
     try:
         if sum(p.stat().st_size for p in files) == 0:
             raise ConfigError(f"{where} is empty (0 records)", file=file, key=key)

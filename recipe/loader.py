@@ -71,7 +71,7 @@ def blame(err: ConfigError, recipe_or_origins: Recipe | dict[str, str]) -> Confi
                 src.startswith("--set")
                 and k.split(".")[0] == section
                 and k != err.key
-                and re.search(rf"(?<![\w.]){re.escape(leaf)}(?![\w])", err.detail)
+                and re.search(rf"(?<![\w]){re.escape(leaf)}(?![\w])", err.detail)
             ):
                 where = src
                 break

@@ -183,3 +183,13 @@ def test_tiny_store_warns_once_and_store_checks(tmp_path, caplog):
     ]
     assert len(warned) == 1 and "8 rows" in warned[0], warned
     record_case("train.py", "tiny dataset")
+
+
+def test_sft_needs_json_lines(tmp_path):
+    """data.format = 'sft' over the stdlib corpus, a text folder or parquet: refused before
+    the mesh (the loader found no usable example only after it)."""
+    txt = _write(tmp_path / "a.txt", "hello")
+    for spec in ("stdlib", txt):
+        with pytest.raises(ConfigError, match="JSON Lines"):
+            check_records(spec, sft=True, file="r.toml")
+        record_case("train.py", "data source")
