@@ -374,6 +374,8 @@ def check_records(
             what = f"records with a string field {text_field!r}"
         found = ", ".join(f"{k} {v}" for k, v in sorted(bad.items()))
         found = f"{sum(bad.values())} bad: {found}" if bad else "only blank lines"
+        if "invalid_json" in bad and kind == "jsonl":
+            found += "; .json/.jsonl files are read as JSON Lines, one object per line"
         raise ConfigError(f"{where} holds no usable {what} ({found})", file=file, key=key)
 
 
