@@ -77,20 +77,27 @@ def check_model_dims(recipe: Recipe, shape: ModelShape | None = None) -> None:
         )
 
 
-# torchtitan's ChunkedLossWrapper (runtime.build) splits each rank's sequence into this many
-# equal chunks for the output projection and loss (its Config default).
-LOSS_CHUNKS = 8
+def loss_chunks() -> int:
+    """How many equal chunks torchtitan's ChunkedLossWrapper (runtime.build uses its default)
+    splits each rank's sequence into for the output projection and loss (8 in 0.3.0)."""
+    import dataclasses
+
+    from torchtitan.components.loss import ChunkedLossWrapper
+
+    (f,) = (f for f in dataclasses.fields(ChunkedLossWrapper.Config) if f.name == "num_chunks")
+    return int(f.default)  # type: ignore[arg-type]
 
 
 def check_loss_chunks(recipe: Recipe, tp: int = 1, cp: int = 1) -> None:
     """Each rank's share of a sequence (seq_len / (tp x cp) under sequence and context
-    parallelism) must split into LOSS_CHUNKS equal chunks (torchtitan checks it in the
+    parallelism) must split into `loss_chunks()` equal chunks (torchtitan checks it in the
     first loss, after the process group starts)."""
+    chunks = loss_chunks()
     seq = recipe.training.seq_len
-    if seq % (LOSS_CHUNKS * tp * cp):
+    if seq % (chunks * tp * cp):
         raise ConfigError(
-            f"{seq} must be a multiple of {LOSS_CHUNKS * tp * cp}: the loss splits each rank's "
-            f"share of a sequence (seq_len / (tp {tp} x cp {cp})) into {LOSS_CHUNKS} equal "
+            f"{seq} must be a multiple of {chunks * tp * cp}: the loss splits each rank's "
+            f"share of a sequence (seq_len / (tp {tp} x cp {cp})) into {chunks} equal "
             "chunks (torchtitan's ChunkedLossWrapper)",
             file=recipe.source,
             key="training.seq_len",
