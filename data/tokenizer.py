@@ -101,12 +101,21 @@ def resolve_tokenizer(spec: str, *, vocab_size: int, recipe_file: str | None = N
 
 def tokenizer_id_count(folder: str) -> int | None:
     """The tokenizer's largest token id + 1 (added tokens included): the embedding rows it
-    needs. None when the folder has no tokenizer.json (vocab.json + merges.txt: read by
-    torchtitan only)."""
+    needs. From tokenizer.json, else vocab.json; None when neither reads."""
     tj = Path(folder) / "tokenizer.json"
     if not tj.exists():
-        return None
+        return _vocab_json_id_count(Path(folder))
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_file(str(tj)).get_vocab(with_added_tokens=True)
     return max(vocab.values()) + 1 if vocab else 0
+
+
+def _vocab_json_id_count(folder: Path) -> int | None:
+    """vocab.json's largest id + 1 (what torchtitan's HuggingFaceTokenizer builds from a
+    vocab.json + merges.txt folder), or None when it is unreadable (torchtitan reports it)."""
+    try:
+        ids = [int(v) for v in json.loads((folder / "vocab.json").read_text()).values()]
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    return max(ids) + 1 if ids else None

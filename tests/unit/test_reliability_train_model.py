@@ -152,3 +152,19 @@ def test_host_memory_check_counts_what_adamw_holds():
         check_host_memory(load_recipe(None, ["model.vocab_size=2147483647"]), 24 * 2**30)
     assert e.value.key == "model.vocab_size" and "GiB" in str(e.value)
     record_case("train.py", "model shape", n=2)
+
+
+def test_vocab_json_tokenizer_id_count(tmp_path):
+    """A vocab.json + merges.txt tokenizer (no tokenizer.json): the ids torchtitan's own
+    tokenizer loads from it (the reference)."""
+    import json
+
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    from data.tokenizer import tokenizer_id_count
+
+    vocab = {"a": 0, "b": 1, "ab": 2, "Ġ": 3}
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\na b\n")
+    ref = HuggingFaceTokenizer(tokenizer_path=str(tmp_path))  # torchtitan's own loading
+    assert tokenizer_id_count(str(tmp_path)) == max(ref.get_vocab().values()) + 1
