@@ -109,6 +109,29 @@ def check_model(recipe: Recipe) -> None:
     shape = effective_shape(recipe)
     check_model_dims(recipe, shape)
     check_seq_len(recipe, shape)
+    rl = recipe.rl
+    if rl.enabled and shape.max_seq_len and rl.max_new_tokens >= shape.max_seq_len:
+        raise ConfigError(
+            f"{rl.max_new_tokens} new tokens (after the prompt) exceed the model's maximum "
+            f"sequence length {shape.max_seq_len} (the RoPE table of {_where(recipe)})",
+            file=recipe.source,
+            key="rl.max_new_tokens",
+        )
+
+
+# rl.generator.Generator decodes at most this many rows at once (its max_batch default;
+# tests/unit/test_reliability_train_model.py checks they agree).
+GENERATOR_MAX_BATCH = 256
+
+
+def rl_kv_cache_bytes(recipe: Recipe) -> int:
+    """The generator's KV cache for one decoding batch: min(prompts x group, max_batch) rows
+    x max_new_tokens positions (prompts add a few more), keys and values of every layer."""
+    rl, shape = recipe.rl, effective_shape(recipe)
+    per = 4 if rl.generator_dtype == "float32" else 2
+    rows = min(rl.prompts_per_step * rl.group_size, GENERATOR_MAX_BATCH)
+    positions = rows * rl.max_new_tokens
+    return positions * shape.n_layers * 2 * shape.n_kv_heads * shape.head_dim * per
 
 
 def check_vocab(recipe: Recipe, tokenizer_ids: int, tokenizer_path: str) -> None:
@@ -165,6 +188,15 @@ def check_host_memory(recipe: Recipe, total_bytes: int) -> None:
     together, FSDP or not) must fit its memory, or the first allocation fails after the
     process group starts. Names model.vocab_size when it is set (the usual culprit of a
     huge embedding), else model.flavor / model.layers."""
+    rl = recipe.rl
+    if rl.enabled and rl_kv_cache_bytes(recipe) > total_bytes:
+        raise ConfigError(
+            f"{rl.prompts_per_step} prompts x {rl.group_size} samples x {rl.max_new_tokens} "
+            f"new tokens need {rl_kv_cache_bytes(recipe) / 2**30:,.1f} GiB of generator KV "
+            f"cache, more than this machine's {total_bytes / 2**30:,.1f} GiB",
+            file=recipe.source,
+            key="rl.max_new_tokens",
+        )
     shape = effective_shape(recipe)
     frozen = recipe.finetune.mode == "lora" or bool(recipe.adapters)
     per = FROZEN_BYTES_PER_PARAM if frozen else TRAIN_BYTES_PER_PARAM

@@ -168,3 +168,31 @@ def test_vocab_json_tokenizer_id_count(tmp_path):
     (tmp_path / "merges.txt").write_text("#version: 0.2\na b\n")
     ref = HuggingFaceTokenizer(tokenizer_path=str(tmp_path))  # torchtitan's own loading
     assert tokenizer_id_count(str(tmp_path)) == max(ref.get_vocab().values()) + 1
+
+
+def test_rl_generation_limits():
+    """max_new_tokens past the RoPE table is refused; the KV-cache estimate uses the
+    generator's own batch limit and cache shape (rows x positions x kv heads x head_dim)."""
+    import inspect
+
+    from recipe.model_checks import (
+        GENERATOR_MAX_BATCH,
+        check_host_memory,
+        effective_shape,
+        rl_kv_cache_bytes,
+    )
+    from rl.generator import Generator
+
+    assert inspect.signature(Generator).parameters["max_batch"].default == GENERATOR_MAX_BATCH
+    rl = ["rl.enabled=true", "rl.max_new_tokens=1000"]
+    r = load_recipe("recipes/rl_debug.toml", rl)
+    s = effective_shape(r)
+    rows = min(16 * 8, GENERATOR_MAX_BATCH)
+    assert rl_kv_cache_bytes(r) == rows * 1000 * s.n_layers * 2 * s.n_kv_heads * s.head_dim * 4
+    with pytest.raises(ConfigError) as e:
+        check_host_memory(r, rl_kv_cache_bytes(r) - 1)
+    assert e.value.key == "rl.max_new_tokens"
+    with pytest.raises(ConfigError) as e:
+        check_model(load_recipe("recipes/rl_debug.toml", ["rl.max_new_tokens=131072"]))
+    assert e.value.key == "rl.max_new_tokens" and "131072" in str(e.value)
+    record_case("train.py", "model shape", n=2)
