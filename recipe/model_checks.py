@@ -155,26 +155,35 @@ def check_vocab(recipe: Recipe, tokenizer_ids: int, tokenizer_path: str) -> None
     )
 
 
+def _largest_batch(recipe: Recipe) -> tuple[int, str]:
+    """The largest rows-per-step any trainer runs ([[adapters]] may set their own)."""
+    best = (recipe.training.local_batch_size, "training.seq_len")
+    for i, a in enumerate(recipe.adapters):
+        if a.local_batch_size > best[0]:
+            best = (a.local_batch_size, f"adapters[{i}].local_batch_size")
+    return best
+
+
 def dense_attention_bytes(recipe: Recipe, tp: int = 1) -> int:
     """Bytes the dense attention backend (CPU) holds for one layer's forward: the float32
     scores and probabilities, local batch x heads on this rank x seq_len^2 each."""
-    tr = recipe.training
     heads = max(effective_shape(recipe).n_heads // max(tp, 1), 1)
-    return 2 * 4 * tr.local_batch_size * heads * tr.seq_len**2
+    return 2 * 4 * _largest_batch(recipe)[0] * heads * recipe.training.seq_len**2
 
 
 def check_dense_attention_memory(recipe: Recipe, total_bytes: int, tp: int = 1) -> None:
-    """Refuse a seq_len whose dense attention matrices alone exceed the machine's memory
-    (the first forward would end in an allocation error after the process group starts)."""
+    """Refuse a seq_len (or batch) whose dense attention matrices alone exceed the machine's
+    memory (the first forward would end in an allocation error after training starts)."""
     need = dense_attention_bytes(recipe, tp)
     if need > total_bytes:
+        batch, key = _largest_batch(recipe)
         raise ConfigError(
-            f"{recipe.training.seq_len} tokens need {need / 2**30:,.1f} GiB for one layer's "
-            f"dense attention (local_batch_size x heads x seq_len^2, float32 scores and "
+            f"{batch} x {recipe.training.seq_len} tokens need {need / 2**30:,.1f} GiB for one "
+            f"layer's dense attention (local batch x heads x seq_len^2, float32 scores and "
             f"probabilities); this machine has {total_bytes / 2**30:,.1f} GiB. Use a shorter "
-            "seq_len or a GPU attention backend (kernels.attention)",
+            "seq_len, a smaller batch or a GPU attention backend (kernels.attention)",
             file=recipe.source,
-            key="training.seq_len",
+            key=key,
         )
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import tomllib
 
+import runtime.session  # noqa: F401  (torch's import-time warnings at collection, not in capsys)
 from core.errors import ConfigError
 from recipe.limits import numeric_values
 from recipe.loader import blamed, check_recipe, load_recipe

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import runtime.session  # noqa: F401  (torch's import-time warnings at collection, not in capsys)
 import train
 from core.errors import ConfigError
 from recipe.loader import load_recipe
@@ -252,3 +253,26 @@ def test_sft_examples_all_too_long_stop_before_the_mesh(env, tmp_path, capsys):
     assert "data.source: " in line and "too_long" in line and "data.truncate" in line, line
     assert not (out / "metrics.jsonl").exists()
     record_case("train.py", "data source")
+
+
+def test_cpu_memory_refusals_name_the_key(env, tmp_path, capsys):
+    """Sizes that would fail allocating after training starts (or be killed by the kernel):
+    refused in prepare, one line naming the key that sized them."""
+    cases = [
+        (["training.seq_len=131072"], "training.seq_len"),
+        (["model.vocab_size=2147483647"], "model.vocab_size"),
+        (["--recipe", "recipes/rl_debug.toml", "rl.max_new_tokens=100000"], "rl.max_new_tokens"),
+        (["--recipe", "recipes/sft_debug.toml", "checkpoint.load_from=",
+          f'adapters=[{{name="a", source="{SFT}", local_batch_size=100000}}]'],
+         "adapters[0].local_batch_size"),
+    ]  # fmt: skip
+    for ovs, key in cases:
+        argv = ["--set", f"job.output_dir={tmp_path / 'o'}"]
+        for o in ovs:
+            argv += [o] if o.startswith("--") or o.startswith("recipes/") else ["--set", o]
+        line = one_line(capsys, argv)
+        assert f" {key}: " in line and "GiB" in line or "RoPE" in line, line
+        record_case("train.py", "memory size")
+
+
+SFT = "data/tasks/letter_sort/train.jsonl"
