@@ -43,6 +43,19 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise ConfigError(message)
 
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        ns = super().parse_args(args, namespace)
+        # argparse skips `type` for some strings: `--nodes=--` arrives as [], not an int.
+        for a in self._actions:
+            v = getattr(ns, a.dest, None)
+            if a.type in (int, float) and a.nargs is None and v is not None:
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    from core.typed_toml import show
+
+                    flag = "/".join(a.option_strings) or a.dest
+                    self.error(f"argument {flag}: expected {a.type.__name__}, got {show(v)}")
+        return ns
+
 
 def positive_arg(value: int | float, key: str, bound: int | float | None = None) -> None:
     """An argument that must be positive (and finite, and at most `bound`): one line otherwise."""

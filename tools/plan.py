@@ -54,6 +54,13 @@ def fabric_for(args, cluster):
     from tools.cli import read_text_arg
 
     if args.slurm_topology or args.nodelist:
+        if args.nodelist:
+            from core.hostlist import expand_hostlist
+
+            try:
+                expand_hostlist(args.nodelist)
+            except ValueError as e:
+                raise ConfigError(str(e), key="--nodelist") from None
         text = None
         if args.slurm_topology:
             text = read_text_arg(args.slurm_topology, "--slurm-topology")
