@@ -48,12 +48,14 @@ class ArgumentParser(argparse.ArgumentParser):
         # argparse skips `type` for some strings: `--nodes=--` arrives as [], not an int.
         for a in self._actions:
             v = getattr(ns, a.dest, None)
-            if a.type in (int, float) and a.nargs is None and v is not None:
-                if isinstance(v, bool) or not isinstance(v, (int, float)):
-                    from core.typed_toml import show
+            typed = a.type in (int, float) and a.nargs is None and v is not None
+            if typed and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                from core.typed_toml import show
 
-                    flag = "/".join(a.option_strings) or a.dest
-                    self.error(f"argument {flag}: expected {a.type.__name__}, got {show(v)}")
+                flag = "/".join(a.option_strings) or a.dest
+                self.error(
+                    f"argument {flag}: expected {getattr(a.type, '__name__', '')}, got {show(v)}"
+                )
         return ns
 
 
