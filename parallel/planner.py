@@ -49,6 +49,11 @@ TOKENS_PER_STEP_CEILING = 16 * 2**20
 # The most tokens per step the planner searches: 64x the ceiling above. A global batch past it
 # is a typo, and its divisor search (local batches, microbatches) would grow with it.
 MAX_TOKENS_PER_STEP = 64 * TOKENS_PER_STEP_CEILING
+# Microbatch counts per schedule and dp_replicate x dp_shard splits the search prices per
+# degree tuple: all of them when there are this many or fewer (the shipped recipes have at
+# most 10), else this many spread over them. A batch or world with hundreds of divisors
+# (720,720 GPUs has 240) would otherwise price hundreds of thousands of candidates.
+MAX_OPTIONS = 12
 log = logging.getLogger(__name__)
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
@@ -137,6 +142,15 @@ def _divisors(n: int, limit: int | None = None) -> list[int]:
             if j != i and (limit is None or j <= limit):
                 large.append(j)
     return small + large[::-1]
+
+
+def _spread(options: list[int], most: int) -> list[int]:
+    """At most `most` of the sorted `options`, evenly spaced by index, first and last kept
+    (all of them when there are few, as for every shipped recipe)."""
+    n = len(options)
+    if n <= most:
+        return options
+    return sorted({options[round(i * (n - 1) / (most - 1))] for i in range(most)})
 
 
 def world_for(recipe: Recipe, cluster: Cluster, nodes: int | None) -> tuple[Cluster, int]:
@@ -319,7 +333,7 @@ class _Search:
             mb_opts = [0]
             if pp > 1:
                 mb_opts = [m for m in _divisors(share) if m >= pp or sched == "GPipe"]
-                mb_opts = mb_opts or [share]
+                mb_opts = _spread(mb_opts or [share], MAX_OPTIONS)
             for mbs in mb_opts:
                 out.append((sched, mbs, self.why_invalid(probe, sched, mbs, smallest_local)))
         return out
@@ -331,7 +345,7 @@ class _Search:
         locals_ = [share] if pp > 1 else sorted(_divisors(share), reverse=True)
         probe = Layout(pp=pp, dp_shard=dp, cp=cp, tp=tp)
         options = self.options(probe, share, locals_[-1])
-        for rep in _divisors(dp):
+        for rep in _spread(_divisors(dp), MAX_OPTIONS):
             layout = Layout(pp=pp, dp_replicate=rep, dp_shard=dp // rep, cp=cp, tp=tp)
             spans = None  # the planned spans, computed once per layout when first needed
             for sched, mbs, reason in options:
@@ -370,10 +384,9 @@ class _Search:
         # A ZeRO-1 stack (no FSDP) shards its optimizer over the replicas: its memory
         # depends on dp_replicate, so price the real layout.
         zero1 = self.zero1_stack and rep == dp
-        last_reason = ""
-        for local in locals_:
+
+        def need(local: int) -> tuple[float, MemoryProfile]:
             mkey = (layout.tp, cp, pp, sched, mbs, ac, local, zero1)
-            accum = 1 if pp > 1 else share // local
             prof = self.profiles.get(mkey)
             if prof is None:
                 prof = self.profiles[mkey] = memory_profile(
@@ -386,12 +399,28 @@ class _Search:
                         ac=ac,
                     )
                 )
-            need = prof.required_gib((dp // rep) * cp, self.overhead)
-            if need <= self.hbm_gib:
+            return prof.required_gib((dp // rep) * cp, self.overhead), prof
+
+        # locals_ is largest first and memory grows with the local batch: the first that
+        # fits is found by bisection when there are many (a highly composite batch has
+        # hundreds of divisors), by a scan otherwise (the same answer either way).
+        if len(locals_) > 16:
+            lo, hi = 0, len(locals_) - 1
+            if need(locals_[hi])[0] <= self.hbm_gib:
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if need(locals_[mid])[0] <= self.hbm_gib:
+                        hi = mid
+                    else:
+                        lo = mid + 1
+            locals_ = locals_[hi:]
+        last_reason = ""
+        for local in locals_:
+            gib, prof = need(local)
+            if gib <= self.hbm_gib:
+                accum = 1 if pp > 1 else share // local
                 return (local, accum, prof.at((dp // rep) * cp)), ""
-            last_reason = (
-                f"memory: needs {need:.1f} GiB of {self.hbm_gib:.1f} (local batch {local})"
-            )
+            last_reason = f"memory: needs {gib:.1f} GiB of {self.hbm_gib:.1f} (local batch {local})"
         return None, last_reason
 
     def price(self, layout: Layout, sched: str, mbs: int, ac: str, fit: tuple, spans) -> None:

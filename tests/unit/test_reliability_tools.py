@@ -501,3 +501,9 @@ def test_cluster_files_fuzzed(fields, tail, tmp_path_factory, capsys):
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and path in lines[0], (text, err)
     record_case("tools.plan", "cluster file schema")
+
+
+def test_placement_report_is_bounded(capsys):
+    refused("tools.plan", ["--recipe", "debug", "--cluster", "hgx_h100_ib", "--nodes", "131072",
+                           "--placement"], capsys, "--placement", "at most 32,768",
+            kind="hang (huge size)")  # fmt: skip
