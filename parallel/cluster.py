@@ -35,6 +35,15 @@ Fabric_ = Literal["infiniband", "roce", "efa", "ethernet", "none"]
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
+# Upper bounds on the per-GPU figures, about 10x today's largest, so a unit slip (GB/s for
+# Gb/s, MB for GiB) is refused instead of planned: (bound, the largest shipping value).
+PHYSICAL_BOUNDS = {
+    "nvlink_gbps": (100_000, "NVLink 5: 7,200 Gb/s per direction"),
+    "ib_gbps_per_gpu": (100_000, "XDR InfiniBand: 800 Gb/s per port"),
+    "hbm_gib": (4096, "GB300: 288 GB"),
+    "power_limit_w": (10_000, "GB300: 1,400 W"),
+}
+
 # Keys every profile file must set (after its `base` chain): without them an empty or
 # truncated file would describe a default 1 x 8 H100 cluster and plan on it silently.
 REQUIRED_KEYS = ("gpu", "nodes", "gpus_per_node")
@@ -97,6 +106,13 @@ class TopologySection:
         for name in ("nodes_per_leaf", "leaves_per_spine"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"expected >= 0, got {getattr(self, name)}", key=name)
+            check_size(name, getattr(self, name), MAX_NODES, "(core.hardware.MAX_NODES)")
+        if self.oversubscription > 1000:
+            raise ConfigError(
+                f"expected at most 1000 (a 1000:1 uplink is no network), got "
+                f"{self.oversubscription:g}",
+                key="oversubscription",
+            )
         if self.oversubscription < 1.0:
             raise ConfigError(
                 f"expected >= 1 (1 = non-blocking), got {self.oversubscription}",
@@ -196,6 +212,11 @@ class Cluster:
         for name in ("nvlink_gbps", "ib_gbps_per_gpu", "hbm_gib", "power_limit_w"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"expected >= 0, got {getattr(self, name)}", key=name)
+            bound, why = PHYSICAL_BOUNDS[name]
+            if getattr(self, name) > bound:
+                raise ConfigError(
+                    f"{getattr(self, name):g} is past any GPU: at most {bound:,} ({why})", key=name
+                )
         if self.nvlink_domain_gpus == 0:
             self.nvlink_domain_gpus = self.gpus_per_node
         if self.nvlink_domain_gpus % self.gpus_per_node:

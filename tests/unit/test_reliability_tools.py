@@ -231,6 +231,22 @@ def test_switch_cycle_in_slurm_topology_text(tmp_path, capsys):
             "switch cycle", kind="nonsense accepted")  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "line,key",
+    [
+        ("hbm_gib = 80000", "hbm_gib"),  # MB for GiB
+        ("nvlink_gbps = 3.6e9", "nvlink_gbps"),  # bits for gigabits
+        ("ib_gbps_per_gpu = 4e11", "ib_gbps_per_gpu"),
+        ("power_limit_w = 7e5", "power_limit_w"),
+        (f"[topology]\nleaves_per_spine = {2**62}", "topology.leaves_per_spine"),
+    ],
+)
+def test_unit_slips_in_profiles_are_refused(tmp_path, line, key, capsys):
+    path = cluster_file(tmp_path, H100 + line + "\n")
+    refused("tools.plan", ["--recipe", "debug", "--cluster", path], capsys, path, f"{key}:",
+            "at most", kind="nonsense accepted")  # fmt: skip
+
+
 def test_gpus_per_node_bound_is_the_hardware_table(capsys, tmp_path):
     """72 (an NVL72 rack as one host) plans; 73 is refused. 100,000 used to plan 800,000 GPUs."""
     at = cluster_file(tmp_path, 'gpu = "GB200"\nnodes = 1\ngpus_per_node = 72\n', "at.toml")
@@ -449,9 +465,9 @@ KEYS = {
     "nodes": st.sampled_from(["1", "2", "0", "-1", str(2**62), "1.5", '"2"', "nan", "[1]"]),
     "gpus_per_node": st.sampled_from(["8", "4", "0", "73", "100000", "-8", '"8"', "inf"]),
     "nvlink_domain_gpus": st.sampled_from(["0", "8", "16", "12", "100000", "-1", "1e400"]),
-    "nvlink_gbps": st.sampled_from(["3600", "-1", "nan", "inf", '"fast"']),
+    "nvlink_gbps": st.sampled_from(["3600", "-1", "nan", "inf", '"fast"', "3.6e9"]),
     "ib_gbps_per_gpu": st.sampled_from(["400", "0", "-400", "nan"]),
-    "hbm_gib": st.sampled_from(["80", "-1", "nan", "1e400"]),
+    "hbm_gib": st.sampled_from(["80", "-1", "nan", "1e400", "1e300"]),
     "power_limit_w": st.sampled_from(["700", "-1", "nan"]),
     "host_prefix": st.sampled_from(['"node"', '""', "3", '"a\\nb"']),
     "nvlnk_gbps": st.sampled_from(["1"]),  # misspelled: unknown key
@@ -461,6 +477,8 @@ TOPOLOGY = st.sampled_from([
     "",
     "[topology]\nnodes_per_leaf = 2\n",
     "[topology]\nnodes_per_leaf = -1\n",
+    f"[topology]\nnodes_per_leaf = {2**62}\n",
+    "[topology]\noversubscription = 1e9\n",
     "[topology]\noversubscription = 0.5\n",
     "[topology]\nleaves_per_spine = \"x\"\n",
     '[[topology.switches]]\nname = "l"\nnodes = "n[0-1]"\n',
