@@ -156,7 +156,9 @@ def main(argv: list[str] | None = None) -> None:
         "checkpoint.interval=0",
     ]
     recipe = load_recipe(a.recipe, overrides)  # fail fast, before any process starts
-    out = Path(a.out or f"outputs/bench-{recipe.job.name}")
+    from tools.cli import out_dir_arg
+
+    out = out_dir_arg(a.out or f"outputs/bench-{recipe.job.name}", "--out")
     run_dir = out / "run"
     if run_dir.exists():
         shutil.rmtree(run_dir)

@@ -104,6 +104,18 @@ def out_dir_arg(path: str, key: str) -> Path:
     return p
 
 
+def out_file_arg(path: str, key: str) -> Path:
+    """An output file named by an argument: its folder created and the name not a folder,
+    checked before the work that produces it (one line, not a traceback at the end)."""
+    from core.typed_toml import show
+
+    p = Path(path)
+    out_dir_arg(str(p.parent), key)
+    if p.is_dir() or not p.name:
+        raise ConfigError("expected a file name, found a folder", file=show(path), key=key)
+    return p
+
+
 def add_override_arg(
     p: argparse.ArgumentParser,
     help: str = "override a recipe key (repeatable), typed by the recipe schema",

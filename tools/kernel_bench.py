@@ -82,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.attn_batch} x {args.attn_seq} tokens per attention call; at most 2**20",
             key="--attn-seq",
         )
+    if args.out:
+        from tools.cli import out_file_arg
+
+        for ext in (".md", ".json"):
+            out_file_arg(args.out + ext, "--out")
     if "dense" in args.attention and args.attn_seq > 16384:
         raise ConfigError(
             f"dense attention materialises a seq^2 mask: at most 16384, got {args.attn_seq}",

@@ -242,6 +242,10 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--out", default=None, help="write the markdown here")
         p.add_argument("--fit", action="store_true", help="refit the stack constants, print them")
         args = p.parse_args(argv)
+        if args.out:
+            from tools.cli import out_file_arg
+
+            out_file_arg(args.out, "--out")
         if args.fit:
             print(fit_report())
             return

@@ -402,6 +402,9 @@ ARGUMENTS = [
     ("tools.kernel_bench", [], "--warmup", ["-1", str(10**9)]),
     ("tools.kernel_bench", [], "--tp", ["0", "3", "x", ""]),
     ("tools.kernel_bench", [], "--model", ["nope", ""]),
+    ("tools.kernel_bench", [], "--out", ["/proc/x/y", "/dev/null/z"]),
+    ("tools.bench", ["--steps", "3", "--warmup", "1"], "--out", ["/proc/x", "/dev/null/z"]),
+    ("tools.predict", ["--calibration"], "--out", ["/", "/proc/x/y.md", "/dev/null/z"]),
 ]
 CASES = [(e, pre, opt, v) for e, pre, opt, vals in ARGUMENTS for v in vals]
 
