@@ -473,19 +473,21 @@ def best_plan(
     """The best plan; ConfigError naming the closest misses when nothing fits. The batch
     warning (`planned_global_batch`) goes to the log."""
     res = search(recipe, cluster, nodes, stack)
-    for w in res.warnings:
-        log.warning(w)
-    if not res.plans:
+    if not res.plans:  # the warnings go into the one line, not before it
         mem = [r for r in res.rejected if r.reason.startswith("memory")]
         hint = ""
         if mem:
             hint = "; smallest need: " + min(mem, key=lambda r: _need(r.reason)).reason
+        if not res.candidates and res.warnings:
+            hint = "; " + res.warnings[-1]
         raise ConfigError(
             f"no parallel plan for {recipe.model.flavor} fits {res.world_size} GPUs of "
             f"{cluster.gpu} ({len(res.rejected)} candidates rejected: {res.reasons()}){hint}",
             file=recipe.source,
             key="parallel.auto",
         )
+    for w in res.warnings:
+        log.warning(w)
     best = res.plans[0]
     add_traffic([best], world_for(recipe, cluster, nodes)[0])
     return best

@@ -528,3 +528,12 @@ def test_placement_report_is_bounded(capsys):
     refused("tools.plan", ["--recipe", "debug", "--cluster", "hgx_h100_ib", "--nodes", "131072",
                            "--placement"], capsys, "--placement", "at most 32,768",
             kind="hang (huge size)")  # fmt: skip
+
+
+def test_auto_with_no_usable_layout_is_one_line(capsys):
+    """predict with parallel.auto on a world no layout can use: the planner's reason is in the
+    one line (it was logged as a second line before it)."""
+    line = refused("tools.predict", ["--recipe", "llama3_70b", "--cluster", "gb200_nvl72",
+                                     "--nodes", "131072", "--set", "parallel.auto=true"], capsys,
+                   "parallel.auto", kind="nonsense accepted")  # fmt: skip
+    assert "no layout for 524,288 GPUs" in line
