@@ -107,9 +107,11 @@ def main(argv: list[str] | None = None) -> int:
 
     check_kernels_on(recipe, cluster, cp=layout.cp)
     if recipe.parallel.auto:
-        from parallel.planner import best_plan
+        from parallel.job_checks import check_job
+        from parallel.planner import apply_plan, best_plan
 
-        best_plan(recipe, cluster, nodes=args.nodes)
+        plan = best_plan(recipe, cluster, nodes=args.nodes)
+        check_job(apply_plan(recipe, plan), cluster, plan.layout.world_size)
     text = render_sbatch(recipe, cluster, layout, opts)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)

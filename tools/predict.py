@@ -35,12 +35,14 @@ def predict_recipe(recipe, cluster, stack: str = "torchtitan") -> tuple[dict, ob
     """JSON of the prediction for the recipe's layout (or best plan when auto) on `stack`."""
     from parallel.job_checks import check_job
     from parallel.perf import predict
-    from parallel.planner import best_plan
+    from parallel.planner import apply_plan, best_plan
     from parallel.workload import workload_from_recipe
 
     world = cluster.world_size
     if recipe.parallel.auto:
         plan = best_plan(recipe, cluster, nodes=cluster.nodes, stack=stack)
+        # What training checks after applying the plan (runtime.session.prepare).
+        check_job(apply_plan(recipe, plan), cluster, world)
         layout, pred = plan.layout, plan.prediction
         extra = {"plan": plan.to_json()}
     else:
