@@ -122,6 +122,12 @@ def hosts_from_switches(
     """Hosts (in the order the leaves list them) with root..leaf paths from a switch tree."""
     parent: dict[str, str] = {}
     names = {s[0] for s in switches}
+    listed = [s[0] for s in switches]
+    if "" in names:
+        raise ConfigError("a switch without a name", file=file, key=key)
+    dup = sorted({n for n in listed if listed.count(n) > 1}) if len(names) < len(listed) else []
+    if dup:  # two switches of one name: which children and hosts are whose is unknown
+        raise ConfigError(f"duplicate switch names: {dup}", file=file, key=key)
     for name, _, children in switches:
         for ch in children:
             if ch not in names:

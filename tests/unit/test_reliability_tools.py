@@ -537,3 +537,21 @@ def test_auto_with_no_usable_layout_is_one_line(capsys):
                                      "--nodes", "131072", "--set", "parallel.auto=true"], capsys,
                    "parallel.auto", kind="nonsense accepted")  # fmt: skip
     assert "no layout for 524,288 GPUs" in line
+
+
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("SwitchName= Nodes=n[0-1]\n", "without a name"),
+        ("SwitchName=l Nodes=n0\nSwitchName=l Nodes=n1\n", "duplicate switch names: ['l']"),
+        ("SwitchName=l Nodes=n[0-1]\nSwitchName=m Nodes=n[0-1]\n", "under two leaf switches"),
+        ("SwitchName=l Nodes=n[0-1] Switches=x\n", "unknown child switch"),
+        ("no topology here\n", "no SwitchName="),
+    ],
+)
+def test_bad_slurm_topology_text(tmp_path, text, needle, capsys):
+    topo = tmp_path / "topo.txt"
+    topo.write_text(text)
+    refused("tools.plan", ["--recipe", "debug", "--cluster", "hgx_h100_ib", "--nodes", "2",
+                           "--slurm-topology", str(topo), "--nodelist", "n[0-1]"], capsys,
+            needle, kind="nonsense accepted")  # fmt: skip
