@@ -18,6 +18,20 @@ PRECISIONS = ("bf16", "fp8", "tf32")
 # GPU kinds a cluster profile may name (issue 3's contract) ...
 PROFILE_KINDS = ("H100", "H200", "B200", "GB200", "cpu")
 
+# Sizes past which a cluster profile, a --nodes argument or a declared world size is a typo,
+# not a machine; refused with one line, because the planner's search and the fabric grow
+# with them (a divisor search over 2**62 GPUs never ends).
+# - GPUs per host: the largest NVLink domain in GPUS is GB200/GB300 NVL72 (72 GPUs); an
+#   HGX host holds 8 and a GB200 compute tray 4, so a whole NVL72 rack described as one
+#   host is the largest meaningful "node". (On CPU profiles it counts processes per host.)
+# - GPUs per NVLink domain: 576, the most NVIDIA's NVLink 5 switch system connects.
+# - hosts and GPUs in one job: 2**17 hosts and 2**20 GPUs, over 5x the largest published
+#   training cluster (about 200k GPUs).
+MAX_GPUS_PER_NODE = 72
+MAX_NVLINK_DOMAIN_GPUS = 576
+MAX_NODES = 2**17
+MAX_WORLD_SIZE = 2**20
+
 
 @dataclass(frozen=True)
 class GpuSpec:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 
@@ -27,15 +27,14 @@ from core.linear_backends import LINEAR_BACKENDS, LinearBackend, sm
 from kernels.attention import set_inner_attention
 from kernels.caps import DeviceCaps, auto_linear, linear_problem
 from kernels.dense_attention import DenseMaskAttention
-from kernels.linear import (
-    ConversionReport,
-    Float8Converter,
-    LinearDecision,
-    MXFP8Converter,
-    converted_fqns,
-    plan_linear_conversion,
-)
 from recipe.schema import KernelsSection
+
+if TYPE_CHECKING:
+    from kernels.linear import ConversionReport
+
+# kernels.linear (torchao's float8/MX converters) is imported where a model is converted,
+# not here: the planning tools check `[kernels]` through this module, and importing torchao
+# costs seconds and logs torch deprecation warnings before their one line.
 
 
 @dataclass(frozen=True)
@@ -138,6 +137,8 @@ class KernelChoice:
         return self._converters(None)
 
     def _converters(self, plan) -> list:
+        from kernels.linear import Float8Converter, MXFP8Converter
+
         be = self.linear_backend
         if not be.quantized:
             return []
@@ -343,6 +344,8 @@ def apply_kernels(model_config, choice: KernelChoice, *, tp: int = 1) -> KernelR
     report. Apply after any change to the model's dimensions (e.g. a vocabulary override),
     and before `ModelSpec`/`Trainer.Config` are built from it.
     """
+    from kernels.linear import ConversionReport, converted_fqns, plan_linear_conversion
+
     set_inner_attention(model_config, choice.attention_config)
     be = choice.linear_backend
     if not be.quantized:
@@ -381,6 +384,8 @@ def build_linear(choice: KernelChoice, in_features: int, out_features: int, *, b
     Raises ValueError when the backend's kernel cannot take these dimensions.
     """
     from torchtitan.models.common.linear import Linear
+
+    from kernels.linear import LinearDecision
 
     be = choice.linear_backend
     cfg = Linear.Config(in_features=in_features, out_features=out_features, bias=bias)

@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import Literal
 
 from core.errors import ConfigError
-from core.hardware import GPUS
+from core.hardware import (
+    GPUS,
+    MAX_GPUS_PER_NODE,
+    MAX_NODES,
+    MAX_NVLINK_DOMAIN_GPUS,
+    MAX_WORLD_SIZE,
+)
 from core.typed_toml import apply_override, build_dataclass, doc, read_with_bases, resolve_named
 from parallel.fabric import Fabric, fabric_of
 
@@ -28,6 +34,19 @@ GpuKind = Literal["H100", "H200", "B200", "GB200", "cpu"]
 Fabric_ = Literal["infiniband", "roce", "efa", "ethernet", "none"]
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+# Upper bounds on the per-GPU figures, about 10x today's largest, so a unit slip (GB/s for
+# Gb/s, MB for GiB) is refused instead of planned: (bound, the largest shipping value).
+PHYSICAL_BOUNDS = {
+    "nvlink_gbps": (100_000, "NVLink 5: 7,200 Gb/s per direction"),
+    "ib_gbps_per_gpu": (100_000, "XDR InfiniBand: 800 Gb/s per port"),
+    "hbm_gib": (4096, "GB300: 288 GB"),
+    "power_limit_w": (10_000, "GB300: 1,400 W"),
+}
+
+# Keys every profile file must set (after its `base` chain): without them an empty or
+# truncated file would describe a default 1 x 8 H100 cluster and plan on it silently.
+REQUIRED_KEYS = ("gpu", "nodes", "gpus_per_node")
 
 
 @dataclass
@@ -87,6 +106,13 @@ class TopologySection:
         for name in ("nodes_per_leaf", "leaves_per_spine"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"expected >= 0, got {getattr(self, name)}", key=name)
+            check_size(name, getattr(self, name), MAX_NODES, "(core.hardware.MAX_NODES)")
+        if self.oversubscription > 1000:
+            raise ConfigError(
+                f"expected at most 1000 (a 1000:1 uplink is no network), got "
+                f"{self.oversubscription:g}",
+                key="oversubscription",
+            )
         if self.oversubscription < 1.0:
             raise ConfigError(
                 f"expected >= 1 (1 = non-blocking), got {self.oversubscription}",
@@ -160,12 +186,37 @@ class Cluster:
         for name in ("nodes", "gpus_per_node"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"expected a positive value, got {getattr(self, name)}", key=name)
+        check_size("nodes", self.nodes, MAX_NODES, "hosts (core.hardware.MAX_NODES)")
+        check_size(
+            "gpus_per_node",
+            self.gpus_per_node,
+            MAX_GPUS_PER_NODE,
+            "GPUs per host (an NVL72 rack as one host; core.hardware.MAX_GPUS_PER_NODE)",
+        )
+        check_size(
+            "nvlink_domain_gpus",
+            self.nvlink_domain_gpus,
+            MAX_NVLINK_DOMAIN_GPUS,
+            "GPUs per NVLink domain (NVLink 5's largest; core.hardware.MAX_NVLINK_DOMAIN_GPUS)",
+        )
+        if self.nodes * self.gpus_per_node > MAX_WORLD_SIZE:
+            raise ConfigError(
+                f"{self.nodes} nodes x {self.gpus_per_node} GPUs = "
+                f"{self.nodes * self.gpus_per_node:,} GPUs; at most {MAX_WORLD_SIZE:,} "
+                "(core.hardware.MAX_WORLD_SIZE)",
+                key="nodes",
+            )
         for name in ("nvlink_domain_gpus",):
             if getattr(self, name) < 0:
                 raise ConfigError(f"expected >= 0, got {getattr(self, name)}", key=name)
         for name in ("nvlink_gbps", "ib_gbps_per_gpu", "hbm_gib", "power_limit_w"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"expected >= 0, got {getattr(self, name)}", key=name)
+            bound, why = PHYSICAL_BOUNDS[name]
+            if getattr(self, name) > bound:
+                raise ConfigError(
+                    f"{getattr(self, name):g} is past any GPU: at most {bound:,} ({why})", key=name
+                )
         if self.nvlink_domain_gpus == 0:
             self.nvlink_domain_gpus = self.gpus_per_node
         if self.nvlink_domain_gpus % self.gpus_per_node:
@@ -210,16 +261,24 @@ class Cluster:
             return 1.0
         return min(1.0, self.power_limit_w / tdp)
 
-    def with_nodes(self, nodes: int) -> Cluster:
+    def with_nodes(self, nodes: int, *, key: str = "nodes") -> Cluster:
+        """This profile sized to a job of `nodes` hosts (`key`: what to blame, e.g. --nodes)."""
         if nodes < 1:
-            raise ConfigError(f"expected a positive node count, got {nodes}", key="nodes")
+            raise ConfigError(f"expected a positive node count, got {nodes}", key=key)
+        check_size(key, nodes, MAX_NODES, "hosts (core.hardware.MAX_NODES)")
+        if nodes * self.gpus_per_node > MAX_WORLD_SIZE:
+            raise ConfigError(
+                f"{nodes} nodes x {self.gpus_per_node} GPUs = {nodes * self.gpus_per_node:,} "
+                f"GPUs; at most {MAX_WORLD_SIZE:,} (core.hardware.MAX_WORLD_SIZE)",
+                key=key,
+            )
         if self.topology.switches:
             have = len(self.fabric().hosts)
             if nodes > have:
                 raise ConfigError(
                     f"{nodes} nodes requested but the switch list names only {have} hosts",
-                    file=self.source,
-                    key="nodes",
+                    file=self.source if key == "nodes" else None,
+                    key=key,
                 )
         c = dataclasses.replace(self, nodes=nodes)
         c.source = self.source
@@ -228,6 +287,13 @@ class Cluster:
     def fabric(self) -> Fabric:
         """The hosts of this profile in launch order, with switch paths and NVLink domains."""
         return fabric_of(self)
+
+
+def check_size(key: str, value: int, bound: int, what: str, file: str | None = None) -> None:
+    """A size over its bound (core.hardware.MAX_*) is a typo, not a machine: one line."""
+    if value > bound:
+        shown = f"{value:,}" if value < 10**30 else f"a {len(str(value))}-digit number"
+        raise ConfigError(f"{shown} is too large: at most {bound:,} {what}", file=file, key=key)
 
 
 def resolve_cluster_path(path_or_name: str | Path) -> Path:
@@ -243,9 +309,17 @@ def load_cluster(
     data = read_with_bases(p)
     for o in overrides:
         data = apply_override(data, o, Cluster, source="--cluster-set")
+    missing = [k for k in REQUIRED_KEYS if k not in data]
     data.setdefault("name", p.stem)
     cluster = build_dataclass(Cluster, data, file=str(p), prefix="")
     cluster.source = str(p)
+    if missing:  # after the type checks: a wrong value is named before a missing one
+        raise ConfigError(
+            "missing: a profile must say which GPU, how many per host and how many hosts "
+            '(e.g. gpu = "H100", gpus_per_node = 8, nodes = 64)',
+            file=str(p),
+            key=", ".join(missing),
+        )
     if cluster.topology.switches:
         fab = cluster.fabric()
         if len(fab.hosts) < cluster.nodes:

@@ -122,6 +122,12 @@ def hosts_from_switches(
     """Hosts (in the order the leaves list them) with root..leaf paths from a switch tree."""
     parent: dict[str, str] = {}
     names = {s[0] for s in switches}
+    listed = [s[0] for s in switches]
+    if "" in names:
+        raise ConfigError("a switch without a name", file=file, key=key)
+    dup = sorted({n for n in listed if listed.count(n) > 1}) if len(names) < len(listed) else []
+    if dup:  # two switches of one name: which children and hosts are whose is unknown
+        raise ConfigError(f"duplicate switch names: {dup}", file=file, key=key)
     for name, _, children in switches:
         for ch in children:
             if ch not in names:
@@ -133,6 +139,11 @@ def hosts_from_switches(
                     f"switch {ch} has two parents ({parent[ch]}, {name})", file=file, key=key
                 )
             parent[ch] = name
+    cycle = _cycle(parent)
+    if cycle:
+        # A tree has none; every switch is checked, not only those above a leaf, so a loop
+        # off to the side is refused too (it would otherwise be ignored silently).
+        raise ConfigError(f"switch cycle: {' -> '.join(cycle)}", file=file, key=key)
 
     def path(sw: str) -> tuple[str, ...]:
         out = [sw]
@@ -164,6 +175,24 @@ def hosts_from_switches(
             seen_hosts.add(h)
             placed.append((h, path(name)))
     return assign_nvlink_domains(placed, nodes_per_domain=nodes_per_domain, blocks=host_domain)
+
+
+def _cycle(parent: Mapping[str, str]) -> list[str]:
+    """A cycle of the child -> parent map (its switches, the first repeated at the end), or
+    []. Linear time: each switch is walked once."""
+    done: set[str] = set()
+    for start in parent:
+        walk: list[str] = []
+        on_walk: set[str] = set()
+        sw: str | None = start
+        while sw is not None and sw not in done:
+            if sw in on_walk:
+                return [*walk[walk.index(sw) :], sw]
+            walk.append(sw)
+            on_walk.add(sw)
+            sw = parent.get(sw)
+        done.update(walk)
+    return []
 
 
 def assign_nvlink_domains(

@@ -24,13 +24,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
 from core.axes import Layout
 from core.errors import ConfigError
+from core.hardware import MAX_WORLD_SIZE
 from core.models import PP_SCHEDULES
 from parallel.cluster import Cluster
+from parallel.job_checks import check_before_search, check_kernels_on
 from parallel.memory import MemoryProfile, memory_profile, runtime_overhead_gib
 from parallel.perf import Prediction, predict
 from parallel.placement import planned_traffic
@@ -43,6 +46,14 @@ AC_MODES = ("none", "selective", "full")
 # Tokens per optimizer step the planner never exceeds on its own: 16M, Llama 3 405B's
 # pretraining batch at 8K (Llama 3 paper, Table 4); past it, larger batches stop paying.
 TOKENS_PER_STEP_CEILING = 16 * 2**20
+# The most tokens per step the planner searches: 64x the ceiling above. A global batch past it
+# is a typo, and its divisor search (local batches, microbatches) would grow with it.
+MAX_TOKENS_PER_STEP = 64 * TOKENS_PER_STEP_CEILING
+# Microbatch counts per schedule and dp_replicate x dp_shard splits the search prices per
+# degree tuple: all of them when there are this many or fewer (the shipped recipes have at
+# most 10), else this many spread over them. A batch or world with hundreds of divisors
+# (720,720 GPUs has 240) would otherwise price hundreds of thousands of candidates.
+MAX_OPTIONS = 12
 log = logging.getLogger(__name__)
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
@@ -118,27 +129,47 @@ class SearchResult:
         return out
 
 
-def _divisors(n: int) -> list[int]:
+def _divisors(n: int, limit: int | None = None) -> list[int]:
+    """The divisors of n up to `limit` (all when None), ascending. O(min(sqrt n, limit))
+    steps: every search below passes a bound from the model or the batch, so a huge n
+    costs no more than a small one."""
+    top = math.isqrt(n) if limit is None else min(math.isqrt(n), limit)
     small, large = [], []
-    i = 1
-    while i * i <= n:
+    for i in range(1, top + 1):
         if n % i == 0:
             small.append(i)
-            if i * i != n:
-                large.append(n // i)
-        i += 1
+            j = n // i
+            if j != i and (limit is None or j <= limit):
+                large.append(j)
     return small + large[::-1]
+
+
+def _spread(options: list[int], most: int) -> list[int]:
+    """At most `most` of the sorted `options`, evenly spaced by index, first and last kept
+    (all of them when there are few, as for every shipped recipe)."""
+    n = len(options)
+    if n <= most:
+        return options
+    return sorted({options[round(i * (n - 1) / (most - 1))] for i in range(most)})
 
 
 def world_for(recipe: Recipe, cluster: Cluster, nodes: int | None) -> tuple[Cluster, int]:
     """The cluster for the job: `nodes`, else the recipe's declared world size, else the
     profile's node count."""
+    key = "--nodes"
     if nodes is None and recipe.parallel.world_size:
         ws = recipe.parallel.world_size
+        if ws > MAX_WORLD_SIZE:
+            raise ConfigError(
+                f"{ws:,} processes is too large: at most {MAX_WORLD_SIZE:,} GPUs "
+                "(core.hardware.MAX_WORLD_SIZE)",
+                file=recipe.source,
+                key="parallel.world_size",
+            )
         if ws % cluster.gpus_per_node == 0:
-            nodes = ws // cluster.gpus_per_node
+            nodes, key = ws // cluster.gpus_per_node, "parallel.world_size"
     if nodes is not None and nodes != cluster.nodes:
-        cluster = cluster.with_nodes(nodes)
+        cluster = cluster.with_nodes(nodes, key=key)
     return cluster, cluster.world_size
 
 
@@ -161,6 +192,15 @@ def planned_global_batch(recipe: Recipe, world: int) -> tuple[int, str]:
     parallelism's batch), held at TOKENS_PER_STEP_CEILING when it would pass it."""
     tr = recipe.training
     if tr.global_batch_size != -1:
+        if tr.global_batch_size * tr.seq_len > MAX_TOKENS_PER_STEP:
+            raise ConfigError(
+                f"{tr.global_batch_size:,} sequences x seq_len {tr.seq_len:,} = "
+                f"{tr.global_batch_size * tr.seq_len:,} tokens per step; the planner searches "
+                f"at most {MAX_TOKENS_PER_STEP:,} ({MAX_TOKENS_PER_STEP // 2**20}M, 64x Llama 3 "
+                "405B's batch)",
+                file=recipe.source,
+                key="training.global_batch_size",
+            )
         return tr.global_batch_size, ""
     g = tr.local_batch_size * world
     if g * tr.seq_len <= TOKENS_PER_STEP_CEILING:
@@ -183,11 +223,18 @@ def search(
     (`_degrees`), the schedule options each passes the layout checks with
     (`_Search.options`), memory (`_Search.fit`), then the prediction (`_Search.price`)."""
     cluster, world = world_for(recipe, cluster, nodes)
+    # Training's own checks first (the model, the kernels on this GPU): a recipe training
+    # would refuse is refused here, not ranked.
+    check_before_search(recipe, cluster)
     gbs, warning = planned_global_batch(recipe, world)
     derived = recipe.training.global_batch_size == -1
     run = _Search(recipe, cluster, stack)
-    for tp, cp, pp, dp in _degrees(world, cluster.nvlink_domain_gpus):
-        if gbs % dp and not derived:
+    # pp is bounded by the layers (a stage holds at least one; embedding and head may count
+    # as one each: pp_layer_weights), dp by the global batch (a rank trains at least one
+    # sequence): the search never grows with the world size beyond these.
+    max_pp = run.base.shape.n_layers + 2
+    for tp, cp, pp, dp in _degrees(world, cluster.nvlink_domain_gpus, max_pp):
+        if dp > gbs or (gbs % dp and not derived):
             continue
         # A derived batch (no global_batch_size in the recipe) is held at the largest
         # multiple of dp not above it, so worlds it does not divide plan too.
@@ -201,22 +248,32 @@ def search(
             (p.layout.pp, p.layout.dp_replicate, p.layout.tp, p.layout.cp),
         )
     )
+    warnings = [warning] if warning else []
+    if not run.candidates:
+        dom = min(world, cluster.nvlink_domain_gpus)
+        warnings.append(
+            f"no layout for {world:,} GPUs: the data-parallel degree (the world over tp x cp "
+            f"<= {dom}, one NVLink domain, and pp <= {max_pp}, the layers + 2) must divide the "
+            f"global batch of {gbs:,} sequences (so at most {gbs * dom * max_pp:,} GPUs); use "
+            "fewer nodes or another training.global_batch_size"
+        )
     return SearchResult(
         plans=run.plans,
         rejected=run.rejected,
         world_size=world,
         candidates=run.candidates,
-        warnings=[warning] if warning else [],
+        warnings=warnings,
     )
 
 
-def _degrees(world: int, dom: int):
-    """(tp, cp, pp, dp) with tp x cp inside one NVLink domain and pp x dp the rest."""
+def _degrees(world: int, dom: int, max_pp: int):
+    """(tp, cp, pp, dp) with tp x cp inside one NVLink domain, pp at most `max_pp` and dp
+    the rest."""
     for inner in _divisors(min(world, dom)):
         if world % inner or dom % inner:
             continue
         for tp in _divisors(inner):
-            for pp in _divisors(world // inner):
+            for pp in _divisors(world // inner, max_pp):
                 yield tp, inner // tp, pp, world // (inner * pp)
 
 
@@ -259,9 +316,11 @@ class _Search:
         if key not in self.valid:
             try:
                 check_layout(_layout_recipe(self.recipe, sched, mbs, local), layout)
+                if layout.cp > 1:  # the kernels with this cp (varlen has none, token alignment)
+                    check_kernels_on(self.recipe, self.cluster, cp=layout.cp)
                 self.valid[key] = ""
             except ConfigError as e:
-                self.valid[key] = f"invalid: {e.detail}"
+                self.valid[key] = f"invalid: {e.key + ': ' if e.key else ''}{e.detail}"
         return self.valid[key]
 
     def options(self, probe: Layout, share: int, smallest_local: int) -> list[tuple]:
@@ -274,7 +333,7 @@ class _Search:
             mb_opts = [0]
             if pp > 1:
                 mb_opts = [m for m in _divisors(share) if m >= pp or sched == "GPipe"]
-                mb_opts = mb_opts or [share]
+                mb_opts = _spread(mb_opts or [share], MAX_OPTIONS)
             for mbs in mb_opts:
                 out.append((sched, mbs, self.why_invalid(probe, sched, mbs, smallest_local)))
         return out
@@ -286,7 +345,7 @@ class _Search:
         locals_ = [share] if pp > 1 else sorted(_divisors(share), reverse=True)
         probe = Layout(pp=pp, dp_shard=dp, cp=cp, tp=tp)
         options = self.options(probe, share, locals_[-1])
-        for rep in _divisors(dp):
+        for rep in _spread(_divisors(dp), MAX_OPTIONS):
             layout = Layout(pp=pp, dp_replicate=rep, dp_shard=dp // rep, cp=cp, tp=tp)
             spans = None  # the planned spans, computed once per layout when first needed
             for sched, mbs, reason in options:
@@ -325,10 +384,9 @@ class _Search:
         # A ZeRO-1 stack (no FSDP) shards its optimizer over the replicas: its memory
         # depends on dp_replicate, so price the real layout.
         zero1 = self.zero1_stack and rep == dp
-        last_reason = ""
-        for local in locals_:
+
+        def need(local: int) -> tuple[float, MemoryProfile]:
             mkey = (layout.tp, cp, pp, sched, mbs, ac, local, zero1)
-            accum = 1 if pp > 1 else share // local
             prof = self.profiles.get(mkey)
             if prof is None:
                 prof = self.profiles[mkey] = memory_profile(
@@ -341,12 +399,28 @@ class _Search:
                         ac=ac,
                     )
                 )
-            need = prof.required_gib((dp // rep) * cp, self.overhead)
-            if need <= self.hbm_gib:
+            return prof.required_gib((dp // rep) * cp, self.overhead), prof
+
+        # locals_ is largest first and memory grows with the local batch: the first that
+        # fits is found by bisection when there are many (a highly composite batch has
+        # hundreds of divisors), by a scan otherwise (the same answer either way).
+        if len(locals_) > 16:
+            lo, hi = 0, len(locals_) - 1
+            if need(locals_[hi])[0] <= self.hbm_gib:
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if need(locals_[mid])[0] <= self.hbm_gib:
+                        hi = mid
+                    else:
+                        lo = mid + 1
+            locals_ = locals_[hi:]
+        last_reason = ""
+        for local in locals_:
+            gib, prof = need(local)
+            if gib <= self.hbm_gib:
+                accum = 1 if pp > 1 else share // local
                 return (local, accum, prof.at((dp // rep) * cp)), ""
-            last_reason = (
-                f"memory: needs {need:.1f} GiB of {self.hbm_gib:.1f} (local batch {local})"
-            )
+            last_reason = f"memory: needs {gib:.1f} GiB of {self.hbm_gib:.1f} (local batch {local})"
         return None, last_reason
 
     def price(self, layout: Layout, sched: str, mbs: int, ac: str, fit: tuple, spans) -> None:
@@ -399,19 +473,21 @@ def best_plan(
     """The best plan; ConfigError naming the closest misses when nothing fits. The batch
     warning (`planned_global_batch`) goes to the log."""
     res = search(recipe, cluster, nodes, stack)
-    for w in res.warnings:
-        log.warning(w)
-    if not res.plans:
+    if not res.plans:  # the warnings go into the one line, not before it
         mem = [r for r in res.rejected if r.reason.startswith("memory")]
         hint = ""
         if mem:
             hint = "; smallest need: " + min(mem, key=lambda r: _need(r.reason)).reason
+        if not res.candidates and res.warnings:
+            hint = "; " + res.warnings[-1]
         raise ConfigError(
             f"no parallel plan for {recipe.model.flavor} fits {res.world_size} GPUs of "
             f"{cluster.gpu} ({len(res.rejected)} candidates rejected: {res.reasons()}){hint}",
             file=recipe.source,
             key="parallel.auto",
         )
+    for w in res.warnings:
+        log.warning(w)
     best = res.plans[0]
     add_traffic([best], world_for(recipe, cluster, nodes)[0])
     return best

@@ -145,17 +145,7 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> Layout:
     `recipe_degrees`). Raises ConfigError naming the key."""
     f = recipe.source
     tr = recipe.training
-    n_layers = model_shape(recipe.model.flavor, recipe.model.family).n_layers
-    if recipe.model.layers > n_layers:
-        raise ConfigError(
-            f"{recipe.model.flavor} has {n_layers} layers; cannot keep {recipe.model.layers}",
-            file=f,
-            key="model.layers",
-        )
-    check_finetune(recipe)
-    from recipe.model_checks import check_model  # imports this module
-
-    check_model(recipe)
+    check_model_fields(recipe)
     layout = recipe_degrees(recipe, world_size)
     from recipe.model_checks import check_loss_chunks
 
@@ -174,13 +164,30 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> Layout:
         )
     if not recipe.parallel.auto:
         check_graph_options(recipe, layout)
+    return layout
+
+
+def check_model_fields(recipe: Recipe) -> None:
+    """The checks that need no degrees and no world size (the model, fine-tuning): the first
+    of check_recipe's, and what the planner checks before its search (parallel.job_checks)."""
+    f = recipe.source
+    n_layers = model_shape(recipe.model.flavor, recipe.model.family).n_layers
+    if recipe.model.layers > n_layers:
+        raise ConfigError(
+            f"{recipe.model.flavor} has {n_layers} layers; cannot keep {recipe.model.layers}",
+            file=f,
+            key="model.layers",
+        )
+    check_finetune(recipe)
     if recipe.model.vocab_size and recipe.model.vocab_size < 260:
         raise ConfigError(
             "a byte-level tokenizer needs at least 260 entries (256 bytes + specials)",
             file=f,
             key="model.vocab_size",
         )
-    return layout
+    from recipe.model_checks import check_model  # imports this module
+
+    check_model(recipe)
 
 
 def check_graph_options(recipe: Recipe, layout: Layout) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 from core.errors import ConfigError, exit_on_config_error
 from recipe.loader import load_recipe
 from runtime.metrics import summarize
-from tools.cli import add_cluster_arg, add_override_arg, add_recipe_arg, run
+from tools.cli import ArgumentParser, add_cluster_arg, add_override_arg, add_recipe_arg, run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -130,7 +130,7 @@ def run_training(recipe: str, overrides: list[str], nproc: int, out: Path) -> No
 
 @exit_on_config_error
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_recipe_arg(p, default=str(ROOT / "recipes" / "debug.toml"))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3, help="steps excluded from the statistics")
@@ -139,6 +139,13 @@ def main(argv: list[str] | None = None) -> None:
     add_cluster_arg(p, help="cluster profile (TOML or a name in clusters/): add the prediction")
     add_override_arg(p)
     a = p.parse_args(argv)
+    from core.hardware import MAX_GPUS_PER_NODE
+    from tools.cli import positive_arg
+
+    positive_arg(a.steps, "--steps")
+    positive_arg(a.nproc, "--nproc", MAX_GPUS_PER_NODE)  # one host's processes
+    if a.warmup < 0:
+        raise ConfigError(f"expected >= 0, got {a.warmup}", key="--warmup")
     if a.warmup >= a.steps:
         raise ConfigError(f"--warmup {a.warmup} must be below --steps {a.steps}", key="--warmup")
     overrides = [
@@ -149,7 +156,9 @@ def main(argv: list[str] | None = None) -> None:
         "checkpoint.interval=0",
     ]
     recipe = load_recipe(a.recipe, overrides)  # fail fast, before any process starts
-    out = Path(a.out or f"outputs/bench-{recipe.job.name}")
+    from tools.cli import out_dir_arg
+
+    out = out_dir_arg(a.out or f"outputs/bench-{recipe.job.name}", "--out")
     run_dir = out / "run"
     if run_dir.exists():
         shutil.rmtree(run_dir)

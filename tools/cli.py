@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 __all__ = [
     "ROOT",
+    "ArgumentParser",
     "add_cluster_arg",
     "add_override_arg",
     "add_recipe_arg",
@@ -32,6 +33,87 @@ __all__ = [
     "load_stack_arg",
     "run",
 ]
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the tools' one exit path: a bad argument (a wrong type, a missing or
+    unknown option) is one line naming it and exit 2 (`exit_on_config_error`), not a usage
+    block before the message. `--help` still prints the usage and exits 0."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        ns = super().parse_args(args, namespace)
+        # argparse skips `type` for some strings: `--nodes=--` arrives as [], not an int.
+        for a in self._actions:
+            v = getattr(ns, a.dest, None)
+            typed = a.type in (int, float) and a.nargs is None and v is not None
+            if typed and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                from core.typed_toml import show
+
+                flag = "/".join(a.option_strings) or a.dest
+                self.error(
+                    f"argument {flag}: expected {getattr(a.type, '__name__', '')}, got {show(v)}"
+                )
+        return ns
+
+
+def positive_arg(value: int | float, key: str, bound: int | float | None = None) -> None:
+    """An argument that must be positive (and finite, and at most `bound`): one line otherwise."""
+    if not (value > 0) or value != value or value == float("inf"):  # nan fails `> 0`
+        raise ConfigError(f"expected a positive number, got {value}", key=key)
+    if bound is not None and value > bound:
+        shown = f"{value:,}" if value < 10**30 else f"a {len(str(int(value)))}-digit number"
+        raise ConfigError(f"{shown} is too large: at most {bound:,}", key=key)
+
+
+def read_text_arg(path: str, key: str) -> str:
+    """A text file named by an argument: one line (not a traceback, not a hang on a FIFO)
+    when it is missing, a folder, not a regular file or not UTF-8."""
+    from core.typed_toml import show
+
+    p = Path(path)
+    try:
+        if not p.exists():
+            raise ConfigError("file not found", file=show(path), key=key)
+        if not p.is_file():
+            what = "a folder" if p.is_dir() else "not a regular file"
+            raise ConfigError(f"expected a text file, found {what}", file=show(path), key=key)
+        return p.read_bytes().decode("utf-8")
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path, bad UTF-8
+        if isinstance(e, ConfigError):
+            raise
+        why = getattr(e, "strerror", None) or show(str(e))
+        raise ConfigError(f"cannot read: {why}", file=show(path), key=key) from None
+
+
+def out_dir_arg(path: str, key: str) -> Path:
+    """An output folder named by an argument, created: one line when it cannot be (a file
+    is in the way, no permission, a NUL byte, a name too long)."""
+    from core.typed_toml import show
+
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as e:
+        why = getattr(e, "strerror", None) or show(str(e))
+        raise ConfigError(
+            f"cannot create the output folder: {why}", file=show(path), key=key
+        ) from None
+    return p
+
+
+def out_file_arg(path: str, key: str) -> Path:
+    """An output file named by an argument: its folder created and the name not a folder,
+    checked before the work that produces it (one line, not a traceback at the end)."""
+    from core.typed_toml import show
+
+    p = Path(path)
+    out_dir_arg(str(p.parent), key)
+    if p.is_dir() or not p.name:
+        raise ConfigError("expected a file name, found a folder", file=show(path), key=key)
+    return p
 
 
 def add_override_arg(
@@ -104,8 +186,10 @@ def load(args: argparse.Namespace):
     from parallel.planner import world_for
     from recipe.loader import load_recipe
 
-    if args.nodes is not None and args.nodes < 1:
-        raise ConfigError(f"expected a positive node count, got {args.nodes}", key="--nodes")
+    if args.nodes is not None:
+        from core.hardware import MAX_NODES
+
+        positive_arg(args.nodes, "--nodes", MAX_NODES)
     recipe = load_recipe(args.recipe, args.overrides)
     cluster = load_cluster(args.cluster)
     cluster, _ = world_for(recipe, cluster, args.nodes)

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from core.errors import ConfigError, exit_on_config_error
-from tools.cli import run
+from tools.cli import ArgumentParser, run
 
 
 def _csv(kind, choices=None):
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     caps = DeviceCaps.detect()
     gpu = caps.is_cuda
-    ap = argparse.ArgumentParser(prog="python -m tools.kernel_bench", description=__doc__)
+    ap = ArgumentParser(prog="python -m tools.kernel_bench", description=__doc__)
     ap.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
     ap.add_argument("--model", type=_csv(str, LLAMA3_FLAVORS), default=["70B", "8B"])
     ap.add_argument("--tp", type=_csv(int), default=[1, 2, 4, 8] if gpu else [8])
@@ -68,9 +68,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", help="also write OUT.md and OUT.json")
     args = ap.parse_args(argv)
-    for name in ("tokens", "attn_batch", "attn_seq", "iters"):
-        if getattr(args, name) <= 0:
-            raise ConfigError(f"must be positive, got {getattr(args, name)}", key=f"--{name}")
+    from tools.cli import positive_arg
+
+    # Bounds: the tensors are allocated for real (tokens x dim per GEMM, batch x seq per
+    # attention call; dense attention also seq^2 for its mask), and iterations are timed.
+    bounds = {"tokens": 2**20, "attn_batch": 1024, "attn_seq": 2**17, "iters": 10000}
+    for name, bound in bounds.items():
+        positive_arg(getattr(args, name), f"--{name.replace('_', '-')}", bound)
+    if not 0 <= args.warmup <= 10000:
+        raise ConfigError(f"expected 0 to 10000, got {args.warmup}", key="--warmup")
+    if args.attn_batch * args.attn_seq > 2**20:
+        raise ConfigError(
+            f"{args.attn_batch} x {args.attn_seq} tokens per attention call; at most 2**20",
+            key="--attn-seq",
+        )
+    if args.out:
+        from tools.cli import out_file_arg
+
+        for ext in (".md", ".json"):
+            out_file_arg(args.out + ext, "--out")
+    if "dense" in args.attention and args.attn_seq > 16384:
+        raise ConfigError(
+            f"dense attention materialises a seq^2 mask: at most 16384, got {args.attn_seq}",
+            key="--attn-seq",
+        )
     for tp in args.tp:
         for m in args.model:
             from core.models import model_shape

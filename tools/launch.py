@@ -19,13 +19,13 @@ import sys
 from pathlib import Path
 
 from core.errors import ConfigError, exit_on_config_error
-from tools.cli import add_cluster_arg, add_override_arg, add_recipe_arg, run
+from tools.cli import ArgumentParser, add_cluster_arg, add_override_arg, add_recipe_arg, run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from launch.sbatch import DEFAULT_SIGNAL_SECONDS, DEFAULT_SWITCH_WAIT
 
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m tools.launch",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -101,6 +101,17 @@ def main(argv: list[str] | None = None) -> int:
         extra_sbatch=tuple(args.sbatch_arg),
     )
     layout, warnings = check_launch(recipe, cluster, opts)
+    # Training's kernel check on the profile's GPU, and with `auto` the planner's choice that
+    # training will make: what would fail on the nodes fails here, before the queue.
+    from parallel.job_checks import check_kernels_on
+
+    check_kernels_on(recipe, cluster, cp=layout.cp)
+    if recipe.parallel.auto:
+        from parallel.job_checks import check_job
+        from parallel.planner import apply_plan, best_plan
+
+        plan = best_plan(recipe, cluster, nodes=args.nodes)
+        check_job(apply_plan(recipe, plan), cluster, plan.layout.world_size)
     text = render_sbatch(recipe, cluster, layout, opts)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)

@@ -12,18 +12,17 @@ layout whose tp x cp groups cannot stay inside an NVLink domain (exit 1, before 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from core.errors import exit_on_config_error
 from launch.node_order import order_nodes, read_gathered
-from tools.cli import add_cluster_arg, add_override_arg, add_recipe_arg, run
+from tools.cli import ArgumentParser, add_cluster_arg, add_override_arg, add_recipe_arg, run
 
 
 @exit_on_config_error
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.node_order", description=__doc__)
+    ap = ArgumentParser(prog="python -m tools.node_order", description=__doc__)
     ap.add_argument("gathered", help="file of '<node> <SLURM_TOPOLOGY_ADDR>' lines")
     ap.add_argument("--scontrol-topology", default="", help="saved `scontrol show topology`")
     add_cluster_arg(ap)

@@ -19,7 +19,7 @@ import json
 import sys
 
 from core.errors import ConfigError, exit_on_config_error
-from tools.cli import add_override_arg, add_recipe_arg, run
+from tools.cli import ArgumentParser, add_override_arg, add_recipe_arg, run
 
 FLAG_KEYS = {
     "data": "data.source",
@@ -34,7 +34,7 @@ FLAG_KEYS = {
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_recipe_arg(p)
     add_override_arg(p)
     p.add_argument("--data", help="'stdlib' or a .jsonl/.json/.parquet/.txt file or folder")
@@ -60,6 +60,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 @exit_on_config_error
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    from core.hardware import MAX_WORLD_SIZE
+    from tools.cli import positive_arg
+
+    # Each is a loop over rows or records; a huge value is a run that never ends.
+    if args.dp is not None:
+        positive_arg(args.dp, "--dp", MAX_WORLD_SIZE)
+        if not 0 <= args.rank < args.dp:
+            raise ConfigError(
+                f"expected 0 <= rank < dp, got rank {args.rank}, dp {args.dp}", key="--rank"
+            )
+    positive_arg(args.rows, "--rows", 10**7)
+    positive_arg(args.repeat, "--repeat", 100)
+    if args.max_records is not None:
+        positive_arg(args.max_records, "--max-records", 10**9)
     overrides = list(args.overrides)
     for flag, key in FLAG_KEYS.items():
         value = getattr(args, flag)

@@ -21,19 +21,28 @@ import sys
 from pathlib import Path
 
 from core.errors import exit_on_config_error
-from tools.cli import add_recipe_cluster_args, add_stack_arg, load, load_stack_arg, run
+from tools.cli import (
+    ArgumentParser,
+    add_recipe_cluster_args,
+    add_stack_arg,
+    load,
+    load_stack_arg,
+    run,
+)
 
 
 def predict_recipe(recipe, cluster, stack: str = "torchtitan") -> tuple[dict, object]:
     """JSON of the prediction for the recipe's layout (or best plan when auto) on `stack`."""
+    from parallel.job_checks import check_job
     from parallel.perf import predict
-    from parallel.planner import best_plan
+    from parallel.planner import apply_plan, best_plan
     from parallel.workload import workload_from_recipe
-    from recipe.loader import check_recipe
 
     world = cluster.world_size
     if recipe.parallel.auto:
         plan = best_plan(recipe, cluster, nodes=cluster.nodes, stack=stack)
+        # What training checks after applying the plan (runtime.session.prepare).
+        check_job(apply_plan(recipe, plan), cluster, world)
         layout, pred = plan.layout, plan.prediction
         extra = {"plan": plan.to_json()}
     else:
@@ -45,7 +54,7 @@ def predict_recipe(recipe, cluster, stack: str = "torchtitan") -> tuple[dict, ob
             r = copy.deepcopy(recipe)
             r.parallel.world_size = 0
             r.parallel.dp_shard = -1
-        layout = check_recipe(r, world)
+        layout = check_job(r, cluster, world)  # training's checks, on the profile's GPU
         w = workload_from_recipe(r, layout, cluster, stack)
         pred = predict(w, cluster)
         extra = {}
@@ -227,7 +236,7 @@ def fit_report() -> str:
 
 @exit_on_config_error
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     if argv is None:
         argv = sys.argv[1:]
     if "--calibration" in argv:
@@ -235,6 +244,10 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--out", default=None, help="write the markdown here")
         p.add_argument("--fit", action="store_true", help="refit the stack constants, print them")
         args = p.parse_args(argv)
+        if args.out:
+            from tools.cli import out_file_arg
+
+            out_file_arg(args.out, "--out")
         if args.fit:
             print(fit_report())
             return

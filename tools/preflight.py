@@ -19,11 +19,11 @@ import os
 import sys
 
 from core.errors import exit_on_config_error
-from tools.cli import add_cluster_arg, add_override_arg, add_recipe_arg, run
+from tools.cli import ArgumentParser, add_cluster_arg, add_override_arg, add_recipe_arg, run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m tools.preflight",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -43,6 +43,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @exit_on_config_error
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from tools.cli import out_dir_arg, positive_arg
+
+    if args.size_mb is not None:
+        positive_arg(args.size_mb, "--size-mb", 16384)  # MiB: 16 GiB per message at most
+    if args.iters is not None:
+        positive_arg(args.iters, "--iters", 10000)
+    if args.out is not None:
+        out_dir_arg(args.out, "--out")
     from launch.preflight import recipe_layout
     from recipe.loader import load_recipe
 

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Literal
 
 from core.errors import ConfigError, exit_on_config_error
-from core.typed_toml import build_dataclass, doc, read_toml
-from tools.cli import ROOT, run
+from core.hardware import MAX_NODES
+from core.typed_toml import build_dataclass, doc, read_toml, show
+from tools.cli import ROOT, ArgumentParser, out_dir_arg, positive_arg, run
 
 DEFAULT_CLAIMS = ROOT / "benchmarks" / "claims.toml"
 DEFAULT_OUT = ROOT / "benchmarks" / "reproduce"
@@ -375,7 +376,7 @@ def markdown(claims: list[Claim], results: dict[str, dict], nodes_list: list[int
 
 @exit_on_config_error
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--claims", default=str(DEFAULT_CLAIMS), help="claims TOML")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="output folder")
     p.add_argument("--nodes", default="1,8,64", help="node counts to predict (comma list)")
@@ -385,17 +386,21 @@ def main(argv: list[str] | None = None) -> None:
         nodes_list = [int(x) for x in args.nodes.split(",") if x.strip()]
     except ValueError:
         raise ConfigError(
-            f"expected a comma list of integers, got {args.nodes!r}", key="--nodes"
+            f"expected a comma list of integers, got {show(args.nodes)}", key="--nodes"
         ) from None
     if not nodes_list or min(nodes_list) < 1:
-        raise ConfigError(f"expected positive node counts, got {args.nodes!r}", key="--nodes")
+        raise ConfigError(f"expected positive node counts, got {show(args.nodes)}", key="--nodes")
+    if len(nodes_list) > 16:  # each count is a prediction per claim
+        raise ConfigError(f"expected at most 16 node counts, got {len(nodes_list)}", key="--nodes")
+    for n in nodes_list:
+        positive_arg(n, "--nodes", MAX_NODES)
     claims = load_claims(args.claims)
     if args.only:
         want = set(args.only.split(","))
         unknown = want - {c.id for c in claims}
         if unknown:
             raise ConfigError(
-                f"unknown claim ids {sorted(unknown)}", file=args.claims, key="--only"
+                f"unknown claim ids {show(sorted(unknown))}", file=args.claims, key="--only"
             )
         claims = [c for c in claims if c.id in want]
     if not claims:
@@ -413,8 +418,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         for c in claims
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir_arg(args.out, "--out")
     (out / "report.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "report.md").write_text(markdown(claims, results, nodes_list))
     chart(claims, results, out / "throughput.png")
