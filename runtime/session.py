@@ -144,6 +144,42 @@ def check_environment(recipe: Recipe) -> None:
             )
 
 
+def check_checkpoint_fit(recipe: Recipe, config: Trainer.Config) -> None:
+    """The checkpoint this run will load holds exactly the model's tensors (and, on a
+    resume, optimizer state for exactly the trained parameters): the newest intact one of
+    checkpoint.folder, else checkpoint.load_from. A partial load is refused, never silent;
+    every checkpoint damaged is refused too (never a silent start from step 0). The same
+    check runs again in the checkpointer, on the live model, before each load."""
+    if not recipe.checkpoint.enabled:
+        return
+    from runtime.checkpoint import committed_steps, no_loadable_message, verify_checkpoint
+    from runtime.checkpoint_fit import check_fits, expected_from_config
+
+    f = recipe.source
+    folder = recipe.checkpoint_dir
+    path, key, model_only = "", "", True
+    damaged: dict[int, str] = {}
+    for s in reversed(committed_steps(folder)):
+        p = os.path.join(folder, f"step-{s}")
+        problems = verify_checkpoint(p, checksums=False)  # cheap; checksums come at load
+        if not problems:
+            path, key, model_only = p, "checkpoint.folder", s == 0
+            break
+        damaged[s] = "; ".join(problems)
+    if not path and damaged:
+        raise ConfigError(no_loadable_message(folder, damaged), file=f, key="checkpoint.folder")
+    if not path and recipe.checkpoint.load_from:
+        path, key = recipe.checkpoint.load_from, "checkpoint.load_from"  # verified above
+    if not path:
+        return
+    assert config.model_spec is not None
+    problem = check_fits(path, expected_from_config(config.model_spec.model), model_only=model_only)
+    if problem:
+        m = recipe.model
+        model = f"{m.family} {m.flavor}" + (f", model.layers = {m.layers}" if m.layers else "")
+        raise ConfigError(f"{path} does not fit the model ({model}): {problem}", file=f, key=key)
+
+
 def check_tokenizer(path: str, recipe: Recipe) -> None:
     """The tokenizer folder's tokenizer.json parses (JSON; nothing executable is loaded)."""
     tj = Path(path) / "tokenizer.json"
@@ -309,6 +345,7 @@ def prepare(recipe_path: str | None, overrides: list[str]) -> Job:
     config = build_trainer_config(
         recipe, layout, platform=platform, kernels=kernels, tokenizer_path=tokenizer_path
     )
+    check_checkpoint_fit(recipe, config)
     return Job(recipe, layout, platform, kernels, tokenizer_path, config, world_size, cluster, plan)
 
 
