@@ -719,7 +719,6 @@ class AtomicCheckpointManager(CheckpointManager):
             full = True  # a short write with the disk (nearly) full: say so
         if _rank_world()[0] == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        logger.error(f"Checkpoint save of step-{step} failed: {describe_error(e)}")
         raise CheckpointError(
             disk_full_message(folder, step, full=full, why=why, need=need, free=free, prev=prev),
             file=self.xconfig.recipe_file,
