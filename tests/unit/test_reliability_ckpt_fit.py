@@ -257,3 +257,34 @@ def test_misfit_is_a_config_error_with_one_line():
     assert issubclass(CheckpointError, ConfigError)
     for k in LLAMA_KEYS:  # the debug model's top-level tensors are what the check reads
         assert k in debug_model(["model.layers=1"]).state_dict()
+
+
+def test_tools_serve_refuses_a_base_that_does_not_fit(ckpts, tmp_path, capsys):
+    """The service loads its base through posttrain.adapters.load_base: the 6-layer
+    checkpoint as the base of a 3-layer model is one line and exit 2, before serving."""
+    from core.errors import exit_on_config_error
+    from tools import serve
+
+    argv = ["--set", f"job.output_dir={tmp_path}", "--set", "model.layers=3"]
+    argv += ["--set", f"checkpoint.load_from={ckpts[6]}", "--port", "65000"]
+    with pytest.raises(SystemExit) as e:  # as `python -m tools.serve` (tools.cli.run) does
+        exit_on_config_error(serve.main)(argv)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error")]
+    assert e.value.code == 2 and len(err) == 1, err
+    assert " checkpoint.load_from: " in err[0] and "6 transformer layers" in err[0], err
+    record_case("tools.serve", "base checkpoint with more layers")
+
+
+def test_adapter_base_load_refuses_adapter_weights_and_accepts_its_base(ckpts, tmp_path):
+    from posttrain.adapters import load_base
+
+    model = debug_model(["model.layers=6"])
+    load_base(model, str(ckpts[6]))  # the exact base loads
+    lora = {"layers.0.attention.wo.lora_a.weight": torch.zeros(8, 256)}
+    path = write_checkpoint(tmp_path / "a" / "step-2", model, edit=lora)
+    with pytest.raises(ConfigError, match="LoRA adapter weights") as ei:
+        load_base(model, str(path), file="r.toml")
+    assert ei.value.key == "checkpoint.load_from"
+    with pytest.raises(ConfigError, match="checkpoint has 3 transformer layers, the model 6"):
+        load_base(model, str(ckpts[3]))
+    record_case("checkpoint load", "adapter job base that does not fit", n=2)
