@@ -8,11 +8,19 @@
   crash or a full disk at any moment before the rename leaves a `.partial` folder, which is
   never loaded and is removed at the next start; the previous `step-M` is untouched.
 - Verified load with fallback (`_load`): only committed `step-N` folders count. Newest
-  first, each is verified (manifest, metadata, sizes, checksums) and loaded; a damaged one
-  is reported in one log line and the previous one is tried. If every checkpoint is damaged
-  the run stops with the list of problems rather than silently starting over from step 0.
-- Pruning (`_purge_stale_checkpoints`) counts committed folders only and runs after the
-  commit, so the newest complete checkpoint is never the one deleted.
+  first, each is verified (manifest, metadata, sizes, checksums), compared with the model
+  (`runtime.checkpoint_fit`: a checkpoint that does not fit is refused, not skipped) and
+  loaded; a damaged one is reported in one log line and the previous one is tried. Once
+  one loads, the damaged newer ones are renamed `step-N.damaged` (kept, never counted).
+  If every checkpoint is damaged the run stops with one line (`CheckpointError`, a
+  ConfigError: exit 2) rather than silently starting over from step 0.
+- Pruning (`_purge_stale_checkpoints`) runs only after a save of this process has been
+  committed and read back, counts committed folders up to that step, and keeps the newest
+  `keep_latest` that pass the cheap checks (a damaged one is moved aside, not counted).
+- Failed saves (`_save_failed`): a full disk (ENOSPC/EDQUOT anywhere in DCP's exception
+  chain, or torch's "unexpected pos" short write) or another I/O error ends in one line
+  naming checkpoint.folder, the disk, its free space and the size needed; the partial
+  folder is removed, committed checkpoints are untouched.
 - Safe loading (`dcp_load`): DCP's stock reader unpickles `.metadata` with `pickle.load`
   and its planner loads non-tensor items with `torch.load(weights_only=False)`; both run
   code from the file. Here the metadata unpickler accepts only DCP's metadata classes,
@@ -339,6 +347,29 @@ def committed_steps(folder: str) -> list[int]:
         if m and os.path.isdir(os.path.join(folder, name)):
             steps.append(int(m.group(1)))
     return sorted(steps)
+
+
+def not_a_checkpoint(path: str) -> str | None:
+    """Why `path` is not a DCP checkpoint folder at all (None when it looks like one):
+    the run's checkpoint folder instead of one of its steps, a Hugging Face folder, a file,
+    nothing. Damage inside a checkpoint is `verify_checkpoint`'s business."""
+    if not os.path.exists(path):
+        return f"checkpoint to load not found: {path}"
+    if not os.path.isdir(path):
+        return f"{path} is a file; expected a checkpoint folder (a step-N folder)"
+    if os.path.exists(os.path.join(path, ".metadata")):
+        return None
+    steps = committed_steps(path)
+    if steps:
+        return (
+            f"{path} is a folder of checkpoints, not a checkpoint: point at one of its step "
+            f"folders, e.g. {os.path.join(path, f'step-{steps[-1]}')}"
+        )
+    if os.path.exists(os.path.join(path, "config.json")) or any(
+        n.endswith(".safetensors") for n in os.listdir(path)
+    ):
+        return f"{path} is a Hugging Face folder, not a DCP checkpoint: use checkpoint.load_hf"
+    return None
 
 
 DAMAGED = ".damaged"

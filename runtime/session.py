@@ -126,13 +126,11 @@ def check_environment(recipe: Recipe) -> None:
 
         check_load_hf(recipe.checkpoint.load_hf, effective_shape(recipe), file=f)
     if recipe.checkpoint.load_from:
-        if not Path(recipe.checkpoint.load_from).is_dir():
-            raise ConfigError(
-                f"checkpoint to load not found: {recipe.checkpoint.load_from}",
-                file=f,
-                key="checkpoint.load_from",
-            )
-        from runtime.checkpoint import verify_checkpoint
+        from runtime.checkpoint import not_a_checkpoint, verify_checkpoint
+
+        why = not_a_checkpoint(recipe.checkpoint.load_from)
+        if why:
+            raise ConfigError(why, file=f, key="checkpoint.load_from")
 
         # Sizes and metadata only (cheap); the checksums are checked when it is loaded.
         problems = verify_checkpoint(recipe.checkpoint.load_from, checksums=False)

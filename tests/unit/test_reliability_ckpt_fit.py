@@ -288,3 +288,31 @@ def test_adapter_base_load_refuses_adapter_weights_and_accepts_its_base(ckpts, t
     with pytest.raises(ConfigError, match="checkpoint has 3 transformer layers, the model 6"):
         load_base(model, str(ckpts[3]))
     record_case("checkpoint load", "adapter job base that does not fit", n=2)
+
+
+def test_load_from_that_is_not_a_checkpoint_says_what_it_is(ckpts, tmp_path, capsys):
+    """The run's checkpoint folder instead of a step, a Hugging Face folder, a file."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    afile = tmp_path / "notes.txt"
+    afile.write_text("x")
+    cases = {
+        str(
+            ckpts[3].parent
+        ): f"not a checkpoint: point at one of its step folders, e.g. {ckpts[3]}",
+        str(hf): "is a Hugging Face folder, not a DCP checkpoint: use checkpoint.load_hf",
+        str(afile): "is a file; expected a checkpoint folder",
+    }
+    for path, says in cases.items():
+        argv = [
+            "--set",
+            f"job.output_dir={tmp_path / 'o'}",
+            "--set",
+            f"checkpoint.load_from={path}",
+        ]
+        code, err = train_main_error(argv, capsys)
+        assert code == 2 and len(err) == 1 and " checkpoint.load_from: " in err[0], err
+        assert says in err[0], (says, err)
+        record_case("checkpoint load", "load_from is not a checkpoint folder")
