@@ -471,16 +471,27 @@ def state_bytes(obj: Any, _depth: int = 0) -> int:
 
 
 def disk_full_message(
-    folder: str, step: int, *, full: bool, why: str, need: int, free: int, prev: int
+    folder: str,
+    step: int,
+    *,
+    full: bool,
+    why: str,
+    need: int,
+    free: int,
+    prev: int,
+    key: str = "checkpoint.folder",
 ) -> str:
     mnt, fstype = mount_of(folder)
     disk = f"the file system at {mnt}" + (f" ({fstype})" if fstype else "")
     kept = f"step-{prev} is intact" if prev >= 0 else "no earlier checkpoint exists"
     head = "disk full" if full else "writing failed"
+    export = key.endswith("export_folder")
+    what = "the Hugging Face export" if export else "checkpoint"
     return (
-        f"{head} while saving checkpoint step-{step} to {folder}: {why}; {disk} has "
-        f"{_gib(free)} free, one checkpoint needs about {_gib(need)}. The partial save was "
-        f"removed and {kept}; free space or point checkpoint.folder at a larger disk"
+        f"{head} while saving {what} step-{step} to {folder}: {why}; {disk} has "
+        f"{_gib(free)} free, one {'export' if export else 'checkpoint'} needs about "
+        f"{_gib(need)}. The partial save was "
+        f"removed and {kept}; free space or point {key} at a larger disk"
     )
 
 
@@ -611,9 +622,8 @@ class AtomicCheckpointManager(CheckpointManager):
         return saved
 
     def export_hf(self, step: int) -> str:
-        """Write the model as a Hugging Face folder `<export_folder>/step-N` (atomic)."""
-        from runtime.hf import finish_export, hf_config, special_token_ids
-
+        """Write the model as a Hugging Face folder `<export_folder>/step-N` (atomic); a
+        failed write is one line naming checkpoint.export_folder (as a failed save)."""
         cfg = self.xconfig
         assert self.sd_adapter is not None, "this model family has no Hugging Face adapter"
         final = os.path.join(cfg.export_folder, f"step-{step}")
@@ -633,32 +643,54 @@ class AtomicCheckpointManager(CheckpointManager):
             else v
             for k, v in self.states[MODEL].state_dict().items()
         }
-        CheckpointManager.dcp_save(self, states, tmp, AsyncMode.DISABLED, True, to_hf=True)
+        key = "checkpoint.export_folder"
+        try:
+            CheckpointManager.dcp_save(self, states, tmp, AsyncMode.DISABLED, True, to_hf=True)
+        except (Exception, CheckpointException) as e:  # every rank (DCP gathers the errors)
+            self._save_failed(e, final, step, states, key=key)
+            raise
         if _dist_on():
             dist.barrier()
+        err: BaseException | None = None
         if rank == 0:
-            shutil.rmtree(os.path.join(tmp, "sharded"), ignore_errors=True)
-            base = None
-            if cfg.export_base_config:
-                with open(os.path.join(cfg.export_base_config, "config.json")) as f:
-                    base = json.load(f)
-            dtype = str(self.export_dtype).removeprefix("torch.")
-            config = hf_config(
-                self.sd_adapter.model_config,
-                cfg.export_family,
-                dtype,
-                base=base,
-                token_ids=special_token_ids(cfg.tokenizer_dir),
+            try:
+                self._finish_export(tmp, final, step, begin)
+            except Exception as e:  # config.json, tokenizer files, manifest, rename
+                err = e
+        failed = self._gather([describe_error(err)] if err is not None else [])
+        if failed:
+            cause = err or OSError(errno.EIO, "; ".join(failed))
+            self._save_failed(cause, final, step, states, key=key)
+            raise CheckpointError(
+                f"finishing the export {final} failed: {'; '.join(failed)}",
+                file=cfg.recipe_file,
+                key=key,
             )
-            finish_export(tmp, config, cfg.tokenizer_dir, step=step)
-            self._commit(tmp, final, step, self._all_crcs(tmp), dcp=False)
-            logger.info(
-                f"Hugging Face export ({dtype}) written to {final} in "
-                f"{time.monotonic() - begin:.1f} s"
-            )
-        if _dist_on():
-            dist.barrier()
         return final
+
+    def _finish_export(self, tmp: str, final: str, step: int, begin: float) -> None:
+        from runtime.hf import finish_export, hf_config, special_token_ids
+
+        cfg = self.xconfig
+        assert self.sd_adapter is not None
+        shutil.rmtree(os.path.join(tmp, "sharded"), ignore_errors=True)
+        base = None
+        if cfg.export_base_config:
+            with open(os.path.join(cfg.export_base_config, "config.json")) as f:
+                base = json.load(f)
+        dtype = str(self.export_dtype).removeprefix("torch.")
+        config = hf_config(
+            self.sd_adapter.model_config,
+            cfg.export_family,
+            dtype,
+            base=base,
+            token_ids=special_token_ids(cfg.tokenizer_dir),
+        )
+        finish_export(tmp, config, cfg.tokenizer_dir, step=step)
+        self._commit(tmp, final, step, self._all_crcs(tmp), dcp=False)
+        logger.info(
+            f"Hugging Face export ({dtype}) written to {final} in {time.monotonic() - begin:.1f} s"
+        )
 
     # --- save
 
@@ -727,7 +759,13 @@ class AtomicCheckpointManager(CheckpointManager):
         return ret
 
     def _save_failed(
-        self, e: BaseException, final: str, step: int, state_dict: dict[str, Any]
+        self,
+        e: BaseException,
+        final: str,
+        step: int,
+        state_dict: dict[str, Any],
+        *,
+        key: str = "checkpoint.folder",
     ) -> None:
         """A save that could not be written (full disk, quota, I/O error) becomes one line
         naming checkpoint.folder, the disk, its free space and the size needed; the partial
@@ -751,9 +789,11 @@ class AtomicCheckpointManager(CheckpointManager):
         if _rank_world()[0] == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(
-            disk_full_message(folder, step, full=full, why=why, need=need, free=free, prev=prev),
+            disk_full_message(
+                folder, step, full=full, why=why, need=need, free=free, prev=prev, key=key
+            ),
             file=self.xconfig.recipe_file,
-            key="checkpoint.folder",
+            key=key,
         ) from None
 
     # --- prune
