@@ -84,6 +84,9 @@ class Present:
     model: dict[str, tuple[int, ...]]
     optimizer_params: set[str]
     has_optimizer: bool
+    """Per-parameter optimizer state present (what a resume compares)."""
+    any_optimizer: bool = True
+    """Any optimizer entry at all (False: a model-only checkpoint, which cannot resume)."""
 
 
 def read_present(path: str, non_model: Iterable[str] = NON_MODEL_STATES) -> Present:
@@ -97,9 +100,10 @@ def read_present(path: str, non_model: Iterable[str] = NON_MODEL_STATES) -> Pres
     prefixes = tuple(f"{n}." for n in non_model)
     model: dict[str, tuple[int, ...]] = {}
     opt: set[str] = set()
-    has_opt = False
+    has_opt = any_opt = False
     for k, v in md.state_dict_metadata.items():
         if k.startswith("optimizer."):
+            any_opt = True
             # Per-parameter state (torch's flattened optimizer state dict); an optimizer
             # without any (a stand-in in tests) is not compared.
             if k.startswith(_OPT_STATE):
@@ -107,7 +111,7 @@ def read_present(path: str, non_model: Iterable[str] = NON_MODEL_STATES) -> Pres
                 opt.add(k[len(_OPT_STATE) :].rsplit(".", 1)[0])  # drop exp_avg / step / ...
         elif not k.startswith(prefixes) and isinstance(v, TensorStorageMetadata):
             model[k] = tuple(v.size)
-    return Present(model, opt, has_opt)
+    return Present(model, opt, has_opt, any_opt)
 
 
 def _layers(keys: Iterable[str]) -> int:
@@ -167,7 +171,14 @@ def mismatch(present: Present, expected: Expected, *, model_only: bool) -> str |
             f"the checkpoint's {extra[0]} is not in the model{_more(len(extra) - 1, 'extra')}: "
             "loading it would silently drop them"
         )
-    if model_only or not present.has_optimizer:
+    if model_only:
+        return None
+    if not present.any_optimizer and expected.trainable:
+        return (
+            "the checkpoint holds model weights only (no optimizer state), so it cannot be "
+            "resumed; start from it with checkpoint.load_from in another folder"
+        )
+    if not present.has_optimizer:
         return None
     trains = expected.trainable
     only_ckpt = sorted(present.optimizer_params - trains)

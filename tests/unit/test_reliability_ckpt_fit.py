@@ -21,7 +21,14 @@ from core.errors import ConfigError
 from recipe.loader import load_recipe
 from runtime.build import recipe_model_spec
 from runtime.checkpoint import CheckpointError, committed_steps, write_manifest
-from runtime.checkpoint_fit import Expected, Present, expected_from_config, mismatch
+from runtime.checkpoint_fit import (
+    Expected,
+    Present,
+    expected_from_config,
+    expected_from_module,
+    mismatch,
+    read_present,
+)
 from tests.helpers.checkpoints import make_manager, save_steps
 from tests.helpers.runs import train_main_error
 from tools.reliability_report import record_case
@@ -316,3 +323,17 @@ def test_load_from_that_is_not_a_checkpoint_says_what_it_is(ckpts, tmp_path, cap
         assert code == 2 and len(err) == 1 and " checkpoint.load_from: " in err[0], err
         assert says in err[0], (says, err)
         record_case("checkpoint load", "load_from is not a checkpoint folder")
+
+
+def test_resuming_a_model_only_checkpoint_is_refused(tmp_path, capsys):
+    """A weights-only folder (an export, stock torchtitan's last_save_model_only) placed as
+    step-3 of checkpoint.folder: DCP would fail on the first optimizer key."""
+    model = debug_model(["model.layers=2"])
+    write_checkpoint(tmp_path / "checkpoint" / "step-3", model, optimizer=False)
+    argv = ["--set", f"job.output_dir={tmp_path}", "--set", "model.layers=2"]
+    argv += ["--set", "checkpoint.interval=5"]
+    refused(argv, capsys, key="checkpoint.folder", says=["model weights only"])
+    # As a model-only start (load_from) the same folder fits.
+    present = read_present(str(tmp_path / "checkpoint" / "step-3"))
+    assert mismatch(present, expected_from_module([model]), model_only=True) is None
+    record_case("checkpoint load", "resume of a model-only checkpoint")
