@@ -81,13 +81,18 @@ def test_enospc_in_the_dcp_writer(tmp_path, monkeypatch):
     record_case("checkpoint save", "ENOSPC in the DCP writer")
 
 
-def test_quota_exceeded_is_a_full_disk_too(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("code", "says"),
+    [(errno.EDQUOT, "disk full"), (errno.EIO, "writing failed")],
+    ids=["EDQUOT", "EIO"],
+)
+def test_quota_is_a_full_disk_and_io_errors_a_failed_write(tmp_path, monkeypatch, code, says):
     def fail(mp):
-        enospc_in_write_item(mp, errno.EDQUOT)
+        enospc_in_write_item(mp, code)
 
     msg = assert_clean(tmp_path, two_saves(tmp_path, monkeypatch, fail))
-    assert "disk full" in msg and "EDQUOT" in msg
-    record_case("checkpoint save", "EDQUOT in the DCP writer")
+    assert says in msg and os.strerror(code) in msg, msg
+    record_case("checkpoint save", f"{errno.errorcode[code]} in the DCP writer")
 
 
 def test_short_write_without_errno_on_a_full_disk(tmp_path, monkeypatch):
@@ -125,15 +130,6 @@ def test_short_write_with_room_left_is_a_write_failure(tmp_path, monkeypatch):
         and "file write failed" in msg
     )
     record_case("checkpoint save", "short write with room left")
-
-
-def test_io_error(tmp_path, monkeypatch):
-    def fail(mp):
-        enospc_in_write_item(mp, errno.EIO)
-
-    msg = assert_clean(tmp_path, two_saves(tmp_path, monkeypatch, fail))
-    assert "writing failed" in msg and "Input/output error" in msg
-    record_case("checkpoint save", "EIO in the DCP writer")
 
 
 def test_enospc_writing_the_manifest(tmp_path, monkeypatch):
