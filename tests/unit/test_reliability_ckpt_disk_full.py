@@ -1,7 +1,7 @@
 """A save that cannot be written ends in one line naming checkpoint.folder, the disk, its
 free space and the size a checkpoint needs; the partial save is removed and the previous
 checkpoint stays loadable. Injected here at the OS-write seams (tiny model, no process
-group); a real full tmpfs is in tests/integration/test_reliability_ckpt_disk_full.py.
+group); a real full tmpfs is in tests/integration/test_reliability_ckpt_full_tmpfs.py.
 
 Seams: DCP's per-item write (`_write_item`, where the OSError of a full disk surfaces), the
 zip writer's short write without an errno (torch's "unexpected pos", seen on a real full
