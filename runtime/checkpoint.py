@@ -357,6 +357,8 @@ def not_a_checkpoint(path: str) -> str | None:
         return f"checkpoint to load not found: {path}"
     if not os.path.isdir(path):
         return f"{path} is a file; expected a checkpoint folder (a step-N folder)"
+    if path.rstrip("/").endswith((PARTIAL, ".replaced")):
+        return f"{path} is an interrupted save (never committed, never loaded)"
     if os.path.exists(os.path.join(path, ".metadata")):
         return None
     steps = committed_steps(path)

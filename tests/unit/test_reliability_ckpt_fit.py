@@ -11,6 +11,7 @@ checkpointer (a live model, no prepare) is tested with a tiny model.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from core.errors import ConfigError
 from recipe.loader import load_recipe
 from runtime.build import recipe_model_spec
-from runtime.checkpoint import CheckpointError, committed_steps, write_manifest
+from runtime.checkpoint import PARTIAL, CheckpointError, committed_steps, write_manifest
 from runtime.checkpoint_fit import (
     Expected,
     Present,
@@ -305,7 +306,10 @@ def test_load_from_that_is_not_a_checkpoint_says_what_it_is(ckpts, tmp_path, cap
     (hf / "model.safetensors").write_bytes(b"")
     afile = tmp_path / "notes.txt"
     afile.write_text("x")
+    partial = tmp_path / f"step-4{PARTIAL}"
+    shutil.copytree(ckpts[3], partial)  # complete data, but never committed
     cases = {
+        str(partial): "is an interrupted save (never committed, never loaded)",
         str(
             ckpts[3].parent
         ): f"not a checkpoint: point at one of its step folders, e.g. {ckpts[3]}",
