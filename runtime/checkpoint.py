@@ -600,7 +600,17 @@ class AtomicCheckpointManager(CheckpointManager):
                 done.set()
 
     def _wait_for_saving(self, *, barrier: bool = True) -> None:
-        super()._wait_for_saving()
+        try:
+            super()._wait_for_saving()  # re-raises the async write's error, on every rank
+        except (Exception, CheckpointException) as e:
+            self.save_future = None
+            if self._commit_done is not None:
+                self._commit_done.wait()  # the saving thread has logged it and stopped
+                self._commit_done = None
+            final, step = getattr(self, "_async_target", ("", -1))
+            if final:
+                self._save_failed(e, final, step, {})  # one line when the write failed
+            raise
         if self._commit_done is not None:
             self._commit_done.wait()
             self._commit_done = None
@@ -718,6 +728,7 @@ class AtomicCheckpointManager(CheckpointManager):
         if _dist_on():
             dist.barrier()  # nobody writes into tmp before rank 0 has cleared it
         if async_mode != AsyncMode.DISABLED:
+            self._async_target = (final, step)  # named if the write fails (_wait_for_saving)
             ret = super().dcp_save(state_dict, tmp, async_mode, enable_garbage_collection, False)
             fut = ret if isinstance(ret, Future) else getattr(ret, "upload_completion", None)
             if rank == 0 and fut is not None:

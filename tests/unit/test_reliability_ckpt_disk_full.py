@@ -247,3 +247,31 @@ def test_enospc_in_the_hugging_face_export(tmp_path, monkeypatch):
     )
     assert sorted(os.listdir(export)) == ["step-1"]
     record_case("checkpoint save", "ENOSPC in the Hugging Face export")
+
+
+def test_an_async_save_that_hit_a_full_disk_is_one_line_at_the_next_wait(tmp_path):
+    """An async save fails in its thread; torchtitan re-raises the future's error at the next
+    save or at close. The manager turns it into the same one line (the seam driven directly:
+    an async manager needs a process group)."""
+    from concurrent.futures import Future
+
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torchtitan.components.checkpoint import AsyncMode
+
+    mgr, model, ts = make_manager(tmp_path)
+    ts.kv = {"step": 1, "note": ""}
+    mgr.save(curr_step=1)
+    (tmp_path / f"step-2{PARTIAL}").mkdir()  # what the failed async write left
+    fut: Future = Future()
+    err = OSError(errno.ENOSPC, "No space left on device")
+    fut.set_exception(CheckpointException("save", {0: (err, None)}))
+    mgr.async_mode = AsyncMode.ASYNC
+    mgr.save_future = fut
+    mgr._async_target = (str(tmp_path / "step-2"), 2)
+    with pytest.raises(CheckpointError) as ei:
+        mgr._wait_for_saving(barrier=False)
+    mgr.async_mode = AsyncMode.DISABLED
+    mgr.close()
+    assert_clean(tmp_path, ei.value)
+    assert "disk full while saving checkpoint step-2" in str(ei.value)
+    record_case("checkpoint save", "ENOSPC in an async save")
