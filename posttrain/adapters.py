@@ -103,10 +103,23 @@ def _batches(stream: Any, batch_size: int) -> Iterator[tuple[torch.Tensor, ...]]
         )
 
 
-def load_base(model: nn.Module, path: str) -> None:
-    """Model weights from a DCP checkpoint folder (a base: adapter keys absent are skipped)."""
-    from runtime.checkpoint import drop_absent_adapter_keys, safe_dcp_load
+def load_base(model: nn.Module, path: str, *, file: str | None = None) -> None:
+    """Model weights from a DCP checkpoint folder (a base: adapter keys absent are skipped).
 
+    The checkpoint must hold exactly the base's tensors (runtime.checkpoint_fit): more
+    layers, other shapes or adapter weights that would be dropped are one line naming
+    checkpoint.load_from (ConfigError), before any tensor is read."""
+    from core.errors import ConfigError
+    from runtime.checkpoint import drop_absent_adapter_keys, safe_dcp_load
+    from runtime.checkpoint_fit import check_fits, expected_from_module
+
+    expected = expected_from_module([model])
+    expected.model = {k: v for k, v in expected.model.items() if ".lora_" not in k}
+    problem = check_fits(path, expected, model_only=True)
+    if problem:
+        raise ConfigError(
+            f"{path} does not fit the model: {problem}", file=file, key="checkpoint.load_from"
+        )
     sd = {k: v for k, v in model.state_dict().items() if ".lora_" not in k}
     sd = drop_absent_adapter_keys(sd, path)
     safe_dcp_load(sd, path)
@@ -143,7 +156,7 @@ class AdapterJob:
             self.model = model_config.build()
             self.model.init_states()
         if recipe.checkpoint.load_from:
-            load_base(self.model, recipe.checkpoint.load_from)
+            load_base(self.model, recipe.checkpoint.load_from, file=recipe.source)
         self.model.train()
         for p in self.model.parameters():  # the converter froze them; make it a guarantee
             p.requires_grad_(False)

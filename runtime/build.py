@@ -268,7 +268,8 @@ def build_trainer_config(
             interval=ck.interval or tr.steps,
             keep_latest_k=ck.keep_latest,
             initial_load_path=os.path.abspath(initial) if initial else None,
-            initial_load_model_only=True,
+            # torchtitan warns when this is set without a path to load from.
+            initial_load_model_only=bool(initial),
             initial_load_in_hf=bool(ck.load_hf),
             # The last save stays a full, resumable DCP checkpoint; the Hugging Face export
             # is written next to it (AtomicCheckpointManager.export_hf) in export_dtype.
@@ -282,6 +283,7 @@ def build_trainer_config(
             export_family=recipe.model.family,
             export_base_config=os.path.abspath(ck.load_hf) if ck.load_hf else "",
             tokenizer_dir=tokenizer_path,
+            recipe_file=recipe.source or "",
         ),
         activation_checkpoint=ac,
         compile=CompileConfig(

@@ -8,11 +8,19 @@
   crash or a full disk at any moment before the rename leaves a `.partial` folder, which is
   never loaded and is removed at the next start; the previous `step-M` is untouched.
 - Verified load with fallback (`_load`): only committed `step-N` folders count. Newest
-  first, each is verified (manifest, metadata, sizes, checksums) and loaded; a damaged one
-  is reported in one log line and the previous one is tried. If every checkpoint is damaged
-  the run stops with the list of problems rather than silently starting over from step 0.
-- Pruning (`_purge_stale_checkpoints`) counts committed folders only and runs after the
-  commit, so the newest complete checkpoint is never the one deleted.
+  first, each is verified (manifest, metadata, sizes, checksums), compared with the model
+  (`runtime.checkpoint_fit`: a checkpoint that does not fit is refused, not skipped) and
+  loaded; a damaged one is reported in one log line and the previous one is tried. Once
+  one loads, the damaged newer ones are renamed `step-N.damaged` (kept, never counted).
+  If every checkpoint is damaged the run stops with one line (`CheckpointError`, a
+  ConfigError: exit 2) rather than silently starting over from step 0.
+- Pruning (`_purge_stale_checkpoints`) runs only after a save of this process has been
+  committed and read back, counts committed folders up to that step, and keeps the newest
+  `keep_latest` that pass the cheap checks (a damaged one is moved aside, not counted).
+- Failed saves (`_save_failed`): a full disk (ENOSPC/EDQUOT anywhere in DCP's exception
+  chain, or torch's "unexpected pos" short write) or another I/O error ends in one line
+  naming checkpoint.folder, the disk, its free space and the size needed; the partial
+  folder is removed, committed checkpoints are untouched.
 - Safe loading (`dcp_load`): DCP's stock reader unpickles `.metadata` with `pickle.load`
   and its planner loads non-tensor items with `torch.load(weights_only=False)`; both run
   code from the file. Here the metadata unpickler accepts only DCP's metadata classes,
@@ -37,6 +45,8 @@ the size checks). Remote (fsspec) folders keep torchtitan's behaviour.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import io
 import json
 import os
@@ -62,6 +72,7 @@ from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
 
+from core.errors import ConfigError
 from runtime import faults
 
 MANIFEST = "manifest.json"
@@ -70,8 +81,46 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 _CHUNK = 8 * 2**20
 
 
-class CheckpointError(RuntimeError):
-    """No loadable checkpoint where one is required; the message lists what is wrong."""
+class CheckpointError(ConfigError):
+    """No loadable checkpoint where one is required, a checkpoint that does not fit the
+    model, or a save that could not be written: one line naming the key (exit 2)."""
+
+    def __init__(self, message: str, *, file: str | None = None, key: str | None = None):
+        super().__init__(_one_line(message), file=file or None, key=key)
+
+
+def _one_line(text: str, limit: int = 600) -> str:
+    """Messages from DCP carry whole tracebacks; keep one line of bounded length."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def describe_error(e: BaseException) -> str:
+    """`Type: message` of the innermost failure (DCP wraps each rank's in CheckpointException)."""
+    for inner in _chain(e):
+        if not isinstance(inner, CheckpointException):
+            return _one_line(f"{type(inner).__name__}: {inner}", 300)
+    return _one_line(f"{type(e).__name__}: {e}", 300)
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    """`e`, its causes and contexts, and every rank's failure inside a CheckpointException."""
+    out: list[BaseException] = []
+    todo: list[BaseException] = [e]
+    while todo:
+        x = todo.pop(0)
+        if x in out or len(out) > 50:
+            continue
+        out.append(x)
+        if isinstance(x, CheckpointException):
+            for failure in x.failures.values():
+                inner = failure[0] if isinstance(failure, tuple) else failure
+                if isinstance(inner, BaseException):
+                    todo.append(inner)
+        for nxt in (x.__cause__, x.__context__):
+            if nxt is not None:
+                todo.append(nxt)
+    return out
 
 
 # ---------------------------------------------------------------------------- safe loading
@@ -300,6 +349,154 @@ def committed_steps(folder: str) -> list[int]:
     return sorted(steps)
 
 
+def not_a_checkpoint(path: str) -> str | None:
+    """Why `path` is not a DCP checkpoint folder at all (None when it looks like one):
+    the run's checkpoint folder instead of one of its steps, a Hugging Face folder, a file,
+    nothing. Damage inside a checkpoint is `verify_checkpoint`'s business."""
+    if not os.path.exists(path):
+        return f"checkpoint to load not found: {path}"
+    if not os.path.isdir(path):
+        return f"{path} is a file; expected a checkpoint folder (a step-N folder)"
+    if path.rstrip("/").endswith((PARTIAL, ".replaced")):
+        return f"{path} is an interrupted save (never committed, never loaded)"
+    if os.path.exists(os.path.join(path, ".metadata")):
+        return None
+    steps = committed_steps(path)
+    if steps:
+        return (
+            f"{path} is a folder of checkpoints, not a checkpoint: point at one of its step "
+            f"folders, e.g. {os.path.join(path, f'step-{steps[-1]}')}"
+        )
+    if os.path.exists(os.path.join(path, "config.json")) or any(
+        n.endswith(".safetensors") for n in os.listdir(path)
+    ):
+        return f"{path} is a Hugging Face folder, not a DCP checkpoint: use checkpoint.load_hf"
+    return None
+
+
+DAMAGED = ".damaged"
+
+
+def no_loadable_message(folder: str, rejected: dict[int, str]) -> str:
+    listing = "; ".join(f"step-{k}: {v}" for k, v in sorted(rejected.items()))
+    return (
+        f"no loadable checkpoint in {folder} ({listing}); refusing to start over from step 0 "
+        "over them: move the folder away to start fresh"
+    )
+
+
+def set_aside(path: str) -> str:
+    """Rename a damaged `step-N` to `step-N.damaged` (or `.damaged-2`, ...): never loaded,
+    never counted or pruned, kept for inspection until deleted by hand."""
+    dest = path.rstrip("/") + DAMAGED
+    n = 1
+    while os.path.exists(dest):
+        n += 1
+        dest = f"{path.rstrip('/')}{DAMAGED}-{n}"
+    os.replace(path, dest)
+    return dest
+
+
+# ---------------------------------------------------------------------------- failed saves
+
+# How a failed write surfaces: OSError(ENOSPC / EDQUOT) from DCP's FileSystemWriter (wrapped
+# in CheckpointException, one per rank), or torch.save's zip writer reporting the short
+# write without an errno ("PytorchStreamWriter failed writing file ...: unexpected pos").
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+_SHORT_WRITE = ("unexpected pos", "file write failed", "no space left", "disk quota")
+
+
+def write_failure(e: BaseException) -> tuple[bool, str] | None:
+    """(disk full?, what failed) when `e` is a failed write, None for anything else."""
+    chain = _chain(e)
+    for x in chain:
+        if isinstance(x, OSError) and x.errno in _FULL_ERRNOS:
+            return True, f"{os.strerror(x.errno)} (errno {errno.errorcode[x.errno]})"
+    for x in chain:
+        text = str(x).lower()
+        if any(t in text for t in _SHORT_WRITE) and not isinstance(x, CheckpointException):
+            return False, _one_line(str(x).splitlines()[-1] if str(x) else type(x).__name__, 200)
+    for x in chain:
+        if isinstance(x, OSError):
+            return False, describe_error(x)
+    return None
+
+
+def mount_of(path: str) -> tuple[str, str]:
+    """(mount point, file-system type) holding `path` (type '' where /proc/mounts is absent)."""
+    p = os.path.realpath(path)
+    while not os.path.ismount(p) and p != os.path.dirname(p):
+        p = os.path.dirname(p)
+    fstype = ""
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 2 and parts[1] == p:
+                    fstype = parts[2]
+    except OSError:
+        pass
+    return p, fstype
+
+
+def _gib(n: float) -> str:
+    if n >= 2**28:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+
+
+def folder_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for n in files:
+            with contextlib.suppress(OSError):  # deleted meanwhile: an estimate anyway
+                total += os.path.getsize(os.path.join(root, n))
+    return total
+
+
+def state_bytes(obj: Any, _depth: int = 0) -> int:
+    """Bytes of the tensors in a (nested) state dict; DTensors count their global size."""
+    if _depth > 20:
+        return 0
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_bytes(v, _depth + 1) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_bytes(v, _depth + 1) for v in obj)
+    if hasattr(obj, "state_dict") and callable(obj.state_dict):
+        try:
+            return state_bytes(obj.state_dict(), _depth + 1)
+        except Exception:  # an estimate for a message; never fail the report on it
+            return 0
+    return 0
+
+
+def disk_full_message(
+    folder: str,
+    step: int,
+    *,
+    full: bool,
+    why: str,
+    need: int,
+    free: int,
+    prev: int,
+    key: str = "checkpoint.folder",
+) -> str:
+    mnt, fstype = mount_of(folder)
+    disk = f"the file system at {mnt}" + (f" ({fstype})" if fstype else "")
+    kept = f"step-{prev} is intact" if prev >= 0 else "no earlier checkpoint exists"
+    head = "disk full" if full else "writing failed"
+    export = key.endswith("export_folder")
+    what = "the Hugging Face export" if export else "checkpoint"
+    return (
+        f"{head} while saving {what} step-{step} to {folder}: {why}; {disk} has "
+        f"{_gib(free)} free, one {'export' if export else 'checkpoint'} needs about "
+        f"{_gib(need)}. The partial save was "
+        f"removed and {kept}; free space or point {key} at a larger disk"
+    )
+
+
 # ---------------------------------------------------------------------------- the manager
 
 
@@ -329,17 +526,26 @@ class AtomicCheckpointManager(CheckpointManager):
         tokenizer_dir: str = ""
         """Tokenizer folder whose files are copied into exports."""
 
+        recipe_file: str = ""
+        """The recipe, named in one-line errors (a checkpoint that does not fit, a full disk)."""
+
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         self.checksums = config.checksums
         self.local = not filesystem.is_remote(getattr(self, "folder", "") or "")
         self.xconfig = config
         self._commit_done: threading.Event | None = None
+        # The newest step committed AND verified by this process (rank 0): pruning counts
+        # only up to it, so nothing is pruned before a new save is known good.
+        self._verified_step: int | None = None
 
     # --- commit (shared by synchronous and async saves)
 
-    def _commit(self, tmp: str, final: str, step: int, crcs: dict[str, int]) -> None:
-        """Rank 0: manifest, then one rename of `tmp` to `final` (replacing a damaged one)."""
+    def _commit(
+        self, tmp: str, final: str, step: int, crcs: dict[str, int], *, dcp: bool = True
+    ) -> None:
+        """Rank 0: manifest, then one rename of `tmp` to `final` (replacing a damaged one);
+        a DCP checkpoint (not an HF export) is then read back and counts as verified."""
         write_manifest(tmp, step, crcs)
         old = None
         if os.path.exists(final):
@@ -353,6 +559,20 @@ class AtomicCheckpointManager(CheckpointManager):
         _fsync_dir(os.path.dirname(final) or ".")
         if old:
             shutil.rmtree(old, ignore_errors=True)
+        if not dcp:
+            logger.info(f"Checkpoint committed: {final}")
+            return
+        # Read back what was committed (metadata, sizes; the CRC32s were computed from the
+        # written files): only a checkpoint that passes counts for pruning.
+        problems = verify_checkpoint(final, checksums=False)
+        if problems:
+            aside = set_aside(final)
+            raise OSError(
+                errno.EIO,
+                f"the committed checkpoint fails verification ({'; '.join(problems)}); "
+                f"moved aside to {aside}",
+            )
+        self._verified_step = max(step, -1 if self._verified_step is None else self._verified_step)
         logger.info(f"Checkpoint committed: {final}")
 
     def _all_crcs(self, folder: str) -> dict[str, int]:
@@ -380,7 +600,17 @@ class AtomicCheckpointManager(CheckpointManager):
                 done.set()
 
     def _wait_for_saving(self, *, barrier: bool = True) -> None:
-        super()._wait_for_saving()
+        try:
+            super()._wait_for_saving()  # re-raises the async write's error, on every rank
+        except (Exception, CheckpointException) as e:
+            self.save_future = None
+            if self._commit_done is not None:
+                self._commit_done.wait()  # the saving thread has logged it and stopped
+                self._commit_done = None
+            final, step = getattr(self, "_async_target", ("", -1))
+            if final:
+                self._save_failed(e, final, step, {})  # one line when the write failed
+            raise
         if self._commit_done is not None:
             self._commit_done.wait()
             self._commit_done = None
@@ -396,7 +626,7 @@ class AtomicCheckpointManager(CheckpointManager):
 
     # --- Hugging Face export
 
-    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+    def _save_and_export(self, curr_step: int, last_step: bool = False) -> bool:
         saved = super()._save(curr_step, last_step)
         cfg = self.xconfig
         if saved and cfg.export_hf and (last_step or cfg.export_hf_every_checkpoint):
@@ -404,9 +634,8 @@ class AtomicCheckpointManager(CheckpointManager):
         return saved
 
     def export_hf(self, step: int) -> str:
-        """Write the model as a Hugging Face folder `<export_folder>/step-N` (atomic)."""
-        from runtime.hf import finish_export, hf_config, special_token_ids
-
+        """Write the model as a Hugging Face folder `<export_folder>/step-N` (atomic); a
+        failed write is one line naming checkpoint.export_folder (as a failed save)."""
         cfg = self.xconfig
         assert self.sd_adapter is not None, "this model family has no Hugging Face adapter"
         final = os.path.join(cfg.export_folder, f"step-{step}")
@@ -426,32 +655,54 @@ class AtomicCheckpointManager(CheckpointManager):
             else v
             for k, v in self.states[MODEL].state_dict().items()
         }
-        CheckpointManager.dcp_save(self, states, tmp, AsyncMode.DISABLED, True, to_hf=True)
+        key = "checkpoint.export_folder"
+        try:
+            CheckpointManager.dcp_save(self, states, tmp, AsyncMode.DISABLED, True, to_hf=True)
+        except (Exception, CheckpointException) as e:  # every rank (DCP gathers the errors)
+            self._save_failed(e, final, step, states, key=key)
+            raise
         if _dist_on():
             dist.barrier()
+        err: BaseException | None = None
         if rank == 0:
-            shutil.rmtree(os.path.join(tmp, "sharded"), ignore_errors=True)
-            base = None
-            if cfg.export_base_config:
-                with open(os.path.join(cfg.export_base_config, "config.json")) as f:
-                    base = json.load(f)
-            dtype = str(self.export_dtype).removeprefix("torch.")
-            config = hf_config(
-                self.sd_adapter.model_config,
-                cfg.export_family,
-                dtype,
-                base=base,
-                token_ids=special_token_ids(cfg.tokenizer_dir),
+            try:
+                self._finish_export(tmp, final, step, begin)
+            except Exception as e:  # config.json, tokenizer files, manifest, rename
+                err = e
+        failed = self._gather([describe_error(err)] if err is not None else [])
+        if failed:
+            cause = err or OSError(errno.EIO, "; ".join(failed))
+            self._save_failed(cause, final, step, states, key=key)
+            raise CheckpointError(
+                f"finishing the export {final} failed: {'; '.join(failed)}",
+                file=cfg.recipe_file,
+                key=key,
             )
-            finish_export(tmp, config, cfg.tokenizer_dir, step=step)
-            self._commit(tmp, final, step, self._all_crcs(tmp))
-            logger.info(
-                f"Hugging Face export ({dtype}) written to {final} in "
-                f"{time.monotonic() - begin:.1f} s"
-            )
-        if _dist_on():
-            dist.barrier()
         return final
+
+    def _finish_export(self, tmp: str, final: str, step: int, begin: float) -> None:
+        from runtime.hf import finish_export, hf_config, special_token_ids
+
+        cfg = self.xconfig
+        assert self.sd_adapter is not None
+        shutil.rmtree(os.path.join(tmp, "sharded"), ignore_errors=True)
+        base = None
+        if cfg.export_base_config:
+            with open(os.path.join(cfg.export_base_config, "config.json")) as f:
+                base = json.load(f)
+        dtype = str(self.export_dtype).removeprefix("torch.")
+        config = hf_config(
+            self.sd_adapter.model_config,
+            cfg.export_family,
+            dtype,
+            base=base,
+            token_ids=special_token_ids(cfg.tokenizer_dir),
+        )
+        finish_export(tmp, config, cfg.tokenizer_dir, step=step)
+        self._commit(tmp, final, step, self._all_crcs(tmp), dcp=False)
+        logger.info(
+            f"Hugging Face export ({dtype}) written to {final} in {time.monotonic() - begin:.1f} s"
+        )
 
     # --- save
 
@@ -477,29 +728,86 @@ class AtomicCheckpointManager(CheckpointManager):
         if _dist_on():
             dist.barrier()  # nobody writes into tmp before rank 0 has cleared it
         if async_mode != AsyncMode.DISABLED:
+            self._async_target = (final, step)  # named if the write fails (_wait_for_saving)
             ret = super().dcp_save(state_dict, tmp, async_mode, enable_garbage_collection, False)
             fut = ret if isinstance(ret, Future) else getattr(ret, "upload_completion", None)
             if rank == 0 and fut is not None:
                 self._commit_done = threading.Event()
                 fut.add_done_callback(lambda f: self._commit_when_written(f, tmp, final, step))
             return ret
-        ret = super().dcp_save(state_dict, tmp, async_mode, enable_garbage_collection, False)
-        faults.inject("save", step)
-        crcs: dict[str, int] = {}
-        if self.checksums:
-            own = [n for n in os.listdir(tmp) if n.startswith(f"__{rank}_")]
-            crcs = {n: crc32_file(os.path.join(tmp, n)) for n in own}
-            if rank == 0 and os.path.exists(os.path.join(tmp, ".metadata")):
-                crcs[".metadata"] = crc32_file(os.path.join(tmp, ".metadata"))
+        try:
+            ret = super().dcp_save(state_dict, tmp, async_mode, enable_garbage_collection, False)
+            faults.inject("save", step)
+            crcs: dict[str, int] = {}
+            if self.checksums:
+                own = [n for n in os.listdir(tmp) if n.startswith(f"__{rank}_")]
+                crcs = {n: crc32_file(os.path.join(tmp, n)) for n in own}
+                if rank == 0 and os.path.exists(os.path.join(tmp, ".metadata")):
+                    crcs[".metadata"] = crc32_file(os.path.join(tmp, ".metadata"))
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+            # DCP gathers every rank's write errors, so every rank is here together.
+            self._save_failed(e, final, step, state_dict)
+            raise
         if _dist_on():
             gathered: list[dict[str, int] | None] = [None] * world
             dist.all_gather_object(gathered, crcs)
             crcs = {k: v for d in gathered if d for k, v in d.items()}
+        err: BaseException | None = None
         if rank == 0:
-            self._commit(tmp, final, step, crcs)
+            try:
+                self._commit(tmp, final, step, crcs)
+            except Exception as e:  # the manifest write, the rename, the read-back
+                err = e
+        # Every rank learns the outcome of rank 0's commit (and raises together).
+        failed = self._gather([describe_error(err)] if err is not None else [])
+        if failed:
+            self._save_failed(err or OSError(errno.EIO, "; ".join(failed)), final, step, state_dict)
+            raise CheckpointError(
+                f"committing checkpoint {final} failed: {'; '.join(failed)}",
+                file=self.xconfig.recipe_file,
+                key="checkpoint.folder",
+            )
         if _dist_on():
             dist.barrier()  # every rank returns after the commit
         return ret
+
+    def _save_failed(
+        self,
+        e: BaseException,
+        final: str,
+        step: int,
+        state_dict: dict[str, Any],
+        *,
+        key: str = "checkpoint.folder",
+    ) -> None:
+        """A save that could not be written (full disk, quota, I/O error) becomes one line
+        naming checkpoint.folder, the disk, its free space and the size needed; the partial
+        folder is removed (it frees the space) and committed checkpoints are untouched.
+        Anything else is re-raised as is by the caller."""
+        found = write_failure(e)
+        if found is None:
+            return
+        full, why = found
+        folder = os.path.dirname(final)
+        tmp = final + PARTIAL
+        free = shutil.disk_usage(folder).free if os.path.isdir(folder) else 0
+        done = [s for s in committed_steps(folder) if s != step]
+        prev = done[-1] if done else -1
+        # The previous checkpoint's size is the best estimate of the next one's.
+        need = folder_bytes(os.path.join(folder, f"step-{prev}")) if prev >= 0 else 0
+        if need == 0:
+            need = state_bytes(state_dict) * max(_rank_world()[1], 1)
+        if not full and free < need:
+            full = True  # a short write with the disk (nearly) full: say so
+        if _rank_world()[0] == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            disk_full_message(
+                folder, step, full=full, why=why, need=need, free=free, prev=prev, key=key
+            ),
+            file=self.xconfig.recipe_file,
+            key=key,
+        ) from None
 
     # --- prune
 
@@ -507,14 +815,43 @@ class AtomicCheckpointManager(CheckpointManager):
         return self.keep_latest_k > 0 and _rank_world()[0] == 0 and os.path.isdir(self.folder)
 
     def _purge_stale_checkpoints(self) -> None:
+        """Keep the newest `keep_latest` checkpoints that verify, delete older ones.
+
+        Rules (docs/reliability.md, section 3): nothing is pruned until a save of this
+        process is committed and read back (`_verified_step`); checkpoints newer than that
+        are not counted and never deleted; a kept one that fails the cheap checks (metadata,
+        sizes) is moved aside as `step-N.damaged` and an older one is kept in its place, so
+        a verified checkpoint is never deleted while a damaged one is kept."""
         if not self.local:
             return super()._purge_stale_checkpoints()
-        if not self._should_purge():
+        if not self._should_purge() or self._verified_step is None:
             return
-        steps = committed_steps(self.folder)
-        for s in steps[: -self.keep_latest_k]:
+        newest = self._verified_step
+        kept = 0
+        for s in reversed(committed_steps(self.folder)):
+            if s > newest:
+                continue
+            path = self._create_checkpoint_id(s)
+            if kept < self.keep_latest_k:
+                problems = [] if s == newest else verify_checkpoint(path, checksums=False)
+                if not problems:
+                    kept += 1
+                else:
+                    aside = set_aside(path)
+                    logger.error(
+                        f"Checkpoint {path} is damaged ({'; '.join(problems)}); moved aside "
+                        f"to {aside} instead of counting it as one of the kept checkpoints"
+                    )
+                continue
             assert self.purge_thread is not None
-            self.purge_queue.put(self._create_checkpoint_id(s))
+            self.purge_queue.put(path)
+
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        saved = self._save_and_export(curr_step, last_step)
+        if saved and last_step and self.local:
+            # torchtitan prunes after interval saves only; keep_latest holds at the end too.
+            self._purge_stale_checkpoints()
+        return saved
 
     # --- load
 
@@ -561,30 +898,39 @@ class AtomicCheckpointManager(CheckpointManager):
             s = self._find_load_step()
             if s == -1:
                 if self._rejected:
-                    listing = "; ".join(f"step-{k}: {v}" for k, v in sorted(self._rejected.items()))
                     raise CheckpointError(
-                        f"no loadable checkpoint in {self.folder} ({listing}); refusing to "
-                        "start over from step 0 over them: move the folder away to start fresh"
+                        no_loadable_message(self.folder, self._rejected),
+                        file=self.xconfig.recipe_file,
+                        key="checkpoint.folder",
                     )
                 if self.initial_load_path and not self.initial_load_in_hf:
                     problems = self._verify(self.initial_load_path)
                     if problems:
                         raise CheckpointError(
-                            f"checkpoint.load_from {self.initial_load_path} is damaged: "
-                            + "; ".join(problems)
+                            f"checkpoint {self.initial_load_path} is damaged: "
+                            + "; ".join(problems),
+                            file=self.xconfig.recipe_file,
+                            key="checkpoint.load_from",
                         )
+                    self._check_fit(
+                        self.initial_load_path, self.initial_load_model_only, "checkpoint.load_from"
+                    )
                 return super()._load(-1)
             path = self._create_checkpoint_id(s)
             problems = self._verify(path)
             if not problems:
+                # A checkpoint of another model is not damage: refuse, fall back to nothing
+                # and move nothing aside.
+                self._check_fit(path, s == 0, "checkpoint.folder")
                 err = None
                 try:
                     loaded = super()._load(s)
                 except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-                    err = f"loading failed: {type(e).__name__}: {str(e)[:500]}"
+                    err = f"loading failed: {describe_error(e)}"
                 # Every rank takes the same branch even if the failure was local to one.
                 problems = self._gather([err] if err else [])
                 if not problems:
+                    self._set_aside_rejected()
                     return loaded
             self._rejected[s] = "; ".join(problems)
             prev = self._find_load_step()
@@ -593,10 +939,60 @@ class AtomicCheckpointManager(CheckpointManager):
                 + (f"falling back to step-{prev}" if prev != -1 else "no older checkpoint")
             )
 
+    def _set_aside_rejected(self) -> None:
+        """After a fallback has loaded: the damaged newer checkpoints are renamed
+        `step-N.damaged` so no later save or prune counts them (and no data is deleted).
+        Nothing is moved while no checkpoint loads: the folder stays as it was."""
+        if self._rejected and _rank_world()[0] == 0:
+            for s, why in sorted(self._rejected.items()):
+                path = self._create_checkpoint_id(s)
+                if os.path.isdir(path):
+                    aside = set_aside(path)
+                    logger.warning(
+                        f"Damaged checkpoint {path} moved aside to {aside} ({why}); "
+                        "delete it by hand once inspected"
+                    )
+        if self._rejected and _dist_on():
+            dist.barrier()
+
+    def _check_fit(self, path: str, model_only: bool, key: str) -> None:
+        """Refuse (one line, every rank) a checkpoint whose tensors differ from the model's."""
+        from runtime.checkpoint_fit import (
+            NON_MODEL_STATES,
+            Expected,
+            expected_from_module,
+            mismatch,
+            read_present,
+        )
+
+        if MODEL not in self.states:
+            return
+        exp = expected_from_module(self.states[MODEL].model)
+        if _dist_on():  # pipeline stages hold different layers: the union is the model
+            parts: list[Expected | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, exp)
+            exp = Expected(
+                {k: v for p in parts if p for k, v in p.model.items()},
+                {n for p in parts if p for n in p.trainable},
+            )
+        non_model = (*NON_MODEL_STATES, *(k for k in self.states if k != MODEL))
+        problem = mismatch(read_present(path, non_model), exp, model_only=model_only)
+        if problem:
+            raise CheckpointError(
+                f"{path} does not fit the model: {problem}",
+                file=self.xconfig.recipe_file,
+                key=key,
+            )
+
     def _load_verified(self, step: int, path: str) -> bool:
         problems = self._verify(path)
         if problems:
-            raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems))
+            raise CheckpointError(
+                f"checkpoint {path} is damaged: " + "; ".join(problems),
+                file=self.xconfig.recipe_file,
+                key="checkpoint.folder",
+            )
+        self._check_fit(path, step == 0, "checkpoint.folder")
         return super()._load(step)
 
     def dcp_load(

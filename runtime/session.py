@@ -126,13 +126,11 @@ def check_environment(recipe: Recipe) -> None:
 
         check_load_hf(recipe.checkpoint.load_hf, effective_shape(recipe), file=f)
     if recipe.checkpoint.load_from:
-        if not Path(recipe.checkpoint.load_from).is_dir():
-            raise ConfigError(
-                f"checkpoint to load not found: {recipe.checkpoint.load_from}",
-                file=f,
-                key="checkpoint.load_from",
-            )
-        from runtime.checkpoint import verify_checkpoint
+        from runtime.checkpoint import not_a_checkpoint, verify_checkpoint
+
+        why = not_a_checkpoint(recipe.checkpoint.load_from)
+        if why:
+            raise ConfigError(why, file=f, key="checkpoint.load_from")
 
         # Sizes and metadata only (cheap); the checksums are checked when it is loaded.
         problems = verify_checkpoint(recipe.checkpoint.load_from, checksums=False)
@@ -142,6 +140,42 @@ def check_environment(recipe: Recipe) -> None:
                 file=f,
                 key="checkpoint.load_from",
             )
+
+
+def check_checkpoint_fit(recipe: Recipe, config: Trainer.Config) -> None:
+    """The checkpoint this run will load holds exactly the model's tensors (and, on a
+    resume, optimizer state for exactly the trained parameters): the newest intact one of
+    checkpoint.folder, else checkpoint.load_from. A partial load is refused, never silent;
+    every checkpoint damaged is refused too (never a silent start from step 0). The same
+    check runs again in the checkpointer, on the live model, before each load."""
+    if not recipe.checkpoint.enabled:
+        return
+    from runtime.checkpoint import committed_steps, no_loadable_message, verify_checkpoint
+    from runtime.checkpoint_fit import check_fits, expected_from_config
+
+    f = recipe.source
+    folder = recipe.checkpoint_dir
+    path, key, model_only = "", "", True
+    damaged: dict[int, str] = {}
+    for s in reversed(committed_steps(folder)):
+        p = os.path.join(folder, f"step-{s}")
+        problems = verify_checkpoint(p, checksums=False)  # cheap; checksums come at load
+        if not problems:
+            path, key, model_only = p, "checkpoint.folder", s == 0
+            break
+        damaged[s] = "; ".join(problems)
+    if not path and damaged:
+        raise ConfigError(no_loadable_message(folder, damaged), file=f, key="checkpoint.folder")
+    if not path and recipe.checkpoint.load_from:
+        path, key = recipe.checkpoint.load_from, "checkpoint.load_from"  # verified above
+    if not path:
+        return
+    assert config.model_spec is not None
+    problem = check_fits(path, expected_from_config(config.model_spec.model), model_only=model_only)
+    if problem:
+        m = recipe.model
+        model = f"{m.family} {m.flavor}" + (f", model.layers = {m.layers}" if m.layers else "")
+        raise ConfigError(f"{path} does not fit the model ({model}): {problem}", file=f, key=key)
 
 
 def check_tokenizer(path: str, recipe: Recipe) -> None:
@@ -380,6 +414,7 @@ def _prepare(recipe: Recipe) -> Job:
     config = build_trainer_config(
         recipe, layout, platform=platform, kernels=kernels, tokenizer_path=tokenizer_path
     )
+    check_checkpoint_fit(recipe, config)
     return Job(recipe, layout, platform, kernels, tokenizer_path, config, world_size, cluster, plan)
 
 

@@ -121,7 +121,7 @@ def build_lora_model(recipe, device: torch.device) -> tuple[nn.Module, BaseModel
     if recipe.checkpoint.load_from:
         from posttrain.adapters import load_base
 
-        load_base(model, recipe.checkpoint.load_from)
+        load_base(model, recipe.checkpoint.load_from, file=recipe.source)
     vocab = model.tok_embeddings.weight.shape[0]
     info = BaseModelInfo(
         name=f"titanscale/{recipe.job.name}",

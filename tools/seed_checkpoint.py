@@ -28,6 +28,10 @@ def main(argv: list[str] | None = None) -> None:
     # The seed is model weights only: parallel degrees of the recipe do not apply.
     degrees = ["parallel.world_size=0", "parallel.dp_replicate=1", "parallel.dp_shard=-1"]
     degrees += ["parallel.tp=1", "parallel.pp=1", "parallel.cp=1", "parallel.auto=false"]
+    # Nor do the recipe's checkpoints: a seed loads nothing (fresh initial weights), so the
+    # checks of what a run would load (runtime.session.check_checkpoint_fit) do not apply.
+    degrees += ["checkpoint.interval=0", "checkpoint.load_from=", "checkpoint.load_hf="]
+    degrees += ["checkpoint.export_hf=false", "checkpoint.export_hf_every_checkpoint=false"]
     job = session.prepare(args.recipe, [*args.overrides, *degrees])
     path = session.create_seed_checkpoint(job, args.out)
     print(path)

@@ -77,14 +77,17 @@ def main(argv: list[str] | None = None) -> None:
         )
     base = recipe.checkpoint.load_from
     if base:  # the base model's weights (else initialised from training.seed)
-        from runtime.checkpoint import verify_checkpoint
+        from runtime.checkpoint import not_a_checkpoint, verify_checkpoint
 
-        if not os.path.isdir(base):
+        if not os.path.exists(base):
             raise ConfigError(
                 f"base checkpoint not found: {base} (train it first, see the recipe's header)",
                 file=recipe.source,
                 key="checkpoint.load_from",
             )
+        why = not_a_checkpoint(base)  # a file, the run's folder, a Hugging Face folder
+        if why:
+            raise ConfigError(why, file=recipe.source, key="checkpoint.load_from")
         problems = verify_checkpoint(base, checksums=False)
         if problems:
             raise ConfigError(
