@@ -19,6 +19,7 @@ from torchtitan.trainer import Trainer
 
 from core.axes import Layout
 from core.errors import ConfigError
+from core.launch_env import check_visible_devices, launch_env
 from core.models import model_shape
 from parallel.cluster import Cluster, load_cluster
 from parallel.planner import apply_plan, best_plan
@@ -46,8 +47,10 @@ class Job:
 
 
 def _launch_env() -> int:
-    """World size from torchrun's environment; a plain `python train.py` is a 1-process job."""
-    if "WORLD_SIZE" not in os.environ:
+    """World size from torchrun's environment (checked: `core.launch_env`, one line and exit 2
+    on a malformed variable); a plain `python train.py` is a 1-process job."""
+    env = launch_env()
+    if not env.launched:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
@@ -57,7 +60,7 @@ def _launch_env() -> int:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    return int(os.environ["WORLD_SIZE"])
+    return env.world_size
 
 
 # A full checkpoint holds fp32 parameters and AdamW's two fp32 moments: 12 bytes/parameter.
@@ -267,6 +270,10 @@ def prepare(recipe_path: str | None, overrides: list[str]) -> Job:
     recipe = load_recipe(recipe_path, overrides)
     world_size = _launch_env()
     platform = Platform.detect()
+    if not platform.is_cpu:
+        import torch
+
+        check_visible_devices(launch_env(), torch.cuda.device_count())
     cluster = cluster_for_job(recipe, world_size, platform)
     plan = None
     if recipe.parallel.auto:
