@@ -37,6 +37,13 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+def shown(value: str, limit: int = 60) -> str:
+    """A user's value as it may appear in a one-line message: repr (newlines, NULs and line
+    separators escaped), cut to `limit` characters."""
+    r = repr(value)  # escapes every non-printable character, U+2028 and U+0085 included
+    return r if len(r) <= limit else r[: limit - 4] + "...'"
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 

@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from core.errors import ConfigError
+from core.errors import ConfigError, shown
 
 # Larger than any job (about 100k GPUs today): a bound, so "WORLD_SIZE=10**30" is refused
 # with a message instead of sizing meshes and buffers from it.
@@ -33,13 +33,6 @@ _CUDA_DEVICE = re.compile(r"-?[0-9]{1,4}|GPU-[0-9A-Fa-f-]{1,64}|MIG-[A-Za-z0-9/_
 
 STOP_CHECK_ENV = "TITANSCALE_STOP_CHECK_S"
 DEFAULT_STOP_CHECK_S = 10.0
-
-
-def shown(value: str, limit: int = 60) -> str:
-    """A value as it may appear in a one-line message: repr (newlines and NULs escaped),
-    cut to `limit` characters."""
-    r = repr(value)
-    return r if len(r) <= limit else r[: limit - 4] + "...'"
 
 
 def _err(name: str, expected: str, value: str) -> ConfigError:

@@ -16,6 +16,7 @@ from typing import Any
 from core.axes import Layout, resolve_layout
 from core.errors import ConfigError
 from core.models import ModelShape, model_shape, pp_layer_weights, stages_per_rank
+from core.safe_text import check_text
 from core.typed_toml import apply_override, build_dataclass, read_with_bases, resolve_named
 from recipe.schema import Recipe
 
@@ -41,6 +42,8 @@ def load_recipe_dict(path: str | Path, overrides: Sequence[str] = ()) -> dict[st
 
 def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Recipe:
     """Load, merge bases, apply overrides and check every key and type."""
+    if path:
+        check_text(str(path), key="--recipe", what="a recipe path or name")
     path = resolve_recipe_path(path)
     data = load_recipe_dict(path, overrides)
     # An override's key is named with --set; a file's key with the file.

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from core.errors import ConfigError, exit_on_config_error
+from core.safe_text import SBATCH_PATH, SBATCH_PATH_ALLOWED, check_path, check_word
 from tools.cli import add_cluster_arg, add_override_arg, add_recipe_arg, run
 
 
@@ -36,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--partition", default="", help="Slurm partition")
     p.add_argument("--time", default="", help="time limit (Slurm format, e.g. 04:00:00)")
     p.add_argument("--account", default="", help="Slurm account")
+    p.add_argument("--qos", default="", help="Slurm quality of service")
     p.add_argument("--job-name", default="", help="job name (default: the recipe's job.name)")
     add_override_arg(p, "override a recipe key (repeatable); passed on to train.py")
     p.add_argument("--out", default=None, help="run folder (default: the recipe's job.output_dir)")
@@ -81,7 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     cluster = load_cluster(args.cluster)
     cluster_path = resolve_cluster_path(args.cluster).resolve()
+    # Checked before Path.resolve (a NUL byte raises there): the folder is written into the
+    # job script's #SBATCH --output line (core.safe_text).
+    out_key = ("--out", None) if args.out else ("job.output_dir", recipe.source)
+    check_path(args.out or recipe.output_dir, key=out_key[0], file=out_key[1])
     out = Path(args.out or recipe.output_dir).resolve()
+    check_word(str(out), SBATCH_PATH, SBATCH_PATH_ALLOWED, key=out_key[0], file=out_key[1])
     workdir = args.workdir or str(REPO_ROOT)
     opts = LaunchOptions(
         nodes=args.nodes,
@@ -93,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         partition=args.partition,
         time=args.time,
         account=args.account,
+        qos=args.qos,
         job_name=args.job_name,
         python=args.python,
         preflight=not args.no_preflight,
