@@ -8,12 +8,17 @@ the file and the dotted key (or the file position for TOML syntax errors).
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 from collections.abc import Callable, Iterable
 from functools import wraps
 from typing import Any, TypeVar
 
 EXIT_BAD_INPUT = 2
+# Set by tools.torchrun for the ranks it starts: a rank hands its one-line message over as a
+# file in this folder instead of printing it, and the wrapper prints each distinct one once.
+HANDOVER_DIR_ENV = "TITANSCALE_ERROR_DIR"
+HANDOVER_PID_ENV = "TITANSCALE_ERROR_DIR_PID"  # the wrapper's pid: only its own children
 
 
 class ConfigError(ValueError):
@@ -29,6 +34,24 @@ class ConfigError(ValueError):
         if key:
             where += f"{key}: "
         super().__init__(where + message)
+
+
+def hand_over(line: str) -> bool:
+    """Under tools.torchrun (this process's parent set HANDOVER_DIR_ENV): write the message
+    for the wrapper to print once; False (print it yourself) anywhere else or if that fails."""
+    folder = os.environ.get(HANDOVER_DIR_ENV)
+    if not folder or os.environ.get(HANDOVER_PID_ENV) != str(os.getppid()):
+        return False
+    rank = os.environ.get("RANK", "")
+    rank = rank if rank.isdigit() else "x"
+    try:
+        tmp = os.path.join(folder, f".rank-{rank}-{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            f.write(line + "\n")
+        os.replace(tmp, os.path.join(folder, f"rank-{rank}-{os.getpid()}.txt"))
+    except OSError:
+        return False
+    return True
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
@@ -55,7 +78,9 @@ def exit_on_config_error(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
+            line = f"error: {e}"
+            if not hand_over(line):
+                print(line, file=sys.stderr)
             raise SystemExit(EXIT_BAD_INPUT) from None
 
     return wrapper  # type: ignore[return-value]

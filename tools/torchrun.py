@@ -1,0 +1,132 @@
+"""`python -m tools.torchrun [torchrun options] train.py [train.py options]`: torchrun, with bad
+input reported once and no launcher traceback.
+
+Plain `torchrun` ends every failed job by raising ChildFailedError out of its own `main`
+(torch.distributed.run, decorated with `@record`, which re-raises it): a recipe error that
+each rank already reported in one line (exit 2) is followed by torchrun's Python traceback,
+a failure table and exit 1. Nothing in the child can prevent that (the parent raises it), so
+this wrapper runs the same launcher through torch's API (`torch.distributed.run.parse_args`
+and `run`: same options, same agent, same rendezvous) and catches ChildFailedError:
+
+- every failed process exited 2 (bad input), or was stopped by the agent's SIGTERM after one
+  did: each distinct message the ranks handed over is printed once, exit 2;
+- anything else: one line per failed rank (rank, exit code or signal, host, error file, and
+  the first line of the error torchelastic recorded), no traceback, and the root cause's exit
+  code (128 + N for a signal N, as a shell reports it).
+
+The ranks hand their one-line message over through a folder named in TITANSCALE_ERROR_DIR
+(`core.errors.exit_on_config_error`; only for processes whose parent is this wrapper), so a
+job of 8 ranks prints the line once, not 8 times. The job script (launch/job.sbatch) and the
+README use this wrapper; plain torchrun still works and still prints its traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from core.errors import EXIT_BAD_INPUT, HANDOVER_DIR_ENV, HANDOVER_PID_ENV
+
+
+def exit_code(code: int) -> int:
+    """A child's exit status as a shell shows it: -N (killed by signal N) -> 128 + N."""
+    return 128 - code if code < 0 else code
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def is_bad_input(codes: Mapping[int, int]) -> bool:
+    """True when the job failed on bad input: some rank exited 2 and every other failed rank
+    exited 2 too or was ended by the agent's SIGTERM (sent to the others once one fails)."""
+    exited = list(codes.values())
+    return EXIT_BAD_INPUT in exited and all(c in (EXIT_BAD_INPUT, -signal.SIGTERM) for c in exited)
+
+
+def read_messages(folder: Path) -> list[str]:
+    """The distinct one-line messages the ranks handed over, in rank order."""
+    lines: list[str] = []
+    for f in sorted(folder.glob("rank-*.txt"), key=lambda p: _rank_of(p.name)):
+        text = f.read_text(errors="replace").strip()
+        if text and text not in lines:
+            lines.append(text)
+    return lines
+
+
+def _rank_of(name: str) -> int:
+    try:
+        return int(name.split("-")[1])
+    except (IndexError, ValueError):
+        return 1 << 30
+
+
+def failure_lines(failures: Mapping[int, Any], host: str = "") -> list[str]:
+    """One line per failed rank (ProcessFailure: local_rank, exitcode, error_file, message)."""
+    out = []
+    term = -signal.SIGTERM
+    others_failed = any(f.exitcode != term for f in failures.values())
+    for rank in sorted(failures):
+        f = failures[rank]
+        code = f.exitcode
+        how = f"killed by {_signal_name(code)}" if code < 0 else f"exit {code}"
+        msg = str(f.message or "").strip().splitlines()
+        noise = ("To enable traceback", "Signal ")  # torchelastic's text when it has none
+        first = f": {msg[0][:200]}" if msg and not msg[0].startswith(noise) else ""
+        if code == term and others_failed:
+            how, first = "stopped by torchrun (SIGTERM) after another rank failed", ""
+        where = f" on {host}" if host else ""
+        err = f" (error file {f.error_file})" if f.error_file and f.error_file != "<N/A>" else ""
+        out.append(f"torchrun: rank {rank} (local rank {f.local_rank}){where} {how}{first}{err}")
+    return out
+
+
+class _DropChildExitNoise(logging.Filter):
+    """torchelastic logs 'failed (exitcode: N)' and 'Sending process ... SIGTERM' per rank;
+    our summary says the same once, so those two records are dropped (others are kept)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not (msg.startswith("failed (exitcode") or msg.startswith("Sending process"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(argv)  # torchrun's own options and its usage errors (exit 2)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
+        _DropChildExitNoise()
+    )
+    with tempfile.TemporaryDirectory(prefix="titanscale-errors-") as d:
+        os.environ[HANDOVER_DIR_ENV] = d
+        os.environ[HANDOVER_PID_ENV] = str(os.getpid())
+        try:
+            run(args)
+        except ChildFailedError as e:
+            codes = {r: f.exitcode for r, f in e.failures.items()}
+            if is_bad_input(codes):
+                for line in read_messages(Path(d)):
+                    print(line, file=sys.stderr)
+                return EXIT_BAD_INPUT
+            for line in failure_lines(e.failures, socket.gethostname()):
+                print(line, file=sys.stderr)
+            for line in read_messages(Path(d)):  # a rank's bad-input line among other failures
+                print(line, file=sys.stderr)
+            _, root = e.get_first_failure()
+            return exit_code(root.exitcode)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
