@@ -27,9 +27,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     # Syntax, keys and types first: pure Python, so a typo in a recipe or a --set costs a
     # tenth of a second, not the several seconds of importing torch and torchtitan.
+    from core.launch_env import launch_env
     from recipe.loader import load_recipe
 
     load_recipe(args.recipe, args.overrides)
+    launch_env()  # RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, ... (one line naming the variable)
 
     from torchtitan.tools.logging import init_logger
 

@@ -43,11 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @exit_on_config_error
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from launch.preflight import recipe_layout
     from recipe.loader import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
-    env = launch_env()  # checked before any process group (one line, exit 2)
+    env = launch_env()  # checked before torch and any process group (one line, exit 2)
+    from launch.preflight import recipe_layout
+
     layout = recipe_layout(recipe, env.world_size)
     cluster = None
     if args.cluster:
