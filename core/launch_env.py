@@ -75,9 +75,27 @@ class LaunchEnv:
         return math.ceil(self.world_size / self.local_world_size)
 
 
+# torch's elastic logger calls logging.setLevel(os.environ["LOGLEVEL"]) at import: only
+# these names work (not "info", not "10"); anything else is a ValueError inside torch.
+_LOG_LEVELS = ("CRITICAL", "FATAL", "ERROR", "WARNING", "WARN", "INFO", "DEBUG", "NOTSET")
+
+
+def check_torch_env(env: Mapping[str, str]) -> None:
+    """Variables torch itself reads at import or start, which torchrun's parent reads too:
+    LOGLEVEL (a traceback at import otherwise) and OMP_NUM_THREADS (OpenMP silently ignores
+    a malformed value and uses every core in every process)."""
+    level = env.get("LOGLEVEL")
+    if level is not None and level not in _LOG_LEVELS:
+        raise _err("LOGLEVEL", "one of " + ", ".join(_LOG_LEVELS), level)
+    omp = env.get("OMP_NUM_THREADS")
+    if omp is not None and not re.fullmatch(r"0*[1-9][0-9]{0,5}(,[0-9]{1,6}){0,7}", omp):
+        raise _err("OMP_NUM_THREADS", "a positive thread count (or OpenMP's list, e.g. 4,2)", omp)
+
+
 def parse_launch_env(env: Mapping[str, str]) -> LaunchEnv:
     """Check every launch variable in `env`; ConfigError (file "environment", key = the
     variable) on the first bad one."""
+    check_torch_env(env)
     launched = "WORLD_SIZE" in env
     world = env_int(
         env, "WORLD_SIZE", 1, lo=1, hi=MAX_WORLD_SIZE,
@@ -123,6 +141,8 @@ def parse_launch_env(env: Mapping[str, str]) -> LaunchEnv:
     node_name = env.get("SLURMD_NODENAME") or None
     if node_name is not None and not _HOST.fullmatch(node_name):
         raise _err("SLURMD_NODENAME", "a host name", node_name)
+    if env.get("SLURM_TOPOLOGY_ADDR"):  # read by the startup placement check, after init
+        parse_topology_addr(env["SLURM_TOPOLOGY_ADDR"], env.get("SLURM_TOPOLOGY_ADDR_PATTERN", ""))
     cvd = _cuda_visible_devices(env.get("CUDA_VISIBLE_DEVICES"))
     stop_check = DEFAULT_STOP_CHECK_S
     raw = env.get(STOP_CHECK_ENV)
@@ -169,6 +189,27 @@ def _cuda_visible_devices(raw: str | None) -> tuple[str, ...] | None:
             raw,
         )
     return tuple(i.strip() for i in items)
+
+
+def parse_topology_addr(addr: str, pattern: str = "") -> tuple[tuple[str, ...], str]:
+    """`SLURM_TOPOLOGY_ADDR` ("spine.leaf1.node1") -> (("spine", "leaf1"), "node1").
+
+    With `SLURM_TOPOLOGY_ADDR_PATTERN` ("switch.switch.node") the fields are checked.
+    """
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,1024}", addr):
+        raise _err("SLURM_TOPOLOGY_ADDR", "dot-separated switch and node names", addr)
+    parts = addr.split(".")
+    if pattern:
+        kinds = pattern.split(".")
+        if len(kinds) != len(parts) or kinds[-1] != "node":
+            raise _err(
+                "SLURM_TOPOLOGY_ADDR",
+                f"the fields of its pattern (SLURM_TOPOLOGY_ADDR_PATTERN {shown(pattern)})",
+                addr,
+            )
+    if not parts[-1]:
+        raise _err("SLURM_TOPOLOGY_ADDR", "a node name after the last '.' (empty)", addr)
+    return tuple(parts[:-1]), parts[-1]
 
 
 def launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:

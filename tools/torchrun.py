@@ -32,7 +32,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from core.errors import EXIT_BAD_INPUT, HANDOVER_DIR_ENV, HANDOVER_PID_ENV
+from core.errors import EXIT_BAD_INPUT, HANDOVER_DIR_ENV, HANDOVER_PID_ENV, exit_on_config_error
+from core.launch_env import check_torch_env
 
 
 def exit_code(code: int) -> int:
@@ -100,7 +101,11 @@ class _DropChildExitNoise(logging.Filter):
         return not (msg.startswith("failed (exitcode") or msg.startswith("Sending process"))
 
 
+@exit_on_config_error
 def main(argv: list[str] | None = None) -> int:
+    # Before importing torch: LOGLEVEL=x would fail inside torch's import with a traceback.
+    # (RANK, WORLD_SIZE ... are torchrun's to set for the children, not checked here.)
+    check_torch_env(os.environ)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 

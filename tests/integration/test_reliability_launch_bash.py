@@ -34,7 +34,7 @@ def values(marker: Path) -> list[str]:
     return [
         f"$(touch {marker})",
         f"`touch {marker}`; touch {marker}",
-        "it's \"quoted\" \\ back\\slash",
+        'it\'s "quoted" \\ back\\slash',
         "${HOME} $HOME ~ * ? [a] {b,c} !x %j #not-a-comment",
         "-starts-with-dash --and=this",
         "é ünïcode ✓",
@@ -72,7 +72,7 @@ def test_quoted_values_round_trip_through_bash(tmp_path, capsys):
         probe = (
             "run_step() { shift; printf '%s\\0' \"$@\"; printf '\\1'; }\nPORT0=1\n"
             + "\n".join(wanted)
-            + "\nprintf '%s\\0' \"$PY\" \"$RUN_DIR\" \"$GLOO_SOCKET_IFNAME\"\n"
+            + '\nprintf \'%s\\0\' "$PY" "$RUN_DIR" "$GLOO_SOCKET_IFNAME"\n'
         )
         out = subprocess.run(["bash", "-c", probe], capture_output=True, check=True).stdout
         preflight, train, tail = out.decode().split("\1")

@@ -61,9 +61,7 @@ def test_other_failures_summarised_with_the_childs_exit_code(tmp_path):
     """Rank 1 exits 3 while rank 0 waits: one line per failed rank, exit 3, no traceback."""
     script = tmp_path / "fail.py"
     script.write_text(
-        "import os, sys, time\n"
-        "if os.environ['RANK'] == '1':\n    sys.exit(3)\n"
-        "time.sleep(60)\n"
+        "import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(60)\n"
     )
     p = torchrun(tmp_path, str(script))
     assert p.returncode == 3, p.stderr[-3000:]
