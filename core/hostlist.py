@@ -7,6 +7,11 @@ from __future__ import annotations
 import re
 
 _DIGITS = re.compile(r"(\d+)")
+# More hosts than any cluster has (the largest are ~25k nodes): "n[1-10000000]" is refused
+# before it is expanded, not planned for minutes.
+MAX_HOSTS = 2**17
+# Host names end up in the job's node-order file (read by `head` and `grep -x`): plain names.
+_HOST = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,252}")
 
 
 def natural_key(text: str) -> tuple[tuple[int, int | str], ...]:
@@ -16,7 +21,8 @@ def natural_key(text: str) -> tuple[tuple[int, int | str], ...]:
 
 
 def expand_hostlist(expr: str) -> list[str]:
-    """Expand a Slurm hostlist ("gpu[001-003,7],cpu1") in order; ValueError on bad syntax."""
+    """Expand a Slurm hostlist ("gpu[001-003,7],cpu1") in order; ValueError on bad syntax,
+    a host name that is not a plain name, or more than MAX_HOSTS hosts."""
     expr = expr.strip()
     if not expr:
         return []
@@ -42,11 +48,30 @@ def expand_hostlist(expr: str) -> list[str]:
     for part in parts:
         part = part.strip()
         if part:
-            out.extend(_expand_one(part, expr))
+            out.extend(_expand_one(part, expr, MAX_HOSTS - len(out)))
+    for name in out:
+        if not _HOST.fullmatch(name):
+            raise ValueError(
+                f"bad host name {name!r} in hostlist {expr!r} (letters, digits, '_', '.', '-')"
+            )
     return out
 
 
-def _expand_one(part: str, whole: str) -> list[str]:
+def _count(values: str) -> int:
+    """Hosts one bracket ("001-003,7") stands for, without expanding it."""
+    n = 0
+    for rng in values.split(","):
+        lo, _, hi = rng.strip().partition("-")
+        n += int(hi) - int(lo) + 1 if hi.isdigit() and lo.isdigit() else 1
+    return n
+
+
+def _expand_one(part: str, whole: str, room: int = MAX_HOSTS) -> list[str]:
+    total = 1
+    for br in re.findall(r"\[([^\[\]]*)\]", part):
+        total *= max(_count(br), 1)
+        if total > room:
+            raise ValueError(f"hostlist {whole[:80]!r} names more than {MAX_HOSTS} hosts")
     m = re.search(r"\[([^\[\]]*)\]", part)
     if not m:
         return [part]

@@ -88,7 +88,10 @@ def fabric_from_slurm(
                 file="scontrol show topology",
             ):
                 hosts_from_topo[h.name] = h
-    names = expand_hostlist(nodelist) if nodelist else None
+    try:
+        names = expand_hostlist(nodelist) if nodelist else None
+    except ValueError as e:
+        raise ConfigError(str(e), file="slurm", key="SLURM_JOB_NODELIST") from None
     if names is None:
         if topology_addrs:
             names = list(topology_addrs)
