@@ -128,9 +128,9 @@ def check_launch(recipe: Recipe, cluster: Cluster, opts: LaunchOptions) -> tuple
         )
     world = opts.nodes * procs_per_node(cluster)
     layout = check_recipe(recipe, world)
-    if opts.signal_seconds < 1:
+    if not 1 <= opts.signal_seconds <= 65535:  # sbatch --signal's limit
         raise ConfigError(
-            f"expected a positive number, got {opts.signal_seconds}", key="--signal-seconds"
+            f"expected seconds from 1 to 65535, got {opts.signal_seconds}", key="--signal-seconds"
         )
     if opts.time:
         try:

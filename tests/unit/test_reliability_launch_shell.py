@@ -241,3 +241,29 @@ def test_node_order_gathered_names(tmp_path_factory, names, addrs):
             assert n and set(n) <= set(string.ascii_letters + string.digits + "_.-"), n
             assert n[0] != "-"
     record_case("tools.node_order", "shell injection (node names)")
+
+
+@pytest.mark.parametrize(
+    "nodelist",
+    ["n[1-", "n[1-10000000]", "r[1-1000]n[1-1000]", "n[0-1]\nx", "a b", "n[1-2]$(id)", "-n1"],
+)
+def test_node_lists_refused_in_one_line_and_bounded_time(nodelist):
+    """SLURM_JOB_NODELIST / --nodelist: was a ValueError traceback ('n[1-') or minutes of
+    planning for 10 million hosts; now counted before expanding, names checked."""
+    import time
+
+    from tools.plan import main as plan_main
+
+    t = time.monotonic()
+    argv = ["--recipe", "debug", "--cluster", "local_cpu", f"--nodelist={nodelist}"]
+    rc, _, err = run_main(plan_main, argv)
+    assert time.monotonic() - t < 10
+    assert rc == 2 and len(err.strip("\n").split("\n")) == 1, err
+    assert err.startswith("error: slurm: SLURM_JOB_NODELIST: "), err
+    record_case("tools.plan", "node lists (hostlist)")
+
+
+def test_signal_seconds_within_slurms_limit():
+    rc, _, err = run_launch("--signal-seconds", str(10**20))
+    check_refused(rc, err, ("--signal-seconds",), "10**20")
+    record_case("tools.launch", "shell injection (#SBATCH values)")
