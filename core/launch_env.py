@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 from core.errors import ConfigError, shown
@@ -31,6 +31,7 @@ _UINT = re.compile(r"[0-9]{1,12}")
 _HOST = re.compile(r"[A-Za-z0-9_.:\[\]%-]{1,253}")
 _CUDA_DEVICE = re.compile(r"-?[0-9]{1,4}|GPU-[0-9A-Fa-f-]{1,64}|MIG-[A-Za-z0-9/_-]{1,96}")
 
+MULTI_PROCESS_VARS = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 STOP_CHECK_ENV = "TITANSCALE_STOP_CHECK_S"
 DEFAULT_STOP_CHECK_S = 10.0
 
@@ -153,6 +154,15 @@ def parse_launch_env(env: Mapping[str, str]) -> LaunchEnv:
             stop_check = -1.0
         if not (re.fullmatch(r"[0-9.eE+-]{1,32}", raw) and 0 < stop_check <= 86400):
             raise _err(STOP_CHECK_ENV, "seconds between stop-file checks, >0 and <= 86400", raw)
+    if world > 1:  # torch's env:// rendezvous and torchtitan's device choice need these
+        for var in MULTI_PROCESS_VARS:
+            if var not in env:
+                raise ConfigError(
+                    f"expected it to be set: WORLD_SIZE={world} is a multi-process launch, "
+                    "which sets it (python -m tools.torchrun ...)",
+                    file="environment",
+                    key=var,
+                )
     return LaunchEnv(
         world_size=world,
         rank=rank,
@@ -210,6 +220,23 @@ def parse_topology_addr(addr: str, pattern: str = "") -> tuple[tuple[str, ...], 
     if not parts[-1]:
         raise _err("SLURM_TOPOLOGY_ADDR", "a node name after the last '.' (empty)", addr)
     return tuple(parts[:-1]), parts[-1]
+
+
+def fill_single_process(environ: MutableMapping[str, str]) -> None:
+    """A 1-process job (`python train.py`, `WORLD_SIZE=1`): give torch's env:// rendezvous and
+    torchtitan what torchrun would (rank 0, a free local port); keeps what is already set.
+    Not pure: it binds a socket to find the port."""
+    if launch_env(environ).world_size != 1:
+        return
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"),
+                 ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):  # fmt: skip
+        environ.setdefault(k, v)
+    if "MASTER_PORT" not in environ:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            environ["MASTER_PORT"] = str(s.getsockname()[1])
 
 
 def launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:

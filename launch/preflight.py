@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from core.axes import MESH_ORDER, Layout
-from core.launch_env import launch_env
+from core.launch_env import fill_single_process, launch_env
 from launch.topology import topology_order
 from parallel.placement import RankPlace, group_places, plain_rank_order
 from recipe.loader import recipe_degrees
@@ -342,12 +342,7 @@ def format_report(rep: PreflightReport) -> str:
 def _init_process_group(backend: str) -> None:
     import torch.distributed as dist
 
-    if "WORLD_SIZE" not in os.environ:  # plain `python -m tools.preflight`: one process
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    fill_single_process(os.environ)  # plain `python -m tools.preflight`: one process
     dist.init_process_group(backend)
 
 

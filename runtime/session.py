@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from torchtitan.trainer import Trainer
 
 from core.axes import Layout
 from core.errors import ConfigError
-from core.launch_env import check_visible_devices, launch_env
+from core.launch_env import check_visible_devices, fill_single_process, launch_env
 from core.models import model_shape
 from parallel.cluster import Cluster, load_cluster
 from parallel.planner import apply_plan, best_plan
@@ -50,16 +49,7 @@ def _launch_env() -> int:
     """World size from torchrun's environment (checked: `core.launch_env`, one line and exit 2
     on a malformed variable); a plain `python train.py` is a 1-process job."""
     env = launch_env()
-    if not env.launched:
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
-        os.environ["WORLD_SIZE"] = "1"
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    fill_single_process(os.environ)
     return env.world_size
 
 
