@@ -154,15 +154,6 @@ def parse_launch_env(env: Mapping[str, str]) -> LaunchEnv:
             stop_check = -1.0
         if not (re.fullmatch(r"[0-9.eE+-]{1,32}", raw) and 0 < stop_check <= 86400):
             raise _err(STOP_CHECK_ENV, "seconds between stop-file checks, >0 and <= 86400", raw)
-    if world > 1:  # torch's env:// rendezvous and torchtitan's device choice need these
-        for var in MULTI_PROCESS_VARS:
-            if var not in env:
-                raise ConfigError(
-                    f"expected it to be set: WORLD_SIZE={world} is a multi-process launch, "
-                    "which sets it (python -m tools.torchrun ...)",
-                    file="environment",
-                    key=var,
-                )
     return LaunchEnv(
         world_size=world,
         rank=rank,
@@ -220,6 +211,23 @@ def parse_topology_addr(addr: str, pattern: str = "") -> tuple[tuple[str, ...], 
     if not parts[-1]:
         raise _err("SLURM_TOPOLOGY_ADDR", "a node name after the last '.' (empty)", addr)
     return tuple(parts[:-1]), parts[-1]
+
+
+def require_launch_vars(env: Mapping[str, str] | None = None) -> None:
+    """WORLD_SIZE > 1 is a multi-process launch: torch's env:// rendezvous and torchtitan's
+    device choice need RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (torchrun sets them all;
+    without, a ValueError inside torch). Called last before the process group, after the
+    recipe checks, which say more about a job that could not run anyway."""
+    env = os.environ if env is None else env
+    world = launch_env(env).world_size
+    for var in MULTI_PROCESS_VARS if world > 1 else ():
+        if var not in env:
+            raise ConfigError(
+                f"expected it to be set: WORLD_SIZE={world} is a multi-process launch, which "
+                "sets it (python -m tools.torchrun ...)",
+                file="environment",
+                key=var,
+            )
 
 
 def fill_single_process(environ: MutableMapping[str, str]) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from core.axes import MESH_ORDER, Layout
-from core.launch_env import fill_single_process, launch_env
+from core.launch_env import fill_single_process, launch_env, require_launch_vars
 from launch.topology import topology_order
 from parallel.placement import RankPlace, group_places, plain_rank_order
 from recipe.loader import recipe_degrees
@@ -342,6 +342,7 @@ def format_report(rep: PreflightReport) -> str:
 def _init_process_group(backend: str) -> None:
     import torch.distributed as dist
 
+    require_launch_vars()
     fill_single_process(os.environ)  # plain `python -m tools.preflight`: one process
     dist.init_process_group(backend)
 

@@ -18,7 +18,12 @@ from torchtitan.trainer import Trainer
 
 from core.axes import Layout
 from core.errors import ConfigError
-from core.launch_env import check_visible_devices, fill_single_process, launch_env
+from core.launch_env import (
+    check_visible_devices,
+    fill_single_process,
+    launch_env,
+    require_launch_vars,
+)
 from core.models import model_shape
 from parallel.cluster import Cluster, load_cluster
 from parallel.planner import apply_plan, best_plan
@@ -306,6 +311,7 @@ def prepare(recipe_path: str | None, overrides: list[str]) -> Job:
     config = build_trainer_config(
         recipe, layout, platform=platform, kernels=kernels, tokenizer_path=tokenizer_path
     )
+    require_launch_vars()
     return Job(recipe, layout, platform, kernels, tokenizer_path, config, world_size, cluster, plan)
 
 
