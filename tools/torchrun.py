@@ -22,8 +22,10 @@ README use this wrapper; plain torchrun still works and still prints its traceba
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -32,8 +34,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from core.errors import EXIT_BAD_INPUT, HANDOVER_DIR_ENV, HANDOVER_PID_ENV, exit_on_config_error
-from core.launch_env import check_torch_env
+from core.errors import (
+    EXIT_BAD_INPUT,
+    HANDOVER_DIR_ENV,
+    HANDOVER_PID_ENV,
+    ConfigError,
+    exit_on_config_error,
+    shown,
+)
+from core.launch_env import MAX_WORLD_SIZE, check_torch_env
 
 
 def exit_code(code: int) -> int:
@@ -92,6 +101,49 @@ def failure_lines(failures: Mapping[int, Any], host: str = "") -> list[str]:
     return out
 
 
+# More processes per node than any node runs (the largest have a few hundred cores):
+# "--nproc-per-node=100000" would fork that many Pythons before anything fails.
+MAX_PROCS_PER_NODE = 1024
+_HOST_PORT = re.compile(r"[A-Za-z0-9_.\[\]:%-]{1,260}")
+
+
+def check_torchrun_args(args: argparse.Namespace) -> None:
+    """torchrun's own options, checked before it starts anything (torch raises ValueError,
+    RuntimeError or a bare AssertionError deep in its launcher for these)."""
+    from torch.distributed.run import determine_local_world_size
+
+    n = str(args.nproc_per_node)
+    want = f"expected 1 to {MAX_PROCS_PER_NODE} processes, cpu, gpu or auto"
+    if not re.fullmatch(r"[0-9]{1,7}|[a-z]{1,16}", n):
+        raise ConfigError(f"{want}, got {shown(n)}", key="--nproc-per-node")
+    try:
+        procs = determine_local_world_size(n)  # counts cpu / gpu / auto on this machine
+    except ValueError as e:
+        raise ConfigError(f"{want}, got {shown(n)} ({e})", key="--nproc-per-node") from None
+    if not 1 <= procs <= MAX_PROCS_PER_NODE:
+        raise ConfigError(f"{want}, got {shown(n)}", key="--nproc-per-node")
+    m = re.fullmatch(r"([0-9]{1,7})(?::([0-9]{1,7}))?", str(args.nnodes))
+    lo, hi = (int(m.group(1)), int(m.group(2) or m.group(1))) if m else (0, 0)
+    if not 1 <= lo <= hi <= MAX_WORLD_SIZE:
+        raise ConfigError(
+            f"expected N or MIN:MAX nodes, 1 <= MIN <= MAX <= {MAX_WORLD_SIZE}, got "
+            f"{shown(str(args.nnodes))}",
+            key="--nnodes",
+        )
+    if not 0 <= args.node_rank < hi:
+        raise ConfigError(f"expected 0 to {hi - 1}, got {args.node_rank}", key="--node-rank")
+    if args.master_port is not None and not 1 <= args.master_port <= 65535:
+        raise ConfigError(f"expected 1 to 65535, got {args.master_port}", key="--master-port")
+    for key, v in (("--master-addr", args.master_addr), ("--rdzv-endpoint", args.rdzv_endpoint)):
+        if v and not _HOST_PORT.fullmatch(v):
+            raise ConfigError(f"expected a host name or address, got {shown(v)}", key=key)
+    if args.max_restarts < 0:
+        raise ConfigError(f"expected 0 or more, got {args.max_restarts}", key="--max-restarts")
+    script = args.training_script
+    if not (args.module or args.no_python) and not os.path.isfile(script):
+        raise ConfigError(f"no such file: {shown(script)}", key="training_script")
+
+
 class _DropChildExitNoise(logging.Filter):
     """torchelastic logs 'failed (exitcode: N)' and 'Sending process ... SIGTERM' per rank;
     our summary says the same once, so those two records are dropped (others are kept)."""
@@ -110,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(argv)  # torchrun's own options and its usage errors (exit 2)
+    check_torchrun_args(args)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
         _DropChildExitNoise()
     )

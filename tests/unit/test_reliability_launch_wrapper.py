@@ -75,3 +75,51 @@ def test_rank_hands_its_line_over_only_to_its_own_wrapper(tmp_path, monkeypatch,
         _bad()
     assert capsys.readouterr().err == "error: r.toml: a.b: expected x\n"
     record_case("torchrun", "message hand-over")
+
+
+TORCHRUN_BAD = [
+    (["--nproc_per_node=x"], "--nproc-per-node"),  # was ValueError from torch
+    (["--nproc_per_node=0"], "--nproc-per-node"),  # was a bare AssertionError
+    (["--nproc_per_node=-1"], "--nproc-per-node"),
+    (["--nproc_per_node=100000"], "--nproc-per-node"),  # would fork 100000 processes
+    (["--nproc_per_node=gpu"], "--nproc-per-node"),  # no GPU here
+    (["--nnodes=abc"], "--nnodes"),  # was int() ValueError
+    (["--nnodes=0"], "--nnodes"),
+    (["--nnodes=3:2"], "--nnodes"),
+    (["--nnodes=2", "--node-rank=2"], "--node-rank"),
+    (["--nnodes=2", "--rdzv-endpoint=$(id):1"], "--rdzv-endpoint"),
+    (["--master-addr=a;b"], "--master-addr"),
+    (["--master-port=70000"], "--master-port"),
+    (["--max-restarts=-1"], "--max-restarts"),
+]
+
+
+@pytest.mark.parametrize("opts,key", TORCHRUN_BAD, ids=[" ".join(o) for o, _ in TORCHRUN_BAD])
+def test_torchrun_options_refused_before_anything_starts(opts, key, tmp_path):
+    from torch.distributed.run import parse_args
+
+    from tools.torchrun import check_torchrun_args
+
+    script = tmp_path / "s.py"
+    script.write_text("")
+    with pytest.raises(ConfigError) as e:
+        check_torchrun_args(parse_args([*opts, str(script)]))
+    assert e.value.key == key and "\n" not in str(e.value)
+    record_case("torchrun", "launcher options")
+
+
+def test_torchrun_missing_script_and_good_options(tmp_path):
+    from torch.distributed.run import parse_args
+
+    from tools.torchrun import check_torchrun_args
+
+    with pytest.raises(ConfigError) as e:
+        check_torchrun_args(parse_args(["--nproc_per_node=2", str(tmp_path / "none.py")]))
+    assert e.value.key == "training_script"
+    script = tmp_path / "s.py"
+    script.write_text("")
+    for ok in (["--nproc_per_node=2"], ["--nproc_per_node=cpu", "--nnodes=1:4"],
+               ["--nnodes=2", "--node-rank=1", "--master-addr=node-1.cluster"]):  # fmt: skip
+        check_torchrun_args(parse_args([*ok, str(script)]))
+    check_torchrun_args(parse_args(["-m", "tools.plan"]))  # a module: not a file
+    record_case("torchrun", "launcher options")
