@@ -82,7 +82,6 @@ TORCHRUN_BAD = [
     (["--nproc_per_node=0"], "--nproc-per-node"),  # was a bare AssertionError
     (["--nproc_per_node=-1"], "--nproc-per-node"),
     (["--nproc_per_node=100000"], "--nproc-per-node"),  # would fork 100000 processes
-    (["--nproc_per_node=gpu"], "--nproc-per-node"),  # no GPU here
     (["--nnodes=abc"], "--nnodes"),  # was int() ValueError
     (["--nnodes=0"], "--nnodes"),
     (["--nnodes=3:2"], "--nnodes"),
@@ -122,4 +121,18 @@ def test_torchrun_missing_script_and_good_options(tmp_path):
                ["--nnodes=2", "--node-rank=1", "--master-addr=node-1.cluster"]):  # fmt: skip
         check_torchrun_args(parse_args([*ok, str(script)]))
     check_torchrun_args(parse_args(["-m", "tools.plan"]))  # a module: not a file
+    record_case("torchrun", "launcher options")
+
+
+def test_torchrun_gpu_count_without_gpus(tmp_path):
+    import torch
+    from torch.distributed.run import parse_args
+
+    from tools.torchrun import check_torchrun_args
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: --nproc-per-node=gpu is valid here")
+    with pytest.raises(ConfigError, match="Cuda is not available") as e:
+        check_torchrun_args(parse_args(["--nproc_per_node=gpu", "-m", "tools.plan"]))
+    assert e.value.key == "--nproc-per-node"
     record_case("torchrun", "launcher options")
