@@ -33,7 +33,9 @@ class ConfigError(ValueError):
             where += f"{file}: "
         if key:
             where += f"{key}: "
-        super().__init__(where + message)
+        # One line, always: a file name, key or value from user input may hold a newline
+        # (a TOML key "FOO\n", a path), which would otherwise split the message.
+        super().__init__(one_line(where + message))
 
 
 def hand_over(line: str) -> bool:
@@ -58,6 +60,13 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """A ' (did you mean 'x'?)' hint, or '' when nothing is close."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def one_line(text: str) -> str:
+    """`text` with every non-printable character (newline, NUL, U+2028 ...) escaped."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def shown(value: str, limit: int = 60) -> str:

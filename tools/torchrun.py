@@ -43,6 +43,7 @@ from core.errors import (
     shown,
 )
 from core.launch_env import MAX_WORLD_SIZE, check_torch_env
+from tools.cli import run
 
 
 def exit_code(code: int) -> int:
@@ -159,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     # (RANK, WORLD_SIZE ... are torchrun's to set for the children, not checked here.)
     check_torch_env(os.environ)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as torchrun
 
     args = parse_args(argv)  # torchrun's own options and its usage errors (exit 2)
     check_torchrun_args(args)
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[HANDOVER_DIR_ENV] = d
         os.environ[HANDOVER_PID_ENV] = str(os.getpid())
         try:
-            run(args)
+            torchrun(args)
         except ChildFailedError as e:
             codes = {r: f.exitcode for r, f in e.failures.items()}
             if is_bad_input(codes):
@@ -187,4 +189,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -267,3 +267,28 @@ def test_signal_seconds_within_slurms_limit():
     rc, _, err = run_launch("--signal-seconds", str(10**20))
     check_refused(rc, err, ("--signal-seconds",), "10**20")
     record_case("tools.launch", "shell injection (#SBATCH values)")
+
+
+@pytest.mark.parametrize(
+    "profile,key",
+    [
+        ('name = "cpu\\n#SBATCH --qos=evil"', "name"),  # goes into the script's header
+        ('[nccl.env]\nGLOO_SOCKET_IFNAME = "lo\\nrm -rf /tmp/x"', "env.GLOO_SOCKET_IFNAME"),
+        ('[nccl.env]\n"FOO\\n" = "1"', "env.FOO\n"),  # a trailing newline passed `re.match`
+        ('[nccl.env]\n"A B" = "1"', "env.A B"),
+    ],
+)
+def test_profile_strings_reaching_the_script(tmp_path, profile, key):
+    p = tmp_path / "p.toml"
+    p.write_text(f'gpu = "cpu"\nnodes = 1\ngpus_per_node = 2\n{profile}\n')
+    if not profile.startswith("name"):
+        p.write_text(f'name = "p"\ngpu = "cpu"\nnodes = 1\ngpus_per_node = 2\n{profile}\n')
+    rc, _, err = run_launch_with(["--cluster", str(p)])
+    assert rc == 2 and len(err.strip("\n").split("\n")) == 1 and err.startswith("error: "), err
+    assert key.replace("\n", "\\n") in err, err
+    record_case("tools.launch", "shell injection (cluster profile)")
+
+
+def run_launch_with(extra: list[str]) -> tuple[int, str, str]:
+    argv = ["--recipe", "debug", "--nodes", "1", "--dry-run", *extra]
+    return run_main(launch_main, argv)
