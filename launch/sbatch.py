@@ -116,7 +116,7 @@ def procs_per_node(cluster: Cluster) -> int:
 
 def check_launch(recipe: Recipe, cluster: Cluster, opts: LaunchOptions) -> tuple[Layout, list[str]]:
     """Validate the launch (ConfigError naming the key); return the layout and warnings."""
-    check_shell_values(opts, recipe, cluster)
+    check_shell_values(opts)
     warnings: list[str] = []
     if opts.nodes < 1:
         raise ConfigError(f"expected a positive node count, got {opts.nodes}", key="--nodes")
@@ -184,7 +184,7 @@ _SBATCH_ARG = re.compile(
 )
 
 
-def check_shell_values(opts: LaunchOptions, recipe: Recipe, cluster: Cluster) -> None:
+def check_shell_values(opts: LaunchOptions) -> None:
     """Every string that reaches the job script or an #SBATCH line: a word from its field's
     character set, or one printable line that `render_sbatch` quotes (core.safe_text)."""
     if opts.partition:
@@ -194,10 +194,8 @@ def check_shell_values(opts: LaunchOptions, recipe: Recipe, cluster: Cluster) ->
     for key, v in (("--account", opts.account), ("--qos", opts.qos)):
         if v:
             check_word(v, _SLURM_WORD, _SLURM_WORD_ALLOWED, key=key)
-    if opts.job_name:
+    if opts.job_name:  # job.name, the profile's name and [nccl.env] are checked at load
         check_name(opts.job_name, key="--job-name")
-    else:
-        check_name(recipe.job.name, key="job.name", file=recipe.source)
     # Paths in #SBATCH --output / --chdir lines (the output folder holds the log pattern).
     check_word(opts.output_dir, SBATCH_PATH, SBATCH_PATH_ALLOWED, key="--out")
     check_word(opts.workdir, SBATCH_PATH, SBATCH_PATH_ALLOWED, key="--workdir")
@@ -214,7 +212,6 @@ def check_shell_values(opts: LaunchOptions, recipe: Recipe, cluster: Cluster) ->
             a, _SBATCH_ARG, "one option, --name=value or -x, the value of letters, digits and "
             "_ . , : @ / + = ~ % -", key="--sbatch-arg",
         )  # fmt: skip
-    check_text(cluster.name, key="name", file=cluster.source, what="a profile name", limit=128)
 
 
 def switches_needed(cluster: Cluster, nodes: int) -> int:
