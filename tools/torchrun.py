@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     # Before importing torch: LOGLEVEL=x would fail inside torch's import with a traceback.
     # (RANK, WORLD_SIZE ... are torchrun's to set for the children, not checked here.)
     check_torch_env(os.environ)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torchrun
@@ -185,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(line, file=sys.stderr)
             _, root = e.get_first_failure()
             return exit_code(root.exitcode)
+        except SignalException as e:  # scancel, a time limit, Ctrl-C: the agent stopped the ranks
+            name = _signal_name(-int(e.sigval))
+            print(f"torchrun: stopped by {name}; the ranks were stopped", file=sys.stderr)
+            return exit_code(-int(e.sigval))
     return 0
 
 
