@@ -70,3 +70,36 @@ def test_other_failures_summarised_with_the_childs_exit_code(tmp_path):
     assert any("rank 1 (local rank 1)" in ln and "exit 3" in ln for ln in lines), p.stderr
     assert all("rank 0" not in ln or "stopped by torchrun" in ln for ln in lines), p.stderr
     record_case("torchrun", "child failure (not bad input)")
+
+
+def test_signal_to_the_launcher_is_one_line(tmp_path):
+    """scancel or a time limit sends SIGTERM to the launcher: torch raises SignalException
+    (plain torchrun: a traceback); the wrapper stops the ranks and says so, exit 128 + 15."""
+    import os
+    import signal
+    import time
+
+    script = tmp_path / "wait.py"
+    script.write_text(
+        "import os, pathlib, time\n"
+        f"pathlib.Path({str(tmp_path)!r}, 'up-' + os.environ['RANK']).touch()\n"
+        "time.sleep(120)\n"
+    )
+    env = child_env()
+    cmd = [sys.executable, "-m", "tools.torchrun", "--nproc_per_node=2", str(script)]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"up-{r}").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline and p.poll() is None, "ranks did not start"
+            time.sleep(0.2)
+        os.kill(p.pid, signal.SIGTERM)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Traceback" not in out + err and "SignalException" not in out + err, err[-3000:]
+    assert "torchrun: stopped by SIGTERM; the ranks were stopped" in err.splitlines(), err
+    record_case("torchrun", "launcher signalled")
