@@ -1,7 +1,8 @@
 """Render a Slurm batch script for a recipe on a cluster and submit it.
 
     python -m tools.launch --recipe recipes/llama3_70b_b200.toml --cluster hgx_b200_ib \\
-        --nodes 8 --partition gpu --time 04:00:00 [--dry-run] [--set k=v ...] [--out DIR]
+        --nodes 8 --partition gpu [--account A] [--qos Q] --time 04:00:00 [--dry-run] \\
+        [--set k=v ...] [--out DIR]
 
 The script (written to <out>/<job name>.sbatch, next to the run's metrics and checkpoints)
 runs one torchrun per node with one process per GPU, node ranks in switch order, NCCL
