@@ -676,6 +676,7 @@ class FinetuneSection:
 
     def __post_init__(self) -> None:
         _positive("eval_every", self.eval_every, allow_zero=True)
+        check_text(self.export_dir, key="export_dir", what="a path")  # a folder we create
 
 
 @dataclass

@@ -203,7 +203,9 @@ def test_output_folder_refused_or_verbatim(value):
 def test_recipe_job_name_and_folders(value, tmp_path_factory):
     """What train.py creates (job.name as a folder, job.output_dir, checkpoint folders) is
     checked at recipe load: refused with the dotted key, or a plain name / one-line path."""
-    for key in ("job.name", "job.output_dir", "checkpoint.folder", "checkpoint.export_folder"):
+    keys = ("job.name", "job.output_dir", "checkpoint.folder", "checkpoint.export_folder",
+            "finetune.export_dir")  # fmt: skip
+    for key in keys:
         try:
             r = load_recipe(None, [f"{key}={value}"])
         except ConfigError as e:
@@ -211,12 +213,13 @@ def test_recipe_job_name_and_folders(value, tmp_path_factory):
             continue
         got = {"job.name": r.job.name, "job.output_dir": r.job.output_dir,
                "checkpoint.folder": r.checkpoint.folder,
-               "checkpoint.export_folder": r.checkpoint.export_folder}[key]  # fmt: skip
+               "checkpoint.export_folder": r.checkpoint.export_folder,
+               "finetune.export_dir": r.finetune.export_dir}[key]  # fmt: skip
         assert not any(unicodedata.category(c) in BAD_CATEGORIES for c in got)
         if key == "job.name":
             assert set(got) <= set(string.ascii_letters + string.digits + "_.+-")
             assert got[0] not in ".+-" and 1 <= len(got) <= 128
-    record_case("train.py", "shell injection (names, folders)", n=4)
+    record_case("train.py", "shell injection (names, folders)", n=len(keys))
 
 
 @SETTINGS
