@@ -18,7 +18,7 @@ import os
 import string
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import train
@@ -215,3 +215,33 @@ def test_partial_multi_process_launch_through_train_main(clean_env, tmp_path, en
     _one_line_exit_2(train.main, ["--set", f"job.output_dir={out}"], var, after_torch=True)
     assert not (out / "metrics.jsonl").exists()
     record_case("train.py (env)", "launch variables")
+
+
+@settings(max_examples=20, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(env=st.dictionaries(st.sampled_from(ALL_VARS), st.one_of(NUMBERS, WORDS), max_size=4))
+def test_launch_tools_do_not_read_the_launch_variables(clean_env, tmp_path, env):
+    """tools.launch renders the script on the login node and tools.node_order orders the
+    gathered file: neither reads these variables, so hostile values change nothing (the job
+    script's own `$SLURM_*` uses are bash's, on the nodes)."""
+    from tools.launch import main as launch_main
+    from tools.node_order import main as node_order_main
+
+    argv = ["--recipe", "debug", "--cluster", "local_cpu", "--nodes", "1", "--dry-run"]
+    gathered = tmp_path / "g.txt"
+    gathered.write_text("n2 s.l1.n2\nn1 s.l0.n1\n")
+
+    def both() -> list[str]:
+        outs = []
+        for main, args in ((launch_main, argv), (node_order_main, [str(gathered)])):
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
+                assert main(args) == 0
+            outs.append(buf.getvalue())
+        return outs
+
+    before = both()
+    clean_env.update({k: v.replace("\0", "") for k, v in env.items()})
+    assert both() == before
+    record_case("tools.launch", "launch variables (not read)")
+    record_case("tools.node_order", "launch variables (not read)")
