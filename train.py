@@ -1,7 +1,7 @@
 """Train a titanscale recipe with torchtitan.
 
     python train.py [--recipe recipes/debug.toml] [--set section.key=value ...]
-    torchrun --nproc_per_node=N train.py --recipe R
+    python -m tools.torchrun --nproc_per_node=N train.py --recipe R   (torchrun, quieter)
 
 Bad input (recipe, overrides, environment) ends with one line and exit code 2, before any
 process group starts.
@@ -27,9 +27,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     # Syntax, keys and types first: pure Python, so a typo in a recipe or a --set costs a
     # tenth of a second, not the several seconds of importing torch and torchtitan.
+    from core.launch_env import launch_env
     from recipe.loader import blamed, load_recipe
 
     load_recipe(args.recipe, args.overrides)
+    launch_env()  # RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, ... (one line naming the variable)
 
     # Libraries warn on stderr while they import (torch, torchao); for bad input found below
     # the user's stderr must hold only our one line, so that output waits until prepare passes.

@@ -17,6 +17,10 @@ from functools import wraps
 from typing import Any, TypeVar
 
 EXIT_BAD_INPUT = 2
+# Set by tools.torchrun for the ranks it starts: a rank hands its one-line message over as a
+# file in this folder instead of printing it, and the wrapper prints each distinct one once.
+HANDOVER_DIR_ENV = "TITANSCALE_ERROR_DIR"
+HANDOVER_PID_ENV = "TITANSCALE_ERROR_DIR_PID"  # the wrapper's pid: only its own children
 
 
 class ConfigError(ValueError):
@@ -31,13 +35,47 @@ class ConfigError(ValueError):
             where += f"{file}: "
         if key:
             where += f"{key}: "
-        super().__init__(where + message)
+        # One line, always: a file name, key or value from user input may hold a newline
+        # (a TOML key "FOO\n", a path), which would otherwise split the message.
+        super().__init__(one_line(where + message))
+
+
+def hand_over(line: str) -> bool:
+    """Under tools.torchrun (this process's parent set HANDOVER_DIR_ENV): write the message
+    for the wrapper to print once; False (print it yourself) anywhere else or if that fails."""
+    folder = os.environ.get(HANDOVER_DIR_ENV)
+    if not folder or os.environ.get(HANDOVER_PID_ENV) != str(os.getppid()):
+        return False
+    rank = os.environ.get("RANK", "")
+    rank = rank if rank.isdigit() else "x"
+    try:
+        tmp = os.path.join(folder, f".rank-{rank}-{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            f.write(line + "\n")
+        os.replace(tmp, os.path.join(folder, f"rank-{rank}-{os.getpid()}.txt"))
+    except OSError:
+        return False
+    return True
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """A ' (did you mean 'x'?)' hint, or '' when nothing is close."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def one_line(text: str) -> str:
+    """`text` with every non-printable character (newline, NUL, U+2028 ...) escaped."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def shown(value: str, limit: int = 60) -> str:
+    """A user's value as it may appear in a one-line message: repr (newlines, NULs and line
+    separators escaped), cut to `limit` characters."""
+    r = repr(value)  # escapes every non-printable character, U+2028 and U+0085 included
+    return r if len(r) <= limit else r[: limit - 4] + "...'"
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -51,7 +89,9 @@ def exit_on_config_error(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
+            line = f"error: {e}"
+            if not hand_over(line):
+                print(line, file=sys.stderr)
             raise SystemExit(EXIT_BAD_INPUT) from None
 
     return wrapper  # type: ignore[return-value]

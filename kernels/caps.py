@@ -9,9 +9,9 @@ requirements against these, so a recipe fails at validation, not an hour into a 
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass, field
 
+from core.launch_env import launch_env
 from core.linear_backends import LINEAR_BACKENDS, LinearBackend, ranked, requirement_problem
 
 # Compute capability of the GPUs titanscale's users run (and of the ones the registry's
@@ -91,7 +91,7 @@ class DeviceCaps:
         import torch
 
         if torch.cuda.is_available():
-            idx = int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1)
+            idx = launch_env().local_rank % max(torch.cuda.device_count(), 1)
             name = torch.cuda.get_device_name(idx)
             if torch.version.hip is not None:
                 return DeviceCaps("rocm", name, None, detect_features())

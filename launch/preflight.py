@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from core.axes import MESH_ORDER, Layout
+from core.launch_env import fill_single_process, launch_env, require_launch_vars
 from launch.topology import topology_order
 from parallel.placement import RankPlace, group_places, plain_rank_order
 from recipe.loader import recipe_degrees
@@ -83,12 +84,12 @@ class LaunchedRank:
 
 def launched_rank() -> LaunchedRank:
     """This process's place: Slurm's node name (emulated nodes share one hostname)."""
-    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    env = launch_env()
     return LaunchedRank(
-        rank=int(os.environ.get("RANK", "0")),
-        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-        node_rank=int(os.environ.get("GROUP_RANK", os.environ.get("TITANSCALE_NODE_RANK", "0"))),
-        node=node,
+        rank=env.rank,
+        local_rank=env.local_rank,
+        node_rank=env.node_rank,
+        node=env.node_name or socket.gethostname(),
         topology_addr=os.environ.get("SLURM_TOPOLOGY_ADDR", ""),
         pid=os.getpid(),
     )
@@ -130,8 +131,8 @@ def placement_report(infos: list[LaunchedRank], layout: Layout) -> dict[str, Any
     return {
         "world_size": len(infos),
         "layout": {a.value: layout.degree(a) for a in MESH_ORDER},
-        "job_id": os.environ.get("SLURM_JOB_ID", ""),
-        "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+        "job_id": launch_env().slurm_job_id,
+        "restart": launch_env().slurm_restart_count,
         "ranks": [
             {
                 "rank": i.rank,
@@ -341,12 +342,8 @@ def format_report(rep: PreflightReport) -> str:
 def _init_process_group(backend: str) -> None:
     import torch.distributed as dist
 
-    if "WORLD_SIZE" not in os.environ:  # plain `python -m tools.preflight`: one process
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    require_launch_vars()
+    fill_single_process(os.environ)  # plain `python -m tools.preflight`: one process
     dist.init_process_group(backend)
 
 

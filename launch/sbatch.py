@@ -25,6 +25,15 @@ from typing import TYPE_CHECKING
 
 from core.axes import Layout
 from core.errors import ConfigError
+from core.safe_text import (
+    SBATCH_PATH,
+    SBATCH_PATH_ALLOWED,
+    bad_char,
+    check_name,
+    check_path,
+    check_text,
+    check_word,
+)
 from launch.fabric_env import FabricEnv, fabric_env
 from launch.topology import leaf_switches_needed
 from recipe.loader import check_recipe
@@ -55,6 +64,7 @@ class LaunchOptions:
     partition: str = ""
     time: str = ""  # Slurm time limit ("HH:MM:SS", "D-HH:MM" ...); "" = the partition's
     account: str = ""
+    qos: str = ""
     job_name: str = ""  # "" = recipe job.name
     python: str = field(default_factory=lambda: sys.executable)
     workdir: str = str(REPO_ROOT)
@@ -65,7 +75,7 @@ class LaunchOptions:
     master_port_base: int = 20000
 
 
-_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+_TIME = re.compile(r"(?:([0-9]{1,6})-)?([0-9]{1,9})(?::([0-9]{1,9}))?(?::([0-9]{1,9}))?")
 
 
 def slurm_time_seconds(text: str) -> int | None:
@@ -73,10 +83,10 @@ def slurm_time_seconds(text: str) -> int | None:
 
     Slurm's forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
     """
-    t = text.strip()
-    if t.upper() in ("UNLIMITED", "INFINITE"):
+    # Exact: the text is written as is into an #SBATCH line (no stray space or newline).
+    if text.upper() in ("UNLIMITED", "INFINITE"):
         return None
-    m = _TIME.match(t)
+    m = _TIME.fullmatch(text)
     if not m:
         raise ValueError(f"not a Slurm time: {text!r}")
     d, a, b, c = m.groups()
@@ -106,6 +116,7 @@ def procs_per_node(cluster: Cluster) -> int:
 
 def check_launch(recipe: Recipe, cluster: Cluster, opts: LaunchOptions) -> tuple[Layout, list[str]]:
     """Validate the launch (ConfigError naming the key); return the layout and warnings."""
+    check_shell_values(opts)
     warnings: list[str] = []
     if opts.nodes < 1:
         raise ConfigError(f"expected a positive node count, got {opts.nodes}", key="--nodes")
@@ -117,9 +128,9 @@ def check_launch(recipe: Recipe, cluster: Cluster, opts: LaunchOptions) -> tuple
         )
     world = opts.nodes * procs_per_node(cluster)
     layout = check_recipe(recipe, world)
-    if opts.signal_seconds < 1:
+    if not 1 <= opts.signal_seconds <= 65535:  # sbatch --signal's limit
         raise ConfigError(
-            f"expected a positive number, got {opts.signal_seconds}", key="--signal-seconds"
+            f"expected seconds from 1 to 65535, got {opts.signal_seconds}", key="--signal-seconds"
         )
     if opts.time:
         try:
@@ -159,6 +170,48 @@ def check_launch(recipe: Recipe, cluster: Cluster, opts: LaunchOptions) -> tuple
     if not recipe.checkpoint.resume:
         warnings.append("checkpoint.resume = false: a requeued job will not resume")
     return layout, warnings
+
+
+# Slurm partition (a comma list), account and QOS names: sbatch reads #SBATCH lines itself
+# (whitespace splits, quotes and '#' are special), so only plain words reach them.
+_SLURM_WORD = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+_PARTITIONS = re.compile(rf"{_SLURM_WORD.pattern}(?:,{_SLURM_WORD.pattern}){{0,31}}")
+_SLURM_WORD_ALLOWED = "a Slurm name: letters, digits, '_', '.' or '-', not starting with '-'"
+# --sbatch-arg: one option, `--name=value` or `-x`, value without whitespace, quotes, '#',
+# '$', ';' or backticks; Slurm's own '%' file patterns are allowed.
+_SBATCH_ARG = re.compile(
+    r"-[A-Za-z]|--[A-Za-z][A-Za-z0-9-]{0,63}(?:=[A-Za-z0-9_.,:@/+=~%-]{1,1024})?"
+)
+
+
+def check_shell_values(opts: LaunchOptions) -> None:
+    """Every string that reaches the job script or an #SBATCH line: a word from its field's
+    character set, or one printable line that `render_sbatch` quotes (core.safe_text)."""
+    if opts.partition:
+        check_word(
+            opts.partition, _PARTITIONS, _SLURM_WORD_ALLOWED + " (a comma list)", key="--partition"
+        )
+    for key, v in (("--account", opts.account), ("--qos", opts.qos)):
+        if v:
+            check_word(v, _SLURM_WORD, _SLURM_WORD_ALLOWED, key=key)
+    if opts.job_name:  # job.name, the profile's name and [nccl.env] are checked at load
+        check_name(opts.job_name, key="--job-name")
+    # Paths in #SBATCH --output / --chdir lines (the output folder holds the log pattern).
+    check_word(opts.output_dir, SBATCH_PATH, SBATCH_PATH_ALLOWED, key="--out")
+    check_word(opts.workdir, SBATCH_PATH, SBATCH_PATH_ALLOWED, key="--workdir")
+    for key, v in (
+        ("--recipe", opts.recipe_path),
+        ("--cluster", opts.cluster_path),
+        ("--python", opts.python),
+    ):
+        check_path(v, key=key)
+    for o in opts.overrides:
+        check_text(o, key="--set", what="SECTION.KEY=VALUE")
+    for a in opts.extra_sbatch:
+        check_word(
+            a, _SBATCH_ARG, "one option, --name=value or -x, the value of letters, digits and "
+            "_ . , : @ / + = ~ % -", key="--sbatch-arg",
+        )  # fmt: skip
 
 
 def switches_needed(cluster: Cluster, nodes: int) -> int:
@@ -232,26 +285,35 @@ def fill_template(template: str, values: dict[str, str | list[str]]) -> str:
     for line in template.splitlines():
         whole = _PLACEHOLDER.fullmatch(line.strip())
         if whole and isinstance(values.get(whole.group(1)), list):
-            out.extend(values[whole.group(1)])
+            out.extend(_one_line(whole.group(1), v) for v in values[whole.group(1)])
             continue
 
         def value(m: re.Match[str]) -> str:
             v = values[m.group(1)]  # KeyError: a placeholder nobody fills
             if isinstance(v, list):
                 raise ValueError(f"block {{{{{m.group(1)}}}}} must stand alone on its line")
-            return v
+            return _one_line(m.group(1), v)
 
         out.append(_PLACEHOLDER.sub(value, line))
     return "\n".join(out) + "\n"
+
+
+def _one_line(name: str, text: str) -> str:
+    """The renderer's invariant: a value is one line (check_shell_values refuses the rest, so
+    this firing is a bug in a check, not bad input)."""
+    ch = bad_char(text)
+    if ch is not None or "\n" in text:
+        raise ValueError(f"{{{{{name}}}}} holds U+{ord(ch or chr(10)):04X}: {text!r}")
+    return text
 
 
 def _header(recipe: Recipe, cluster: Cluster, layout: Layout, opts: LaunchOptions) -> list[str]:
     nproc = procs_per_node(cluster)
     switches = switches_needed(cluster, opts.nodes)
     npl = cluster.topology.nodes_per_leaf
-    lines = [f"#   recipe:  {opts.recipe_path}"]
+    lines = [f"#   recipe:  {_q(opts.recipe_path)}"]
     if opts.overrides:
-        lines.append(f"#   --set:   {' '.join(opts.overrides)}")
+        lines.append(f"#   --set:   {_cmd(list(opts.overrides))}")
     lines += [
         f"#   cluster: {cluster.name} ({cluster.gpu} x {nproc} per node, fabric "
         f"{cluster.nccl.fabric})",
@@ -269,7 +331,12 @@ def _sbatch_options(recipe: Recipe, cluster: Cluster, opts: LaunchOptions) -> li
     if cluster.gpu != "cpu":
         opt.append(f"--gpus-per-node={cluster.gpus_per_node}")
     opt += ["--exclusive", "--mem=0"]
-    for flag, v in (("partition", opts.partition), ("account", opts.account), ("time", opts.time)):
+    for flag, v in (
+        ("partition", opts.partition),
+        ("account", opts.account),
+        ("qos", opts.qos),
+        ("time", opts.time),
+    ):
         if v:
             opt.append(f"--{flag}={v}")
     opt.append(f"--switches={switches_needed(cluster, opts.nodes)}@{opts.switch_wait}")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from core.errors import ConfigError
 from core.hostlist import expand_hostlist
+from core.launch_env import parse_topology_addr
 from parallel.cluster import Cluster
 from parallel.fabric import Fabric, Host, assign_nvlink_domains, hosts_from_switches
 
@@ -56,27 +57,6 @@ def parse_scontrol_topology(text: str) -> SlurmTopology:
 def _kv(tok: str) -> tuple[str, str]:
     k, _, v = tok.partition("=")
     return k, v
-
-
-def parse_topology_addr(addr: str, pattern: str = "") -> tuple[tuple[str, ...], str]:
-    """`SLURM_TOPOLOGY_ADDR` ("spine.leaf1.node1") -> (("spine", "leaf1"), "node1").
-
-    With `SLURM_TOPOLOGY_ADDR_PATTERN` ("switch.switch.node") the fields are checked.
-    """
-    parts = addr.split(".")
-    if pattern:
-        kinds = pattern.split(".")
-        if len(kinds) != len(parts) or kinds[-1] != "node":
-            raise ConfigError(
-                f"SLURM_TOPOLOGY_ADDR {addr!r} does not match pattern {pattern!r}",
-                file="environment",
-                key="SLURM_TOPOLOGY_ADDR",
-            )
-    if not parts[-1]:
-        raise ConfigError(
-            f"empty node name in {addr!r}", file="environment", key="SLURM_TOPOLOGY_ADDR"
-        )
-    return tuple(parts[:-1]), parts[-1]
 
 
 def fabric_from_slurm(

@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from core.launch_env import launch_env
+
 ENV = "TITANSCALE_STOP_FILE"
 
 
@@ -51,7 +53,7 @@ class StopRequest:
     def __init__(self, path: str | None = None, check_s: float | None = None):
         self.path = path if path is not None else os.environ.get(ENV, "")
         if check_s is None:
-            check_s = float(os.environ.get(ENV_CHECK_S, DEFAULT_CHECK_S))
+            check_s = launch_env().stop_check_s
         self.check_s = check_s
         self.every = 1  # steps until the next check; the first call checks
         self._since = 0  # calls since the last check

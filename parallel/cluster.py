@@ -25,6 +25,7 @@ from core.hardware import (
     MAX_NVLINK_DOMAIN_GPUS,
     MAX_WORLD_SIZE,
 )
+from core.safe_text import check_text
 from core.typed_toml import apply_override, build_dataclass, doc, read_with_bases, resolve_named
 from parallel.fabric import Fabric, fabric_of
 
@@ -140,9 +141,11 @@ class NcclSection:
     )
 
     def __post_init__(self) -> None:
-        for k in self.env:
-            if not _ENV_NAME.match(k):
+        for k, v in self.env.items():
+            if not _ENV_NAME.fullmatch(k):
                 raise ConfigError(f"not an environment variable name: {k!r}", key=f"env.{k}")
+            # Exported (shlex-quoted) by the job script: one line, no NUL.
+            check_text(str(v), key=f"env.{k}", what="a value")
 
 
 @dataclass
@@ -183,6 +186,7 @@ class Cluster:
     source: str = field(default="<defaults>", init=False, compare=False)
 
     def __post_init__(self) -> None:
+        check_text(self.name, key="name", what="a profile name", limit=128)  # in job scripts
         for name in ("nodes", "gpus_per_node"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"expected a positive value, got {getattr(self, name)}", key=name)

@@ -18,6 +18,7 @@ from typing import Any
 from core.axes import Layout, resolve_layout
 from core.errors import ConfigError
 from core.models import ModelShape, model_shape, pp_layer_weights, stages_per_rank
+from core.safe_text import check_text
 from core.typed_toml import (
     apply_override,
     build_dataclass,
@@ -92,6 +93,8 @@ def blamed(recipe: Recipe) -> Iterator[None]:
 
 def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Recipe:
     """Load, merge bases, apply overrides and check every key and type."""
+    if path:
+        check_text(str(path), key="--recipe", what="a recipe path or name")
     path = resolve_recipe_path(path)
     origins: dict[str, str] = {}
     data = load_recipe_dict(path, overrides, origins)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from core.errors import ConfigError
 from core.linear_backends import LinearChoice
 from core.models import FAMILIES, check_flavor
+from core.safe_text import check_name, check_path, check_text
 from core.typed_toml import doc
 
 
@@ -55,6 +56,10 @@ class JobSection:
     )
 
     def __post_init__(self) -> None:
+        # Both become folder names, an #SBATCH --job-name and paths in the job script
+        # (core.safe_text): a newline would write an extra script line.
+        check_name(self.name, key="name")
+        check_path(self.output_dir, key="output_dir")
         _positive("collective_timeout_s", self.collective_timeout_s)
         _positive("init_timeout_s", self.init_timeout_s, allow_zero=True)
 
@@ -478,6 +483,8 @@ class CheckpointSection:
     def __post_init__(self) -> None:
         _positive("interval", self.interval, allow_zero=True)
         _positive("keep_latest", self.keep_latest, allow_zero=True)
+        for key in ("folder", "export_folder", "load_from", "load_hf"):
+            check_text(getattr(self, key), key=key, what="a path")
         if self.keep_latest == 1:
             # The newest checkpoint may still be being written; the one before must survive.
             raise ConfigError("expected 0 (keep all) or at least 2, got 1", key="keep_latest")
@@ -669,6 +676,7 @@ class FinetuneSection:
 
     def __post_init__(self) -> None:
         _positive("eval_every", self.eval_every, allow_zero=True)
+        check_text(self.export_dir, key="export_dir", what="a path")  # a folder we create
 
 
 @dataclass

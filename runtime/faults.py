@@ -24,6 +24,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from core.launch_env import launch_env
+
 ENV = "TITANSCALE_FAULT"
 KINDS = ("kill", "hang")
 POINTS = ("step", "save")
@@ -95,8 +97,8 @@ def inject(point: str, step: int) -> None:
     faults = _FAULTS if _FAULTS is not None else active()
     if not faults:
         return
-    rank = int(os.environ.get("RANK", "0"))
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    env = launch_env()
+    rank, restart = env.rank, env.restart_count
     for f in faults:
         if not f.matches(point, step, rank, restart):
             continue

@@ -32,6 +32,7 @@ from torchtitan.components.metrics import MetricsProcessor, _get_metrics_rank
 from torchtitan.tools.logging import logger
 
 from core.hardware import peak_flops
+from core.launch_env import launch_env
 from core.models import model_shape
 from data.accounting import doc_masked_flops
 
@@ -139,7 +140,7 @@ class TitanscaleMetrics(MetricsProcessor):
         # MFU is against the BF16 peak (see module docstring); precision_peak beside it.
         self.peak = peak_flops(config.device_name, "bf16")
         self.precision_peak = peak_flops(config.device_name, config.precision)
-        self.procs_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.procs_per_node = launch_env().local_world_size
         dump_folder = kwargs.get("dump_folder", "./outputs")
         self.is_metrics_rank = (
             not torch.distributed.is_initialized()

@@ -53,6 +53,8 @@ from datetime import timedelta
 
 import torch
 
+from core.launch_env import launch_env
+
 _APPLIED: set[str] = set()
 # Names bridged by bridge_torch() in this process (for the log and the tests).
 BRIDGED: list[str] = []
@@ -169,7 +171,7 @@ class Platform:
     @staticmethod
     def detect() -> Platform:
         if torch.cuda.is_available():
-            idx = int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1)
+            idx = launch_env().local_rank % max(torch.cuda.device_count(), 1)
             return Platform(
                 device_type="cuda",
                 device_name=torch.cuda.get_device_name(idx),

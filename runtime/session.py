@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,12 @@ from torchtitan.trainer import Trainer
 
 from core.axes import Layout
 from core.errors import ConfigError
+from core.launch_env import (
+    check_visible_devices,
+    fill_single_process,
+    launch_env,
+    require_launch_vars,
+)
 from core.models import model_shape
 from parallel.cluster import Cluster, load_cluster
 from parallel.planner import apply_plan, best_plan
@@ -46,18 +51,11 @@ class Job:
 
 
 def _launch_env() -> int:
-    """World size from torchrun's environment; a plain `python train.py` is a 1-process job."""
-    if "WORLD_SIZE" not in os.environ:
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
-        os.environ["WORLD_SIZE"] = "1"
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    return int(os.environ["WORLD_SIZE"])
+    """World size from torchrun's environment (checked: `core.launch_env`, one line and exit 2
+    on a malformed variable); a plain `python train.py` is a 1-process job."""
+    env = launch_env()
+    fill_single_process(os.environ)
+    return env.world_size
 
 
 # A full checkpoint holds fp32 parameters and AdamW's two fp32 moments: 12 bytes/parameter.
@@ -360,6 +358,10 @@ def prepare(recipe_path: str | None, overrides: list[str]) -> Job:
 def _prepare(recipe: Recipe) -> Job:
     world_size = _launch_env()
     platform = Platform.detect()
+    if not platform.is_cpu:
+        import torch
+
+        check_visible_devices(launch_env(), torch.cuda.device_count())
     cluster = cluster_for_job(recipe, world_size, platform)
     plan = None
     if recipe.parallel.auto:
@@ -415,6 +417,7 @@ def _prepare(recipe: Recipe) -> Job:
         recipe, layout, platform=platform, kernels=kernels, tokenizer_path=tokenizer_path
     )
     check_checkpoint_fit(recipe, config)
+    require_launch_vars()
     return Job(recipe, layout, platform, kernels, tokenizer_path, config, world_size, cluster, plan)
 
 

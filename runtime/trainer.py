@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -24,6 +23,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import ParallelDims
 from torchtitan.trainer import Trainer
 
+from core.launch_env import launch_env
 from data.accounting import attention_pairs
 from launch.stop_request import StopOnRequest
 from parallel.fabric import Fabric
@@ -84,8 +84,8 @@ class TitanscaleTrainer(StopOnRequest, Trainer):
         metrics.write_event(
             "start",
             resumed_from_step=resumed_from,
-            restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            slurm_restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+            restart_count=launch_env().restart_count,
+            slurm_restart_count=launch_env().slurm_restart_count,
             world_size=self.parallel_dims.world_size,
             layout={
                 "pp": self.parallel_dims.pp,
@@ -117,7 +117,7 @@ class TitanscaleTrainer(StopOnRequest, Trainer):
             first_timeout_s=self.config.comm.init_timeout_seconds,
             groups=groups,
             store=default_store(),
-            attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            attempt=launch_env().restart_count,
         ).start()
 
     def train_step(self, data_iterator) -> None:

@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-exec .venv/bin/torchrun --nproc_per_node=2 --local-ranks-filter=0 train.py --recipe recipes/debug.toml "$@"
+exec .venv/bin/python -m tools.torchrun --nproc_per_node=2 --local-ranks-filter=0 train.py --recipe recipes/debug.toml "$@"

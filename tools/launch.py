@@ -1,7 +1,8 @@
 """Render a Slurm batch script for a recipe on a cluster and submit it.
 
     python -m tools.launch --recipe recipes/llama3_70b_b200.toml --cluster hgx_b200_ib \\
-        --nodes 8 --partition gpu --time 04:00:00 [--dry-run] [--set k=v ...] [--out DIR]
+        --nodes 8 --partition gpu [--account A] [--qos Q] --time 04:00:00 [--dry-run] \\
+        [--set k=v ...] [--out DIR]
 
 The script (written to <out>/<job name>.sbatch, next to the run's metrics and checkpoints)
 runs one torchrun per node with one process per GPU, node ranks in switch order, NCCL
@@ -19,6 +20,7 @@ import sys
 from pathlib import Path
 
 from core.errors import ConfigError, exit_on_config_error
+from core.safe_text import SBATCH_PATH, SBATCH_PATH_ALLOWED, check_path, check_word
 from tools.cli import ArgumentParser, add_cluster_arg, add_override_arg, add_recipe_arg, run
 
 
@@ -36,6 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--partition", default="", help="Slurm partition")
     p.add_argument("--time", default="", help="time limit (Slurm format, e.g. 04:00:00)")
     p.add_argument("--account", default="", help="Slurm account")
+    p.add_argument("--qos", default="", help="Slurm quality of service")
     p.add_argument("--job-name", default="", help="job name (default: the recipe's job.name)")
     add_override_arg(p, "override a recipe key (repeatable); passed on to train.py")
     p.add_argument("--out", default=None, help="run folder (default: the recipe's job.output_dir)")
@@ -81,7 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     cluster = load_cluster(args.cluster)
     cluster_path = resolve_cluster_path(args.cluster).resolve()
+    # Checked before Path.resolve (a NUL byte raises there): the folder is written into the
+    # job script's #SBATCH --output line (core.safe_text).
+    out_key = ("--out", None) if args.out else ("job.output_dir", recipe.source)
+    check_path(args.out or recipe.output_dir, key=out_key[0], file=out_key[1])
     out = Path(args.out or recipe.output_dir).resolve()
+    check_word(str(out), SBATCH_PATH, SBATCH_PATH_ALLOWED, key=out_key[0], file=out_key[1])
     workdir = args.workdir or str(REPO_ROOT)
     opts = LaunchOptions(
         nodes=args.nodes,
@@ -93,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         partition=args.partition,
         time=args.time,
         account=args.account,
+        qos=args.qos,
         job_name=args.job_name,
         python=args.python,
         preflight=not args.no_preflight,

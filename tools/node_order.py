@@ -15,9 +15,17 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from core.errors import exit_on_config_error
+from core.errors import ConfigError, exit_on_config_error
 from launch.node_order import order_nodes, read_gathered
 from tools.cli import ArgumentParser, add_cluster_arg, add_override_arg, add_recipe_arg, run
+
+
+def _read(path: str, key: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        why = getattr(e, "strerror", None) or str(e).splitlines()[0]
+        raise ConfigError(f"cannot read {path!r}: {why}", key=key) from None
 
 
 @exit_on_config_error
@@ -29,10 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     add_recipe_arg(ap, help="recipe TOML or a name in recipes/ (the layout to place)")
     add_override_arg(ap)
     args = ap.parse_args(argv)
-    gathered = Path(args.gathered).read_text()
+    gathered = _read(args.gathered, "GATHERED")
     topo = ""
     if args.scontrol_topology and Path(args.scontrol_topology).exists():
-        topo = Path(args.scontrol_topology).read_text()
+        topo = _read(args.scontrol_topology, "--scontrol-topology")
     cluster = layout = None
     if args.cluster:
         from parallel.cluster import load_cluster
@@ -43,12 +51,12 @@ def main(argv: list[str] | None = None) -> int:
             from recipe.loader import load_recipe
 
             recipe = load_recipe(args.recipe, args.overrides)
-            nodes = len({n for n, _ in read_gathered(gathered)})
+            nodes = len({n for n, _ in read_gathered(gathered, args.gathered)})
             layout = recipe_layout(recipe, nodes * cluster.gpus_per_node)
     from parallel.placement import PlacementError
 
     try:
-        order, paths = order_nodes(gathered, topo, cluster, layout)
+        order, paths = order_nodes(gathered, topo, cluster, layout, file=args.gathered)
     except PlacementError as e:
         print(f"node_order: error: {e}", file=sys.stderr)
         return 1

@@ -15,10 +15,10 @@ any warning), 2 on bad input.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from core.errors import exit_on_config_error
+from core.launch_env import launch_env
 from tools.cli import ArgumentParser, add_cluster_arg, add_override_arg, add_recipe_arg, run
 
 
@@ -51,11 +51,13 @@ def main(argv: list[str] | None = None) -> int:
         positive_arg(args.iters, "--iters", 10000)
     if args.out is not None:
         out_dir_arg(args.out, "--out")
-    from launch.preflight import recipe_layout
     from recipe.loader import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
-    layout = recipe_layout(recipe, int(os.environ.get("WORLD_SIZE", "1")))
+    env = launch_env()  # checked before torch and any process group (one line, exit 2)
+    from launch.preflight import recipe_layout
+
+    layout = recipe_layout(recipe, env.world_size)
     cluster = None
     if args.cluster:
         from parallel.cluster import load_cluster
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
     size = int(args.size_mb * 2**20) if args.size_mb else None
     rep = run_preflight(layout, cluster, out_dir=args.out, size_bytes=size, iters=args.iters)
-    if int(os.environ.get("RANK", "0")) != 0:
+    if env.rank != 0:
         return 0 if rep.ok else 1
     print(format_report(rep), flush=True)
     if not rep.ok:

@@ -55,9 +55,9 @@ def test_base_cycle_and_missing(tmp_path):
 
 def test_overrides_are_typed():
     r = load_recipe(None, ["training.steps=3", "training.lr=0.01", "training.compile=true",
-                           "job.name=x y"])  # fmt: skip
+                           "job.description=x y"])  # fmt: skip
     assert r.training.steps == 3 and r.training.lr == 0.01 and r.training.compile is True
-    assert r.job.name == "x y"
+    assert r.job.description == "x y"
     e = error(load_recipe, None, ["parallel.tp=two"])
     assert e.key == "parallel.tp" and "integer" in str(e)
     e = error(load_recipe, None, ["training.stpes=3"])

@@ -238,10 +238,10 @@ def test_recipes_are_data_only(tmp_path):
 
     marker = tmp_path / "pwned-recipe"
     p = tmp_path / "r.toml"
-    p.write_text(f"[job]\nname = \"__import__('os').system('touch {marker}')\"\n")
+    p.write_text(f"[job]\ndescription = \"__import__('os').system('touch {marker}')\"\n")
     r = load_recipe(p)
-    assert r.job.name.startswith("__import__") and not marker.exists()
-    p.write_text(f"[job]\nname = !!python/object/apply:os.system ['touch {marker}']\n")
+    assert r.job.description.startswith("__import__") and not marker.exists()
+    p.write_text(f"[job]\ndescription = !!python/object/apply:os.system ['touch {marker}']\n")
     with pytest.raises(ConfigError, match="invalid TOML"):
         load_recipe(p)
     assert not marker.exists()
