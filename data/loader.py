@@ -309,8 +309,8 @@ class PackedStream(IterableDataset, Stateful):
             if not mine:
                 token_w = (lab != IGNORE_INDEX).astype(np.float32)
             batch[LOSS_WEIGHTS] = torch.from_numpy(token_w)
-            batch[LOSS_WEIGHT_DELTA] = torch.tensor(
-                group_weight_delta(group, self._tokens, ws), dtype=torch.float64
+            batch[LOSS_WEIGHT_DELTA] = torch.from_numpy(
+                np.array(group_weight_delta(group, self._tokens, ws), dtype=np.float64)
             )
 
     def _referenced(self) -> set[int]:

@@ -392,7 +392,7 @@ LOSS_WEIGHT_DELTA = "loss_weight_delta"  # batch key: float64 scalar, see group_
 
 def trained_pairs(tokens: np.ndarray, piece: Piece) -> int:
     """Pairs of `piece` whose label is trained (next token not a prompt token, data.chat)."""
-    return int((tokens[piece.start + 1 : piece.end + 1] >= 0).sum())
+    return int(np.count_nonzero(tokens[piece.start + 1 : piece.end + 1] >= 0))
 
 
 def weigh_row(row: Row, labels: np.ndarray, weights: Mapping[int, float]) -> np.ndarray:
@@ -403,17 +403,14 @@ def weigh_row(row: Row, labels: np.ndarray, weights: Mapping[int, float]) -> np.
     per-token weights (float32 [seq_len]): the document's weight (1 when absent from
     `weights`) at every trained pair, 0 at prompt pairs and padding.
     """
-    out = np.zeros(row.seq_len, dtype=np.float32)
-    o = 0
-    for p in row.pieces:
-        n = p.size
-        w = weights.get(p.doc, 1.0)
-        if w == 0.0:
-            labels[o : o + n] = IGNORE_INDEX
-        else:
-            out[o : o + n] = np.where(labels[o : o + n] != IGNORE_INDEX, np.float32(w), 0.0)
-        o += n
-    return out
+    per_piece = np.array([weights.get(p.doc, 1.0) for p in row.pieces], dtype=np.float32)
+    w = np.zeros(row.seq_len, dtype=np.float32)
+    used = row.used
+    w[:used] = np.repeat(per_piece, [p.size for p in row.pieces])
+    lab = labels[:used]
+    lab[w[:used] == 0.0] = IGNORE_INDEX  # weight-0 pieces (a view: labels change in place)
+    w[:used][lab == IGNORE_INDEX] = 0.0  # prompt pairs
+    return w
 
 
 def group_weight_delta(
