@@ -254,3 +254,25 @@ def test_without_weights_the_loss_is_torchtitans_bit_for_bit():
         loss.backward()
         out.append((loss.detach(), h.grad, head.weight.grad.clone()))
     assert all(torch.equal(a, b) for a, b in zip(*out, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("pp", "cp", "graphs_off", "why"),
+    [(True, False, True, "pipeline"), (False, True, True, "context"),
+     (False, False, False, "cuda_graphs"), (False, False, True, None)],
+)  # fmt: skip
+def test_weighted_steps_refused_where_the_loss_path_cannot_carry_weights(pp, cp, graphs_off, why):
+    from types import SimpleNamespace
+
+    from core.errors import ConfigError
+    from runtime.trainer import TitanscaleTrainer
+
+    fake = SimpleNamespace(
+        parallel_dims=SimpleNamespace(pp_enabled=pp, cp_enabled=cp),
+        config=SimpleNamespace(training=SimpleNamespace(disable_cuda_graphs=graphs_off)),
+    )
+    if why is None:
+        TitanscaleTrainer._check_weighted(fake)  # type: ignore[arg-type]
+        return
+    with pytest.raises(ConfigError, match=f"data.source: .*weight other than 0 or 1.*{why}"):
+        TitanscaleTrainer._check_weighted(fake)  # type: ignore[arg-type]
