@@ -2,9 +2,8 @@
 
 - A weight-0 example packed with weighted ones contributes exactly zero gradient.
 - train.py on weighted data: the loss is sum w*CE / sum w over the whole step on every rank,
-  so doubling every weight leaves the losses unchanged (a / count normalizer would double
-  them), and 2 processes equal 1 process with the same global batch (a per-rank normalizer
-  would not).
+  so 2 processes equal 1 process accumulating 2 microbatches with every weight doubled (a
+  per-rank or per-microbatch normalizer, or a trained-token count, would not).
 """
 
 from __future__ import annotations
@@ -88,16 +87,17 @@ def test_weighted_sft_normalizes_by_the_global_weight_sum(tmp_path, seed_checkpo
         "data.window=16",
     ]  # fmt: skip
     runs = {}
-    # Weights as given on 2 ranks x 2 rows; every weight doubled on 1 rank x 4 rows (the
-    # same global rows). Equal losses need the normalizer to be the step's sum of weights
-    # over all ranks: per-rank sums, or a trained-token count (doubled weights would double
-    # the loss), would not give them.
-    for name, scale, nproc, lbs in (("dp2", 1.0, 2, 2), ("dp1_x2", 2.0, 1, 4)):
+    # Weights as given on 2 ranks x 2 rows; every weight doubled on 1 rank x 2 microbatches
+    # of 2 rows (gradient accumulation; the same global rows). Equal losses need the
+    # normalizer to be the step's sum of weights over all ranks and microbatches: per-rank or
+    # per-microbatch sums, or a trained-token count (doubled weights would double the loss),
+    # would not give them.
+    for name, scale, nproc in (("dp2", 1.0, 2), ("dp1_accum2_x2", 2.0, 1)):
         out = tmp_path / name
         run_train(out, [*common, f"data.source={write(name + '.jsonl', scale)}",
-                        f"training.local_batch_size={lbs}"],
+                        "training.local_batch_size=2", "training.global_batch_size=4"],
                   nproc=nproc, recipe="recipes/sft_debug.toml", timeout=900)  # fmt: skip
         runs[name] = read_losses(out)
-    assert sorted(runs["dp1_x2"]) == sorted(runs["dp2"]) == [1, 2]
-    for step, loss in runs["dp1_x2"].items():
+    assert sorted(runs["dp1_accum2_x2"]) == sorted(runs["dp2"]) == [1, 2]
+    for step, loss in runs["dp1_accum2_x2"].items():
         assert abs(runs["dp2"][step] - loss) <= 2e-4, (step, runs["dp2"][step], loss)
