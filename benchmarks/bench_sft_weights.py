@@ -119,7 +119,9 @@ def main(argv: list[str] | None = None) -> None:
     lines_md += [
         "",
         "`none` and `ones` build the same batches (bit-identical, tests/unit/test_sft_weights.py);",
-        "their difference is noise plus parsing the field. `zero_one` masks labels (no weight",
+        "their difference is noise plus parsing the field: on this shared, loaded box the end to",
+        "end column varies by tens of percent between runs, the packing column much less.",
+        "`zero_one` masks labels (no weight",
         "tensor); `mixed` adds the float32 per-token weights and the per-group delta. On the",
         "trainer side a weighted step costs one float32 multiply per token in the loss and the",
         "CE reduction 'none' instead of 'sum' (no extra collective: the normalizer comes from",
