@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, default_collate
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
@@ -42,7 +42,17 @@ from torchtitan.tools.logging import logger
 
 from core.errors import ConfigError
 from data.chat import CHAT_BAD_REASONS, ChatRenderer, make_renderer
-from data.packing import PACKINGS, Piece, Row, make_packer, materialize
+from data.packing import (
+    LOSS_WEIGHT_DELTA,
+    LOSS_WEIGHTS,
+    PACKINGS,
+    Piece,
+    Row,
+    group_weight_delta,
+    make_packer,
+    materialize,
+    weigh_row,
+)
 from data.sources import BAD_REASONS, RAW_RECORD, Source, open_source
 
 BAD_RECORD_POLICIES = ("skip", "fail")
@@ -110,6 +120,7 @@ class PackedStream(IterableDataset, Stateful):
         infinite: bool = True,
         renderer: ChatRenderer | None = None,
         truncate: bool = False,
+        weights: bool = True,
     ) -> None:
         if packing not in PACKINGS:
             raise ConfigError(f"expected one of {PACKINGS}, got {packing!r}", key="data.packing")
@@ -123,6 +134,8 @@ class PackedStream(IterableDataset, Stateful):
         # SFT (`renderer` given): records are whole JSON lines, rendered by data.chat.
         self.renderer = renderer
         self.truncate = truncate
+        # SFT: apply records' "weight" (False: the validator's plain token-mean loss).
+        self.use_weights = weights and renderer is not None
         self.source = (
             source
             if isinstance(source, Source)
@@ -164,6 +177,9 @@ class PackedStream(IterableDataset, Stateful):
         self._doc_seq = 0  # ids for pushed documents (unique across epochs)
         self._queue: list[Row] = []  # rows decided, not yet consumed (global order)
         self._tokens: dict[int, np.ndarray] = {}
+        # Loss weights of documents whose weight is not 1 (sparse: empty for unweighted data,
+        # which then costs nothing; data.packing.weigh_row).
+        self._weights: dict[int, float] = {}
         self._rows_consumed = 0
         self._bad = dict.fromkeys(self._bad_reasons(), 0)
         self._finished = False
@@ -193,8 +209,11 @@ class PackedStream(IterableDataset, Stateful):
                 encoded = iter(self._encode(texts)) if texts else iter(())
                 for idx, text, bad in chunk:
                     ids = next(encoded) if text is not None else None
+                    weight = 1.0
                     if isinstance(ids, str):  # an SFT record that does not render
                         bad, ids = ids, None
+                    elif isinstance(ids, tuple):  # an SFT record and its loss weight
+                        ids, weight = ids
                     if ids is not None and len(ids) < 2:
                         bad = "empty"  # no next-token pair (a tokenizer without BOS/EOS)
                     self._next_record = idx + 1
@@ -207,6 +226,8 @@ class PackedStream(IterableDataset, Stateful):
                     doc = self._doc_seq
                     self._doc_seq += 1
                     self._tokens[doc] = ids
+                    if weight != 1.0 and self.use_weights:
+                        self._weights[doc] = weight
                     self._queue.extend(self.packer.push(doc, len(ids) - 1))
                     while len(self._queue) >= dp:
                         yield self._take_group()
@@ -262,17 +283,17 @@ class PackedStream(IterableDataset, Stateful):
     def _bad_reasons(self) -> tuple[str, ...]:
         return BAD_REASONS + (CHAT_BAD_REASONS if self.renderer is not None else ())
 
-    def _encode(self, texts: list[str]) -> list[np.ndarray] | list[np.ndarray | str]:
-        """Token arrays (BOS + text + EOS), or for SFT records data.chat's masked encoding
-        (or the bad-record reason)."""
+    def _encode(self, texts: list[str]) -> list[np.ndarray] | list[tuple[np.ndarray, float] | str]:
+        """Token arrays (BOS + text + EOS), or for SFT records (data.chat's masked encoding,
+        the record's loss weight), or the bad-record reason."""
         if self.renderer is None:
             return encode_documents(self.tokenizer, texts)
-        out: list[np.ndarray | str] = []
+        out: list[tuple[np.ndarray, float] | str] = []
         for line in texts:
-            arr, _w, bad = self.renderer.render_line(
+            arr, w, bad = self.renderer.render_line(
                 line, max_tokens=self.seq_len + 1, truncate=self.truncate
             )
-            out.append(arr if arr is not None else str(bad))
+            out.append((arr, w) if arr is not None else str(bad))
         return out
 
     def _record_bad(self, idx: int, reason: str) -> None:
@@ -289,16 +310,39 @@ class PackedStream(IterableDataset, Stateful):
 
     def _take_group(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         dp = self.dp_world_size
-        row = self._queue[self.dp_rank]
+        group = self._queue[:dp]
+        row = group[self.dp_rank]
         del self._queue[:dp]
         self._rows_consumed += dp
         inp, lab, pos = materialize(row, self._tokens, self.pad_id)
+        batch = {"input": torch.from_numpy(inp), "positions": torch.from_numpy(pos)}
+        if self._weights:
+            self._apply_weights(group, row, lab, batch)
         if len(self._tokens) > self._prune_at:
             self._prune()
-        return (
-            {"input": torch.from_numpy(inp), "positions": torch.from_numpy(pos)},
-            torch.from_numpy(lab),
-        )
+        return batch, torch.from_numpy(lab)
+
+    def _apply_weights(
+        self, group: list[Row], row: Row, lab: np.ndarray, batch: dict[str, torch.Tensor]
+    ) -> None:
+        """Weights of this group's documents (docs/sft.md, "Per-example weights").
+
+        Weight 0 masks the row's labels; a group (all dp rows, the same on every rank) with
+        a weight other than 0 and 1 makes every rank's row carry per-token weights and the
+        group's normalizer delta, so all ranks agree, without a collective, on which steps
+        use the weighted loss and on its normalizer (runtime.trainer).
+        """
+        ws = self._weights
+        mine = [p.doc for p in row.pieces if p.doc in ws]
+        if mine:
+            token_w = weigh_row(row, lab, ws)
+        if any(ws.get(p.doc, 0.0) != 0.0 for r in group for p in r.pieces):
+            if not mine:
+                token_w = (lab != IGNORE_INDEX).astype(np.float32)
+            batch[LOSS_WEIGHTS] = torch.from_numpy(token_w)
+            batch[LOSS_WEIGHT_DELTA] = torch.from_numpy(
+                np.array(group_weight_delta(group, self._tokens, ws), dtype=np.float64)
+            )
 
     def _referenced(self) -> set[int]:
         refs = set(self.packer.pending_docs())
@@ -309,6 +353,7 @@ class PackedStream(IterableDataset, Stateful):
     def _prune(self) -> None:
         refs = self._referenced()
         self._tokens = {d: t for d, t in self._tokens.items() if d in refs}
+        self._weights = {d: w for d, w in self._weights.items() if d in refs}
         self._prune_at = 2 * len(self._tokens) + 2 * self.window + 64
 
     # -- accounting -------------------------------------------------------------------------
@@ -352,6 +397,12 @@ class PackedStream(IterableDataset, Stateful):
             },
             "bad": dict(self._bad),
             "source_state": self.source.resume_state(self._next_record),
+            # SFT: loss weights (not 1) of the referenced documents, as [doc, weight].
+            **(
+                {"weights": [[d, self._weights[d]] for d in refs if d in self._weights]}
+                if self.renderer is not None
+                else {}
+            ),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -392,6 +443,8 @@ class PackedStream(IterableDataset, Stateful):
         self._rows_consumed = sd["rows_consumed"]
         self._finished = sd["finished"]
         self._bad = {**dict.fromkeys(self._bad_reasons(), 0), **sd["bad"]}
+        if self.use_weights:
+            self._weights = {int(d): float(w) for d, w in sd.get("weights", [])}
         self.source.restore(self._next_record, sd.get("source_state"))
 
 
@@ -542,7 +595,22 @@ def build_stream(
             make_renderer(_tokenizer_folder(tokenizer), config.chat_template) if sft else None
         ),
         truncate=config.truncate,
+        weights=config.weights,
     )
+
+
+def collate_rows(
+    rows: list[tuple[dict[str, torch.Tensor], torch.Tensor]],
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """torch's default collate, after giving rows without loss weights (a batch that mixes
+    weighted and unweighted groups) their implicit ones: weight 1 on trained pairs, delta 0.
+    Batches without weighted rows are collated untouched."""
+    if any(LOSS_WEIGHTS in d for d, _ in rows):
+        for d, lab in rows:
+            if LOSS_WEIGHTS not in d:
+                d[LOSS_WEIGHTS] = (lab != IGNORE_INDEX).to(torch.float32)
+                d[LOSS_WEIGHT_DELTA] = torch.zeros((), dtype=torch.float64)
+    return default_collate(rows)
 
 
 class TitanscaleDataLoader(ParallelAwareDataloader):
@@ -579,6 +647,9 @@ class TitanscaleDataLoader(ParallelAwareDataloader):
 
         truncate: bool = False
         """sft: cut examples longer than seq_len + 1 tokens (else they are bad records)."""
+
+        weights: bool = True
+        """sft: apply the records' "weight" to the loss (the validator reads without)."""
 
         subset: str = ""
         """Hub sources: the dataset configuration (load_dataset's name=)."""
@@ -647,6 +718,7 @@ class TitanscaleDataLoader(ParallelAwareDataloader):
             dp_world_size=dp_world_size,
             batch_size=local_batch_size,
             num_workers=0,
+            collate_fn=collate_rows,
         )
 
     # The stream state is identical on every rank (rows are consumed a whole dp group at a

@@ -381,3 +381,53 @@ def materialize(
         lab[o:] = IGNORE_INDEX
         pos[o:] = np.arange(L - o)
     return inp, lab, pos
+
+
+# -- per-example loss weights (SFT records' optional "weight", data.chat) -------------------
+# The channel is sparse: a stream keeps `weights[doc]` only for documents whose weight is not
+# 1, so rows of weight-1 documents never touch any of this (no cost, bit-identical rows).
+LOSS_WEIGHTS = "loss_weights"  # batch key: float32 [L] per-token weights (weighted groups)
+LOSS_WEIGHT_DELTA = "loss_weight_delta"  # batch key: float64 scalar, see group_weight_delta
+
+
+def trained_pairs(tokens: np.ndarray, piece: Piece) -> int:
+    """Pairs of `piece` whose label is trained (next token not a prompt token, data.chat)."""
+    return int(np.count_nonzero(tokens[piece.start + 1 : piece.end + 1] >= 0))
+
+
+def weigh_row(row: Row, labels: np.ndarray, weights: Mapping[int, float]) -> np.ndarray:
+    """Apply per-document weights to one materialized row.
+
+    Pieces of weight-0 documents get labels IGNORE_INDEX (in place): weight 0 is exactly a
+    mask, so those tokens are neither trained nor counted as trained tokens. Returns the
+    per-token weights (float32 [seq_len]): the document's weight (1 when absent from
+    `weights`) at every trained pair, 0 at prompt pairs and padding.
+    """
+    per_piece = np.array([weights.get(p.doc, 1.0) for p in row.pieces], dtype=np.float32)
+    w = np.zeros(row.seq_len, dtype=np.float32)
+    used = row.used
+    w[:used] = np.repeat(per_piece, [p.size for p in row.pieces])
+    lab = labels[:used]
+    lab[w[:used] == 0.0] = IGNORE_INDEX  # weight-0 pieces (a view: labels change in place)
+    w[:used][lab == IGNORE_INDEX] = 0.0  # prompt pairs
+    return w
+
+
+def group_weight_delta(
+    rows: Sequence[Row], tokens: Mapping[int, np.ndarray], weights: Mapping[int, float]
+) -> float:
+    """sum over the trained pairs t of `rows` of (w_t - 1), w_t as the float32 the loss uses.
+
+    A step's weighted-loss normalizer is sum_t w_t = (trained pairs, the count torchtitan
+    already all-reduces) + the deltas of the step's groups. `rows` is one whole group (the dp
+    rows taken together, identical on every rank), so every rank knows the group's delta
+    without a collective. Weight-0 pieces add nothing: their labels are masked (weigh_row),
+    so they are not in the trained count either.
+    """
+    total = 0.0
+    for r in rows:
+        for p in r.pieces:
+            w = weights.get(p.doc, 1.0)
+            if w != 1.0 and w != 0.0:
+                total += (float(np.float32(w)) - 1.0) * trained_pairs(tokens[p.doc], p)
+    return total

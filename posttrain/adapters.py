@@ -35,8 +35,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from core.errors import ConfigError
 from data.chat import ChatRenderer, make_renderer
 from data.loader import _plain  # the loader's JSON encoding of its own state
+from data.packing import LOSS_WEIGHTS
 from posttrain.evaluate import exact_match, load_examples, model_logits
 from posttrain.lora import (
     adapter_state,
@@ -96,6 +98,14 @@ def _batches(stream: Any, batch_size: int) -> Iterator[tuple[torch.Tensor, ...]]
     it = iter(stream)
     while True:
         rows = [next(it) for _ in range(batch_size)]
+        if any(LOSS_WEIGHTS in r[0] for r in rows):
+            # Weight 0 is applied (the stream masks those labels); other weights need the
+            # weighted loss of the Trainer path (runtime.loss), not wired here yet.
+            raise ConfigError(
+                "[[adapters]] jobs support SFT record weights 0 and 1 only; train weighted "
+                "data without [[adapters]]",
+                key="data.source",
+            )
         yield (
             torch.stack([r[0]["input"] for r in rows]),
             torch.stack([r[0]["positions"] for r in rows]),

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 from torchtitan.components.lora import LoRAConverter
-from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import CommConfig, DebugConfig
@@ -34,6 +33,7 @@ from kernels.registry import KernelChoice, apply_kernels, check_kernels
 from recipe.loader import first_step_timeout_s, uses_cuda_graphs
 from recipe.schema import Recipe
 from runtime.checkpoint import AtomicCheckpointManager
+from runtime.loss import WeightedChunkedLoss, WeightedCrossEntropyLoss
 from runtime.metrics import TitanscaleMetrics
 from runtime.platform import Platform, spmd_backend
 from runtime.validation import TitanscaleValidator
@@ -129,9 +129,11 @@ def validator_config(recipe: Recipe) -> TitanscaleValidator.Config:
             data_files=[],
             sources=[],
             infinite=False,
+            weights=False,
         )
     else:
-        loader = dataclasses.replace(train, infinite=False)
+        # Validation loss stays the plain token mean (SFT weights are a training choice).
+        loader = dataclasses.replace(train, infinite=False, weights=False)
     return TitanscaleValidator.Config(
         enable=v.enable, freq=v.every, steps=v.steps, dataloader=loader
     )
@@ -213,8 +215,9 @@ def build_trainer_config(
         model_spec=spec,
         hf_assets_path=tokenizer_path,
         dump_folder=recipe.output_dir,
-        loss=ChunkedLossWrapper.Config(
-            loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))
+        # torchtitan's chunked CE, plus SFT's optional per-token weights (runtime.loss).
+        loss=WeightedChunkedLoss.Config(
+            loss_fn=WeightedCrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))
         ),
         optimizer=default_adamw(lr=tr.lr, weight_decay=tr.weight_decay),
         lr_scheduler=lr_scheduler_config(recipe),

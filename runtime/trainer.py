@@ -9,7 +9,12 @@
   steady-state summary; runs the step watchdog (runtime.watchdog) around the loop.
 - `train_step`: marks step begin/end for the watchdog; a collective timeout becomes a
   `RankTimeoutError` naming the rank that stopped answering and its groups.
-- `forward_backward_step`: the mid-step fault-injection seam (runtime.faults, tests only).
+- `forward_backward_step`: the mid-step fault-injection seam (runtime.faults, tests only),
+  and SFT's per-example weights: a step whose groups carry weights (data.loader) divides by
+  the step's global weight sum instead of its trained-token count, and
+  `_forward_backward_body` hands the microbatch's per-token weights to the loss
+  (runtime.loss; docs/sft.md, "Per-example weights"). Steps without them run torchtitan's
+  path untouched.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from torchtitan.trainer import Trainer
 
 from core.launch_env import launch_env
 from data.accounting import attention_pairs
+from data.packing import LOSS_WEIGHT_DELTA, LOSS_WEIGHTS
 from launch.stop_request import StopOnRequest
 from parallel.fabric import Fabric
 from runtime import faults
@@ -35,6 +41,9 @@ from runtime.watchdog import RankTimeoutError, StepWatchdog, default_store, look
 class TitanscaleTrainer(StopOnRequest, Trainer):
     summary: dict[str, Any] | None = None
     watchdog: StepWatchdog | None = None
+    # This step's sum of loss-weight deltas (data.packing.group_weight_delta) over the
+    # batches fetched so far; None while the step has no weighted group.
+    _weight_delta: float | None = None
 
     def __init__(
         self,
@@ -97,6 +106,10 @@ class TitanscaleTrainer(StopOnRequest, Trainer):
             wall=time.strftime("%Y-%m-%dT%H:%M:%S"),
         )
         for input_dict, labels in super().batch_generator(data_iterable):
+            delta = input_dict.pop(LOSS_WEIGHT_DELTA, None)
+            if delta is not None:
+                # Per row: its group's delta; this rank's rows cover each group once.
+                self._weight_delta = (self._weight_delta or 0.0) + float(delta.sum())
             # labels stay on CPU here; counting them costs no device sync.
             metrics.useful_ntokens_since_last_log += int((labels != IGNORE_INDEX).sum())
             if "positions" in input_dict:
@@ -121,6 +134,9 @@ class TitanscaleTrainer(StopOnRequest, Trainer):
         ).start()
 
     def train_step(self, data_iterator) -> None:
+        # torchtitan fetches all of a step's microbatches before the first forward, so by
+        # then batch_generator has summed the whole step's weight delta.
+        self._weight_delta = None
         wd = self.watchdog
         if wd is None:
             return super().train_step(data_iterator)
@@ -140,7 +156,55 @@ class TitanscaleTrainer(StopOnRequest, Trainer):
 
     def forward_backward_step(self, **kwargs: Any) -> torch.Tensor:
         faults.inject("step", self.step)
+        gvt = kwargs["global_valid_tokens"]
+        if self._weight_delta is not None:
+            # Weighted step: normalizer = sum_t w_t over the step's trained tokens on every
+            # rank = the global trained-token count (already all-reduced by torchtitan)
+            # + the step's weight delta (the same on every rank).
+            self._check_weighted()
+            gvt = gvt.to(torch.float32) + self._weight_delta
+        # A step without a trained token (an SFT step of weight-0 / prompt-only examples)
+        # divides its zero loss by 1, not 0 (torchtitan would stop on the NaN); any count
+        # >= 1 is unchanged, so the unweighted loss stays bit-identical.
+        kwargs["global_valid_tokens"] = torch.where(gvt > 0, gvt, torch.ones_like(gvt))
         return super().forward_backward_step(**kwargs)
+
+    def _check_weighted(self) -> None:
+        """Layouts whose loss path cannot carry per-token weights: refused by name."""
+        pd = self.parallel_dims
+        why = (
+            "pipeline parallelism (pp > 1)"
+            if pd.pp_enabled
+            else "context parallelism (cp > 1)"
+            if pd.cp_enabled
+            else "CUDA graphs (set training.cuda_graphs = 'off')"
+            if not self.config.training.disable_cuda_graphs
+            else ""
+        )
+        if why:
+            from core.errors import ConfigError
+
+            raise ConfigError(
+                f"SFT records with a weight other than 0 or 1 are not supported with {why}",
+                key="data.source",
+            )
+
+    def _forward_backward_body(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        global_valid_tokens: torch.Tensor,
+        extra_kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        weights = extra_kwargs.pop(LOSS_WEIGHTS, None)
+        if weights is None:
+            return super()._forward_backward_body(inputs, labels, global_valid_tokens, extra_kwargs)
+        from runtime.loss import WeightedChunkedLoss
+
+        if not isinstance(self.loss_fn, WeightedChunkedLoss):
+            raise TypeError(f"per-token SFT weights need runtime.loss, not {type(self.loss_fn)}")
+        with self.loss_fn.token_weights(weights):
+            return super()._forward_backward_body(inputs, labels, global_valid_tokens, extra_kwargs)
 
     def train(self) -> None:
         self.watchdog = self._start_watchdog()

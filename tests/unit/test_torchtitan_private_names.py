@@ -78,6 +78,18 @@ PRIVATE_NAMES: list[tuple[str, str, str, str]] = [
         "set per adapter (alpha / the adapter's own rank)",
         "service/titan_backend.py",
     ),
+    (
+        "torchtitan.trainer",
+        "Trainer._forward_backward_body",
+        "override + super() (per-token SFT weights to the loss)",
+        "runtime/trainer.py",
+    ),
+    (
+        "torchtitan.components.loss",
+        "_LossParallelCrossEntropy",
+        "called with reduction 'none' (weighted CE under TP)",
+        "runtime/loss.py",
+    ),
 ]
 
 # Module attributes that torchtitan looks up at call time and the CPU layer replaces
