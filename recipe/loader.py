@@ -186,9 +186,21 @@ def check_finetune(recipe: Recipe) -> None:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ConfigError(f"adapter names must be unique: {dup}", file=f, key="adapters")
-        if recipe.parallel.pp > 1 or recipe.parallel.tp > 1 or recipe.parallel.cp > 1:
+        check_adapter_layout(recipe, recipe.parallel)
+
+
+def check_adapter_layout(recipe: Recipe, degrees: Any) -> None:
+    """[[adapters]] run data parallel only (posttrain.adapters: the base FSDP-sharded, the
+    adapters replicated and swapped per turn, which TP/PP/CP sharding would not allow).
+    `degrees`: anything with pp/tp/cp (the recipe's [parallel], or the planner's layout)."""
+    for axis in ("pp", "tp", "cp"):
+        degree = getattr(degrees, axis)
+        if degree != 1:
             raise ConfigError(
-                "[[adapters]] run in one process (no tp/pp/cp)", file=f, key="adapters"
+                f"[[adapters]] run data parallel only; {axis} = {degree} is not supported, "
+                "set it to 1",
+                file=recipe.source,
+                key=f"parallel.{axis}",
             )
 
 

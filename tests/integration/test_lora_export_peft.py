@@ -10,9 +10,9 @@ from posttrain.lora import (
     base_state,
     export_merged,
     export_peft,
-    llama_hf_config,
     lora_modules,
 )
+from runtime.hf import hf_config
 
 RANK, ALPHA = 4, 8.0
 
@@ -74,7 +74,7 @@ def test_peft_adapter_and_merged_model_match_our_logits(tmp_path, n_kv_heads):
     with torch.no_grad():
         ours = model(x, pos, model.get_attention_masks(positions=pos)).float()
 
-    hf_cfg = LlamaConfig(**llama_hf_config(cfg))
+    hf_cfg = LlamaConfig(**hf_config(cfg, "llama3", "float32"))
     hf_cfg.attn_implementation = "eager"
     hf = LlamaForCausalLM(hf_cfg).float().eval()
     missing, unexpected = hf.load_state_dict(sda.to_hf(base_state(model)), strict=False)
