@@ -79,7 +79,8 @@ class AdapterState:
     step: int = 0
     tokens: int = 0
     trained_tokens: int = 0
-    times: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # wall seconds of each round
+    cpu_times: list[float] = field(default_factory=list)  # this process's CPU seconds
     heldout: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -420,14 +421,18 @@ class AdapterJob:
             active = [a for a in self.adapters if not a.done]
             if not active:
                 break
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             results = step_fn(active)
             dt = time.perf_counter() - t0  # the round: one step of every active adapter
+            # CPU seconds of this process (all its threads): on a CPU shared with other
+            # jobs, time slicing inflates wall time but not this (benchmarks/adapters.md).
+            dc = time.process_time() - c0
             for a, loss, norm in results:
                 a.step += 1
                 # Each adapter advances by one step per round: its tokens/s is its tokens over
                 # the round's wall time (the job's total is the sum over adapters).
                 a.times.append(dt)
+                a.cpu_times.append(dc)
                 if not math.isfinite(loss):
                     raise RuntimeError(f"adapter {a.spec.name}: loss is {loss} at step {a.step}")
                 if a.step % log_every == 0 or a.done:
@@ -440,6 +445,7 @@ class AdapterJob:
                         "tokens": a.tokens,
                         "trained_tokens": a.trained_tokens,
                         "round_s": dt,
+                        "round_cpu_s": dc,
                         "adapters_in_round": len(results),
                         # this adapter's tokens over every rank (global batch x seq_len)
                         "tokens_per_sec": a.batch_size * self.world * seq_len / a.times[-1],
@@ -455,13 +461,15 @@ class AdapterJob:
             self.save(a)
             self.heldout(a)
             times = a.times[skip:] or a.times
+            cpu = a.cpu_times[skip:] or a.cpu_times
+            round_tokens = a.batch_size * self.world * seq_len
             summary["adapters"][a.spec.name] = {
                 "steps": a.step,
                 "tokens": a.tokens,
                 "trained_tokens": a.trained_tokens,
-                "tokens_per_sec": (a.batch_size * self.world * seq_len * len(times)) / sum(times)
-                if times
-                else 0.0,
+                "tokens_per_sec": round_tokens * len(times) / sum(times) if times else 0.0,
+                # all ranks' tokens per CPU second of one process (this rank's)
+                "tokens_per_cpu_sec": round_tokens * len(cpu) / sum(cpu) if sum(cpu) else 0.0,
                 "heldout": a.heldout,
                 "export": self.export(a) if export else None,
             }

@@ -169,6 +169,16 @@ def first_step_timeout_s(recipe: Recipe) -> int:
 def check_finetune(recipe: Recipe) -> None:
     """[data] format / [finetune] / [[adapters]] consistency."""
     f = recipe.source
+    if recipe.data.format == "sft" and recipe.data.sources:
+        # SFT records are rendered and masked by data.chat on the streaming path; the mix
+        # reads token rows (stores), which carry no chat rendering. Refused here, before any
+        # process group (the loader would otherwise fail after it, on "no usable documents").
+        raise ConfigError(
+            "format 'sft' reads one JSON Lines data.source; [[data.sources]] mixes are not "
+            "supported for sft (concatenate the files, or use [[adapters]] per dataset)",
+            file=f,
+            key="data.sources",
+        )
     if recipe.data.format == "sft" and recipe.data.packing == "concat":
         raise ConfigError(
             "sft examples must not be split across rows: use packing 'bfd' (or 'none')",

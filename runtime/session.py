@@ -200,6 +200,7 @@ def check_data_source(recipe: Recipe) -> None:
         check_source(recipe.validation.source, file=recipe.source, key="validation.source")
     if not d.sources:
         check_source(d.source, file=recipe.source)
+        _check_sft_not_store(recipe)
         return
     from data.store_stream import mix_counts
 
@@ -209,6 +210,24 @@ def check_data_source(recipe: Recipe) -> None:
         mix_counts([e.weight for e in d.sources], d.mix_window)
     except ValueError as e:
         raise ConfigError(str(e), file=recipe.source, key="data.mix_window") from None
+
+
+def _check_sft_not_store(recipe: Recipe) -> None:
+    """SFT records (data.format = 'sft', every [[adapters]] source) are JSON Lines rendered
+    by data.chat; a prepared token store holds plain token rows without the chat masks."""
+    from data.store import is_store
+
+    keys = [(f"adapters[{i}].source", a.source) for i, a in enumerate(recipe.adapters)]
+    if recipe.data.format == "sft" and not recipe.adapters:
+        keys.append(("data.source", recipe.data.source))
+    for key, spec in keys:
+        if is_store(spec):
+            raise ConfigError(
+                f"{spec} is a prepared token store; sft reads JSON Lines of chats or "
+                "prompt/completion pairs (point it at the .jsonl)",
+                file=recipe.source,
+                key=key,
+            )
 
 
 def check_data_tokenizer(recipe: Recipe, tokenizer_path: str) -> None:
