@@ -11,48 +11,8 @@ import sys
 import pytest
 import torch
 
-from posttrain.tasks import letter_sort
+from tests.helpers.adapter_recipe import STEPS, write_adapter_recipe
 from tests.helpers.runs import ROOT, child_env, free_port, train_main_error
-
-RECIPE = """
-base = "{root}/recipes/sft_debug.toml"
-[model]
-layers = 2
-[training]
-seq_len = 64
-local_batch_size = 2
-warmup_steps = 0
-[checkpoint]
-load_from = ""
-[metrics]
-summary_skip_steps = 0
-log_every = 1
-[[adapters]]
-name = "a"
-source = "{d}/a.jsonl"
-eval_source = "{d}/held.jsonl"
-lr = 0.01
-steps = 4
-seed = 1
-[[adapters]]
-name = "b"
-source = "{d}/b.jsonl"
-lr = 0.005
-steps = 3
-warmup_steps = 1
-seed = 2
-"""
-
-STEPS = {"a": 4, "b": 3}
-
-
-def _recipe(d) -> str:
-    train, held = letter_sort(400, 20, seed=0)
-    for name, rows in (("a", train[:200]), ("b", train[200:]), ("held", held)):
-        (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    path = d / "recipe.toml"
-    path.write_text(RECIPE.format(root=ROOT, d=d))
-    return str(path)
 
 
 def _final(out, name: str) -> dict[str, torch.Tensor]:
@@ -72,7 +32,7 @@ def _maxdiff(x: dict[str, torch.Tensor], y: dict[str, torch.Tensor]) -> float:
 
 @pytest.mark.multiproc
 def test_adapters_two_processes(tmp_path):
-    recipe = _recipe(tmp_path)
+    recipe = write_adapter_recipe(tmp_path)
     out = tmp_path / "dp2"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
@@ -133,7 +93,7 @@ def test_adapters_two_processes(tmp_path):
 @pytest.mark.parametrize("axis", ["tp", "pp", "cp"])
 def test_adapters_refuse_model_parallel(tmp_path, monkeypatch, capsys, axis):
     """tp/pp/cp > 1 with [[adapters]]: one line naming the key, exit 2, no process group."""
-    recipe = _recipe(tmp_path)
+    recipe = write_adapter_recipe(tmp_path)
     for k, v in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():  # fmt: skip
         monkeypatch.setenv(k, v)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.lora import adapter_state, base_state, export_merged, export_peft, lora_modules
+from posttrain.lora import base_state, lora_modules
+from tests.helpers.hf_reference import QWEN3_DEBUG, check_peft_and_merged
 
 RANK, ALPHA = 4, 8.0
 N_LAYERS = 2
@@ -23,20 +24,7 @@ def _hf_reference():
     """transformers' Qwen3 with torchtitan's qwen3 debugmodel shape, 2 layers."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(
-        hidden_size=256,
-        intermediate_size=3072,
-        num_hidden_layers=N_LAYERS,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=2048,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        tie_word_embeddings=True,
-        attention_bias=False,
-    )
+    cfg = Qwen3Config(**{**QWEN3_DEBUG, "num_hidden_layers": N_LAYERS})
     cfg.attn_implementation = "eager"
     return Qwen3ForCausalLM(cfg).float().eval()
 
@@ -81,9 +69,6 @@ def _lora_qwen3(fuse_qkv: bool, targets: list[str]):
     ],
 )
 def test_qwen3_peft_adapter_and_merged_model_match_our_logits(tmp_path, fuse_qkv, targets, modules):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     model, cfg, sda = _lora_qwen3(fuse_qkv, targets)
     names = {n.rsplit(".", 1)[-1] for n, _ in lora_modules(model)}
     assert names == (modules or set(targets)), names  # every target adapted (the test covers each)
@@ -98,24 +83,5 @@ def test_qwen3_peft_adapter_and_merged_model_match_our_logits(tmp_path, fuse_qkv
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     hf.tie_weights()
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
-    with torch.no_grad():
-        plain = hf(x).logits
-    # Control: the adapter changes the logits (else the comparison below is moot).
-    assert (plain - ours).abs().max() > 1e-2
-
-    export_peft(str(tmp_path / "adapter"), model_config=cfg, adapter=adapter_state(model),
-                state_dict_adapter=sda, rank=RANK, alpha=ALPHA)  # fmt: skip
-    peft_model = PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
-    with torch.no_grad():
-        got = peft_model(x).logits
-    assert (got - ours).abs().max().item() < 1e-4
-
-    export_merged(str(tmp_path / "merged"), base=base_state(model), adapter=adapter_state(model),
-                  model_config=cfg, state_dict_adapter=sda, scale=ALPHA / RANK,
-                  family="qwen3")  # fmt: skip
-    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
-    assert type(merged).__name__ == "Qwen3ForCausalLM"
-    with torch.no_grad():
-        m_logits = merged.eval()(x).logits
-    assert (m_logits - ours).abs().max().item() < 1e-4
-    assert (m_logits - got).abs().max().item() < 1e-4
+    check_peft_and_merged(tmp_path, model=model, cfg=cfg, sda=sda, hf=hf, x=x, ours=ours,
+                          rank=RANK, alpha=ALPHA, family="qwen3")  # fmt: skip
