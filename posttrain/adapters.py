@@ -449,6 +449,7 @@ class AdapterJob:
                         "adapters_in_round": len(results),
                         # this adapter's tokens over every rank (global batch x seq_len)
                         "tokens_per_sec": a.batch_size * self.world * seq_len / a.times[-1],
+                        "tokens_per_sec_per_rank": a.batch_size * seq_len / a.times[-1],
                     }
                     self._jsonl.write(json.dumps(rec) + "\n")
                 if interval and a.step % interval == 0 and not a.done:
@@ -468,8 +469,13 @@ class AdapterJob:
                 "tokens": a.tokens,
                 "trained_tokens": a.trained_tokens,
                 "tokens_per_sec": round_tokens * len(times) / sum(times) if times else 0.0,
-                # all ranks' tokens per CPU second of one process (this rank's)
-                "tokens_per_cpu_sec": round_tokens * len(cpu) / sum(cpu) if sum(cpu) else 0.0,
+                "tokens_per_sec_per_rank": round_tokens * len(times) / sum(times) / self.world
+                if times
+                else 0.0,
+                # this process's tokens per CPU second of this process
+                "tokens_per_cpu_sec": round_tokens / self.world * len(cpu) / sum(cpu)
+                if sum(cpu)
+                else 0.0,
                 "heldout": a.heldout,
                 "export": self.export(a) if export else None,
             }
