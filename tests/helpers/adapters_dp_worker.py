@@ -45,5 +45,17 @@ for names in (["a", "b"], ["a"], ["b"]):
     if dist.get_rank() == 0:
         with open(f"{out}/turns-{'-'.join(names)}/base_unchanged.json", "w") as f:
             json.dump({"base_unchanged": same, "keys": len(before), "sharded_params": sharded}, f)
+# Checkpoints: `a` stopped after 2 of its 4 steps (saved by rank 0), then a new job resumes
+# from that checkpoint on both ranks and finishes (compared with turns-a in the test).
+j = copy.deepcopy(job)
+j.recipe.adapters = [a for a in j.recipe.adapters if a.name == "a"]
+j.recipe.job.output_dir = f"{out}/resumed-a"
+aj = jobs.adapter_job(j, mesh)
+for _ in range(2):
+    aj._step_turns(aj.adapters)
+    aj.adapters[0].step += 1
+aj.save(aj.adapters[0])
+dist.barrier()  # rank 0's file is written before any rank looks for it
+jobs.adapter_job(j, mesh).train(export=False)
 dist.barrier()
 dist.destroy_process_group()

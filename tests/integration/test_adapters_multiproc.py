@@ -60,6 +60,10 @@ def test_adapters_two_processes(tmp_path):
         assert len(got) == len(want) == STEPS[name]
         assert max(abs(x - y) for x, y in zip(got, want, strict=True)) <= 1e-5, name
     assert _maxdiff(_final(out / "turns-a-b", "a"), _final(out / "turns-a-b", "b")) > 1e-3
+    # Stopped after 2 steps and resumed on 2 processes: the uninterrupted adapter, exactly.
+    resumed, straight = _final(out / "resumed-a", "a"), _final(out / "turns-a", "a")
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+    assert _losses(out / "resumed-a", "a") == _losses(out / "turns-a", "a")[2:]
 
     # train.py's job wrote every adapter's metrics, checkpoint, export and summary (rank 0).
     summary = json.loads((out / "batched-a-b" / "adapters_summary.json").read_text())
