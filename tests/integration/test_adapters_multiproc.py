@@ -1,6 +1,7 @@
 """[[adapters]] on 2 processes (gloo, FSDP2-sharded frozen base, replicated adapters):
-two adapters in one job equal each alone, the base stays bit-identical, the 2-process job
-equals the 1-process job over the same global batch, and tp/pp/cp layouts are refused."""
+two adapters in one job equal each alone, the base stays bit-identical, a resumed adapter
+equals the uninterrupted one, the 2-process job equals the 1-process job over the same
+global batch, and tp/pp/cp layouts are refused."""
 
 from __future__ import annotations
 
