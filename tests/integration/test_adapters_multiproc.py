@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from posttrain.lora import base_state
 from tests.helpers.adapter_recipe import STEPS, write_adapter_recipe
 from tests.helpers.runs import ROOT, child_env, free_port, train_main_error
 
@@ -72,6 +73,8 @@ def test_adapters_two_processes(tmp_path):
     assert {n: s["steps"] for n, s in summary["adapters"].items()} == STEPS
     for name in ("a", "b"):
         assert (out / "batched-a-b" / "export" / name / "adapter_model.safetensors").exists()
+        # The merged folder (sft_debug sets export_merged): the base all-gathered on both ranks.
+        assert (out / "batched-a-b" / "export" / name / "merged" / "model.safetensors").exists()
         # Tokens count every rank's rows: 2 processes x 2 rows x 64 per step.
         assert summary["adapters"][name]["tokens"] == STEPS[name] * 2 * 2 * 64
 
@@ -85,7 +88,8 @@ def test_adapters_two_processes(tmp_path):
     saved = dict(__import__("os").environ)
     try:
         job = session.prepare(recipe, [f"job.output_dir={one}", "training.local_batch_size=4"])
-        jobs.adapter_job(job).train(export=False)
+        aj = jobs.adapter_job(job)
+        aj.train(export=False)
     finally:
         __import__("os").environ.clear()
         __import__("os").environ.update(saved)
@@ -93,6 +97,27 @@ def test_adapters_two_processes(tmp_path):
         got, want = _losses(out / "turns-a-b", name), _losses(one, name)
         assert max(abs(x - y) for x, y in zip(got, want, strict=True)) <= 1e-5, name
         assert _maxdiff(_final(out / "turns-a-b", name), _final(one, name)) <= 1e-4, name
+
+    # The merged export of the 2-process job holds the full base (all-gathered from both
+    # ranks' shards; the 1-process job built the same seeded base) plus alpha/r B A.
+    from safetensors.torch import load_file
+
+    base = aj.state_dict_adapter.to_hf(base_state(aj.model))
+    scale = job.recipe.lora.alpha / job.recipe.lora.rank
+    folder = out / "batched-a-b" / "export" / "a"
+    merged = load_file(folder / "merged" / "model.safetensors")
+    peft = load_file(folder / "adapter_model.safetensors")
+    assert merged.keys() == base.keys()
+    adapted = 0
+    for k, w in base.items():
+        lora_a = peft.get(f"base_model.model.{k.removesuffix('.weight')}.lora_A.weight")
+        if lora_a is None:
+            assert torch.equal(merged[k], w), k
+            continue
+        lora_b = peft[f"base_model.model.{k.removesuffix('.weight')}.lora_B.weight"]
+        assert (merged[k] - (w + scale * lora_b @ lora_a)).abs().max().item() <= 1e-5, k
+        adapted += 1
+    assert adapted == 7 * 2  # wqkv -> q, k, v; wo, w1, w2, w3: 7 per layer, 2 layers
 
 
 @pytest.mark.parametrize("axis", ["tp", "pp", "cp"])
