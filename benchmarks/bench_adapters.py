@@ -2,11 +2,16 @@
 a single full fine-tune, on this CPU, plus the performance model's prediction for one H100
 node. Writes benchmarks/adapters.json and prints a markdown table.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_adapters.py [--steps 6] [--skip 2]
+    OMP_NUM_THREADS=1 python benchmarks/bench_adapters.py [--steps 8] [--skip 2] [--repeats 3]
 
 Same model, data and shapes in every run: the debug model (recipes/sft_debug.toml, seq 256,
 2 rows per adapter per step), letter_sort data; full fine-tune = the same loop with every
 parameter trained (AdamW over all of them).
+
+Two clocks per round: wall time, and this process's CPU time (one thread with
+OMP_NUM_THREADS=1). On a CPU shared with other jobs, time slicing stretches wall time by
+whatever share the others take (2x-10x here), while CPU time counts only this job's work;
+the configurations run interleaved, `--repeats` times each, and the medians are reported.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import copy
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -48,9 +54,10 @@ def measure(job, n_adapters: int, schedule: str, steps: int, skip: int, out: str
                     schedule=schedule)  # fmt: skip
     s = aj.train(export=False)
     per = [a["tokens_per_sec"] for a in s["adapters"].values()]
+    per_cpu = [a["tokens_per_cpu_sec"] for a in s["adapters"].values()]
     return {"adapters": n_adapters, "schedule": schedule,
             "tokens_per_sec_per_adapter": sum(per) / len(per),
-            "tokens_per_sec_total": sum(per) / len(per) * n_adapters}  # fmt: skip
+            "tokens_per_cpu_sec_per_adapter": sum(per_cpu) / len(per_cpu)}  # fmt: skip
 
 
 def measure_full(job, steps: int, skip: int, out: str) -> dict:
@@ -66,9 +73,9 @@ def measure_full(job, steps: int, skip: int, out: str) -> dict:
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), foreach=False)
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         x, pos, y = next(a.batches)
         from posttrain.evaluate import model_logits
 
@@ -78,10 +85,12 @@ def measure_full(job, steps: int, skip: int, out: str) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
-    t = times[skip:]
-    tps = 2 * r.training.seq_len * len(t) / sum(t)
-    return {"adapters": 0, "schedule": "full fine-tune", "tokens_per_sec_per_adapter": tps,
-            "tokens_per_sec_total": tps}  # fmt: skip
+        cpu.append(time.process_time() - c0)
+    t, c = times[skip:], cpu[skip:]
+    tokens = 2 * r.training.seq_len
+    return {"adapters": 0, "schedule": "full fine-tune",
+            "tokens_per_sec_per_adapter": tokens * len(t) / sum(t),
+            "tokens_per_cpu_sec_per_adapter": tokens * len(c) / sum(c)}  # fmt: skip
 
 
 def predicted_h100() -> list[dict]:
@@ -107,37 +116,65 @@ def predicted_h100() -> list[dict]:
     return rows
 
 
+def _median_rows(runs: list[dict]) -> dict:
+    """Median of each figure over the repeats of one configuration (+ the spread)."""
+    out = {k: runs[0][k] for k in ("adapters", "schedule")}
+    for key in ("tokens_per_sec_per_adapter", "tokens_per_cpu_sec_per_adapter"):
+        vals = [r[key] for r in runs]
+        out[key] = statistics.median(vals)
+        out[key + "_range"] = [min(vals), max(vals)]
+    n = max(out["adapters"], 1)
+    out["tokens_per_sec_total"] = out["tokens_per_sec_per_adapter"] * n
+    out["tokens_per_cpu_sec_total"] = out["tokens_per_cpu_sec_per_adapter"] * n
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--skip", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="/tmp/bench_adapters")
     a = p.parse_args()
     job = session.prepare(
         "recipes/sft_debug.toml", [f"job.output_dir={a.out}", "checkpoint.load_from="]
     )
-    rows = [measure_full(job, a.steps, a.skip, f"{a.out}/full")]
-    for n in (1, 2, 4):
-        for sched in ("turns", "batched"):
-            rows.append(measure(job, n, sched, a.steps, a.skip, f"{a.out}/{sched}{n}"))
+    load_before = os.getloadavg()[0]
+    configs = [("full", 0)] + [(sched, n) for n in (1, 2, 4) for sched in ("turns", "batched")]
+    runs: dict[tuple[str, int], list[dict]] = {c: [] for c in configs}
+    for rep in range(a.repeats):  # interleaved: a load spike hits one repeat of each, not one row
+        for sched, n in configs:
+            out = f"{a.out}/{sched}{n}-{rep}"
+            runs[(sched, n)].append(
+                measure_full(job, a.steps, a.skip, out)
+                if sched == "full"
+                else measure(job, n, sched, a.steps, a.skip, out)
+            )
+    rows = [_median_rows(runs[c]) for c in configs]
     pred = predicted_h100()
+    import torchtitan
+
     res = {
         "command": "OMP_NUM_THREADS=1 python benchmarks/bench_adapters.py "
-        f"--steps {a.steps} --skip {a.skip}",
+        f"--steps {a.steps} --skip {a.skip} --repeats {a.repeats}",
         "machine": f"{platform.machine()} x{os.cpu_count()} (shared), load average "
-        f"{os.getloadavg()[0]:.1f}",
+        f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after",
         "torch": torch.__version__,
+        "torchtitan": getattr(torchtitan, "__version__", "0.3.0"),
+        "threads": torch.get_num_threads(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "cpu": rows,
+        "cpu_runs": {f"{k[0]}{k[1]}": v for k, v in runs.items()},
         "predicted_h100_node_llama3_8b": pred,
     }
     with open("benchmarks/adapters.json", "w") as f:
         json.dump(res, f, indent=1)
-    print("| job | schedule | tokens/s per adapter | tokens/s total |")
-    print("|---|---|---|---|")
+    print("| job | schedule | per adapter, CPU time | total, CPU time | per adapter, wall |")
+    print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['adapters'] or 'full'} | {r['schedule']} | "
-              f"{r['tokens_per_sec_per_adapter']:.0f} | {r['tokens_per_sec_total']:.0f} |")  # fmt: skip
+              f"{r['tokens_per_cpu_sec_per_adapter']:.0f} | {r['tokens_per_cpu_sec_total']:.0f} | "
+              f"{r['tokens_per_sec_per_adapter']:.0f} |")  # fmt: skip
     for r in pred:
         print(r)
 

@@ -16,9 +16,16 @@ How a step serves them (`finetune.adapter_schedule`, measured in benchmarks/adap
   is the sum of per-adapter mean losses, so one backward gives every adapter its own
   gradient, then each steps its own optimizer. Equal to "turns" up to float rounding.
 
-Single process only (the adapters' data and optimizer states are not sharded); a launch with
-more processes stops before starting. The Trainer path (finetune.mode with no [[adapters]])
-covers data/tensor/pipeline parallel LoRA and full fine-tuning.
+Several processes (torchrun, gloo on CPU, NCCL on CUDA): data parallel over a 1-D mesh. The
+frozen base is sharded with FSDP2 (each rank holds 1/N of it, all-gathered per block in
+forward and backward); the adapters' tensors are left out of FSDP (`ignored_params`) and
+replicated, since binding another adapter swaps them per turn. Each rank takes its rows of
+every adapter's global packed stream; its loss is its summed cross-entropy over the global
+count of trained tokens, so one all-reduce (SUM) of each adapter's gradients (one flat buffer
+of the adapter's size: ~150 MB fp32 for r = 16 on every linear of Llama 3 8B) gives every
+rank the single-process gradient and the replicated AdamW steps stay identical. Rank 0 writes metrics, checkpoints and exports. tp, cp and pp > 1 are refused at
+launch (posttrain.jobs.check): swapping adapters under TP/PP sharding is not implemented.
+The Trainer path (finetune.mode with no [[adapters]]) covers every layout for one adapter.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,7 +81,8 @@ class AdapterState:
     step: int = 0
     tokens: int = 0
     trained_tokens: int = 0
-    times: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # wall seconds of each round
+    cpu_times: list[float] = field(default_factory=list)  # this process's CPU seconds
     heldout: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -139,6 +147,23 @@ def load_base(model: nn.Module, path: str, *, file: str | None = None) -> None:
         raise ValueError(f"checkpoint {path} does not fit the model: missing {bad[:3]}")
 
 
+def shard_base(model: nn.Module, mesh: Any) -> None:
+    """FSDP2 over the frozen base: every transformer block, then the root (embeddings, norm,
+    output). The LoRA tensors stay out (`ignored_params`): they are replicated and swapped per
+    adapter, which FSDP's flat parameter groups would not allow. No reduce-scatter ever runs
+    (nothing FSDP manages has a gradient); each block costs one all-gather in forward and one
+    in backward (reshard_after_forward)."""
+    from torch.distributed.fsdp import fully_shard
+
+    ignored = {p for _, m in lora_modules(model) for p in (m.lora_a.weight, m.lora_b.weight)}
+    layers = model.layers
+    blocks = layers.values() if isinstance(layers, nn.ModuleDict) else layers
+    assert isinstance(blocks, Iterable)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, ignored_params=ignored)
+
+
 class AdapterJob:
     """The frozen base + every adapter of a recipe; `train()` runs them all."""
 
@@ -151,7 +176,9 @@ class AdapterJob:
         state_dict_adapter: Any = None,
         device: str = "cpu",
         schedule: str = "turns",
+        mesh: Any = None,
     ) -> None:
+        """`mesh`: a 1-D DeviceMesh over the job's processes (None: one process)."""
         if schedule not in ("turns", "batched"):
             raise ValueError(f"schedule must be 'turns' or 'batched', got {schedule!r}")
         self.recipe = recipe
@@ -170,12 +197,23 @@ class AdapterJob:
         self.model.train()
         for p in self.model.parameters():  # the converter froze them; make it a guarantee
             p.requires_grad_(False)
+        self.mesh = mesh if mesh is not None and mesh.size() > 1 else None
+        self.group = self.mesh.get_group() if self.mesh is not None else None
+        self.rank = self.mesh.get_local_rank() if self.mesh is not None else 0
+        self.world = self.mesh.size() if self.mesh is not None else 1
+        if self.mesh is not None:
+            shard_base(self.model, self.mesh)
         self.scale = recipe.lora.alpha / recipe.lora.rank
         self.renderer: ChatRenderer = make_renderer(tokenizer_path, recipe.data.chat_template)
         self.adapters = [self._new_adapter(spec) for spec in recipe.adapters]
         self.out = recipe.output_dir
         os.makedirs(self.out, exist_ok=True)
-        self._jsonl = open(os.path.join(self.out, "metrics.jsonl"), "a", buffering=1)  # noqa: SIM115
+        # Rank 0 writes metrics, checkpoints and exports; the others compute the same values.
+        self._jsonl = (
+            open(os.path.join(self.out, "metrics.jsonl"), "a", buffering=1)  # noqa: SIM115
+            if self.rank == 0
+            else open(os.devnull, "w")  # noqa: SIM115
+        )
         self._eval_sets = {
             a.spec.name: load_examples(a.spec.eval_source) if a.spec.eval_source else []
             for a in self.adapters
@@ -204,8 +242,8 @@ class AdapterJob:
             source=spec.source,
             tokenizer=HuggingFaceTokenizer(tokenizer_path=self.tokenizer_path),
             seq_len=tr.seq_len,
-            dp_rank=0,
-            dp_world_size=1,
+            dp_rank=self.rank,
+            dp_world_size=self.world,
             packing=d.packing,
             window=d.window,
             bad_records=d.bad_records,
@@ -216,8 +254,16 @@ class AdapterJob:
         return AdapterState(spec, params, opt, sched, stream, _batches(stream, bs), bs)
 
     # -- one step --------------------------------------------------------------------------
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            torch.distributed.all_reduce(t, group=self.group)
+        return t
+
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-        n = int((labels != IGNORE_INDEX).sum())
+        """This rank's summed CE over the trained tokens of every rank (the global count, one
+        scalar all-reduce), so the ranks' losses add up to the single-process mean."""
+        n_local = (labels != IGNORE_INDEX).sum().to(torch.float64)
+        n = int(self._all_reduce(n_local.clone()).item())
         ce = F.cross_entropy(
             logits.flatten(0, 1).float(),
             labels.flatten(),
@@ -225,6 +271,20 @@ class AdapterJob:
             reduction="sum",
         )
         return ce / max(n, 1), n
+
+    def _sync(self, a: AdapterState, loss: torch.Tensor) -> float:
+        """Sum every rank's adapter gradients and loss (one flat all-reduce per adapter);
+        returns the global loss. One process: the loss as it is."""
+        if self.group is None:
+            return float(loss.detach())
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in a.params.values()]
+        flat = torch.cat([g.flatten() for g in grads] + [loss.detach().reshape(1).to(grads[0])])
+        self._all_reduce(flat)
+        off = 0
+        for p, g in zip(a.params.values(), grads, strict=True):
+            p.grad = flat[off : off + g.numel()].view_as(g).clone()
+            off += g.numel()
+        return float(flat[-1])
 
     def _optim(self, a: AdapterState) -> float:
         norm = torch.nn.utils.clip_grad_norm_(
@@ -243,10 +303,9 @@ class AdapterJob:
             logits = model_logits(self.model, x.to(self.device), pos.to(self.device))
             loss, n = self._loss(logits, y.to(self.device))
             loss.backward()
-            loss = loss.detach()
-            a.tokens += y.numel()
+            a.tokens += y.numel() * self.world
             a.trained_tokens += n
-            out.append((a, float(loss), self._optim(a)))
+            out.append((a, self._sync(a, loss), self._optim(a)))
         return out
 
     def _step_batched(self, active: list[AdapterState]) -> list[tuple[AdapterState, float, float]]:
@@ -273,13 +332,15 @@ class AdapterJob:
             torch.split(logits, sizes), zip(active, data, strict=True), strict=True
         ):
             loss, n = self._loss(part, d[2].to(self.device))
-            a.tokens += d[2].numel()
+            a.tokens += d[2].numel() * self.world
             a.trained_tokens += n
             losses.append(loss)
             total = loss if total is None else total + loss
         assert total is not None
         total.backward()
-        return [(a, float(lo), self._optim(a)) for a, lo in zip(active, losses, strict=True)]
+        return [
+            (a, self._sync(a, lo), self._optim(a)) for a, lo in zip(active, losses, strict=True)
+        ]
 
     # -- evaluation, checkpoints, exports --------------------------------------------------
     def heldout(self, a: AdapterState) -> dict[str, Any] | None:
@@ -301,6 +362,8 @@ class AdapterJob:
         """Adapter weights, optimizer and schedule state, data position: one torch file that
         loads with weights_only=True (plain tensors, numbers and a JSON string)."""
         folder = os.path.join(self.out, "adapters", a.spec.name, f"step-{a.step}")
+        if self.rank != 0:  # replicated state: rank 0's copy is every rank's
+            return folder
         os.makedirs(folder, exist_ok=True)
         state = {
             "step": a.step,
@@ -341,6 +404,10 @@ class AdapterJob:
         folder = os.path.join(folder, a.spec.name)
         bind_adapter(self.model, a.params)
         ad = adapter_state(self.model)
+        # The merged model needs the full base: an all-gather on every rank (FSDP).
+        base = base_state(self.model) if self.recipe.finetune.export_merged else None
+        if self.rank != 0:
+            return folder
         export_peft(
             folder,
             model_config=self.model_config,
@@ -349,14 +416,15 @@ class AdapterJob:
             rank=self.recipe.lora.rank,
             alpha=self.recipe.lora.alpha,
         )
-        if self.recipe.finetune.export_merged:
+        if base is not None:
             export_merged(
                 os.path.join(folder, "merged"),
-                base=base_state(self.model),
+                base=base,
                 adapter=ad,
                 model_config=self.model_config,
                 state_dict_adapter=self.state_dict_adapter,
                 scale=self.scale,
+                family=self.recipe.model.family,
             )
         return folder
 
@@ -371,18 +439,23 @@ class AdapterJob:
             if a.step == 0:
                 self.heldout(a)
         step_fn = self._step_turns if self.schedule == "turns" else self._step_batched
+        seq_len = self.recipe.training.seq_len
         while True:
             active = [a for a in self.adapters if not a.done]
             if not active:
                 break
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             results = step_fn(active)
             dt = time.perf_counter() - t0  # the round: one step of every active adapter
+            # CPU seconds of this process (all its threads): on a CPU shared with other
+            # jobs, time slicing inflates wall time but not this (benchmarks/adapters.md).
+            dc = time.process_time() - c0
             for a, loss, norm in results:
                 a.step += 1
                 # Each adapter advances by one step per round: its tokens/s is its tokens over
                 # the round's wall time (the job's total is the sum over adapters).
                 a.times.append(dt)
+                a.cpu_times.append(dc)
                 if not math.isfinite(loss):
                     raise RuntimeError(f"adapter {a.spec.name}: loss is {loss} at step {a.step}")
                 if a.step % log_every == 0 or a.done:
@@ -395,8 +468,11 @@ class AdapterJob:
                         "tokens": a.tokens,
                         "trained_tokens": a.trained_tokens,
                         "round_s": dt,
+                        "round_cpu_s": dc,
                         "adapters_in_round": len(results),
-                        "tokens_per_sec": a.batch_size * self.recipe.training.seq_len / a.times[-1],
+                        # this adapter's tokens over every rank (global batch x seq_len)
+                        "tokens_per_sec": a.batch_size * self.world * seq_len / a.times[-1],
+                        "tokens_per_sec_per_rank": a.batch_size * seq_len / a.times[-1],
                     }
                     self._jsonl.write(json.dumps(rec) + "\n")
                 if interval and a.step % interval == 0 and not a.done:
@@ -409,18 +485,26 @@ class AdapterJob:
             self.save(a)
             self.heldout(a)
             times = a.times[skip:] or a.times
+            cpu = a.cpu_times[skip:] or a.cpu_times
+            round_tokens = a.batch_size * self.world * seq_len
             summary["adapters"][a.spec.name] = {
                 "steps": a.step,
                 "tokens": a.tokens,
                 "trained_tokens": a.trained_tokens,
-                "tokens_per_sec": (a.batch_size * self.recipe.training.seq_len * len(times))
-                / sum(times)
+                "tokens_per_sec": round_tokens * len(times) / sum(times) if times else 0.0,
+                "tokens_per_sec_per_rank": round_tokens * len(times) / sum(times) / self.world
                 if times
+                else 0.0,
+                # this process's tokens per CPU second of this process
+                "tokens_per_cpu_sec": round_tokens / self.world * len(cpu) / sum(cpu)
+                if sum(cpu)
                 else 0.0,
                 "heldout": a.heldout,
                 "export": self.export(a) if export else None,
             }
-        with open(os.path.join(self.out, "adapters_summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
+        summary["world_size"] = self.world
+        if self.rank == 0:
+            with open(os.path.join(self.out, "adapters_summary.json"), "w") as f:
+                json.dump(summary, f, indent=1)
         self._jsonl.close()
         return summary

@@ -209,43 +209,6 @@ def merge_into_hf(
     return out
 
 
-def llama_hf_config(model_config: Any) -> dict[str, Any]:
-    """transformers LlamaConfig fields for a torchtitan Llama3 config (rope 'llama' scaling =
-    HF's rope_type 'llama3')."""
-    attn = model_config.layers[0].attention
-    rope = attn.rope
-    ff = model_config.layers[0].feed_forward
-    n_heads = attn.n_heads
-    cfg: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": model_config.dim,
-        "intermediate_size": ff.w1.out_features,
-        "num_hidden_layers": len(model_config.layers),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": attn.n_kv_heads or n_heads,
-        "head_dim": attn.head_dim or model_config.dim // n_heads,
-        "vocab_size": model_config.vocab_size,
-        "rms_norm_eps": model_config.norm.eps,
-        "rope_theta": float(rope.theta),
-        "max_position_embeddings": rope.max_seq_len,
-        "tie_word_embeddings": bool(getattr(model_config, "enable_weight_tying", False)),
-        "attention_bias": False,
-        "mlp_bias": False,
-        "hidden_act": "silu",
-        "torch_dtype": "float32",
-    }
-    if getattr(rope, "scaling", None) == "llama":
-        cfg["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": rope.scaling_factor,
-            "low_freq_factor": rope.low_freq_factor,
-            "high_freq_factor": rope.high_freq_factor,
-            "original_max_position_embeddings": rope.original_max_position_embeddings,
-        }
-    return cfg
-
-
 def export_merged(
     folder: str,
     *,
@@ -254,21 +217,34 @@ def export_merged(
     model_config: Any,
     state_dict_adapter: Any,
     scale: float,
+    family: str = "llama3",
     dtype: torch.dtype = torch.float32,
 ) -> str:
     """The merged model (base + adapter) as a Hugging Face folder (model.safetensors +
-    config.json). `base`: full torchtitan state dict without adapter keys."""
+    config.json, runtime.hf.hf_config for `family`). `base`: full torchtitan state dict
+    without adapter keys.
+
+    Tied embeddings (Qwen3's small flavors) with an adapter on lm_head: the merged output
+    projection is embed + scale * B A, no longer the embedding, so the folder is written
+    untied (its own lm_head.weight, tie_word_embeddings = false)."""
     from safetensors.torch import save_file
 
+    from runtime.hf import hf_config
+
     peft, _ = peft_tensors(model_config, adapter, state_dict_adapter)
-    hf = merge_into_hf(state_dict_adapter.to_hf(dict(base)), peft, scale)
+    hf = state_dict_adapter.to_hf(dict(base))
+    untie = "lm_head.weight" not in hf and "base_model.model.lm_head.lora_A.weight" in peft
+    if untie:  # the tied adapter's to_hf drops lm_head.weight: it is the embedding
+        hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
+    hf = merge_into_hf(hf, peft, scale)
     os.makedirs(folder, exist_ok=True)
     save_file(
         {k: v.detach().to(dtype).cpu().contiguous() for k, v in hf.items()},
         os.path.join(folder, "model.safetensors"),
     )
-    cfg = llama_hf_config(model_config)
-    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    cfg = hf_config(model_config, family, str(dtype).removeprefix("torch."))
+    if untie:
+        cfg["tie_word_embeddings"] = False
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     return folder

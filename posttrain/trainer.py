@@ -97,6 +97,7 @@ class SFTTrainer(TitanscaleTrainer):
             if base is not None:
                 export_merged(os.path.join(folder, "merged"), base=base, adapter=adapter,
                               model_config=cfg, state_dict_adapter=self.state_dict_adapter,
-                              scale=r.lora.alpha / r.lora.rank)  # fmt: skip
+                              scale=r.lora.alpha / r.lora.rank,
+                              family=r.model.family)  # fmt: skip
             logger.info(f"exported adapter to {folder}")
         return folder

@@ -245,6 +245,16 @@ def first_step_timeout_s(recipe: Recipe) -> int:
 def check_finetune(recipe: Recipe) -> None:
     """[data] format / [finetune] / [[adapters]] consistency."""
     f = recipe.source
+    if recipe.data.format == "sft" and recipe.data.sources:
+        # SFT records are rendered and masked by data.chat on the streaming path; the mix
+        # reads token rows (stores), which carry no chat rendering. Refused here, before any
+        # process group (the loader would otherwise fail after it, on "no usable documents").
+        raise ConfigError(
+            "format 'sft' reads one JSON Lines data.source; [[data.sources]] mixes are not "
+            "supported for sft (concatenate the files, or use [[adapters]] per dataset)",
+            file=f,
+            key="data.sources",
+        )
     if recipe.data.format == "sft" and recipe.data.packing == "concat":
         raise ConfigError(
             "sft examples must not be split across rows: use packing 'bfd' (or 'none')",
@@ -262,9 +272,21 @@ def check_finetune(recipe: Recipe) -> None:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ConfigError(f"adapter names must be unique: {dup}", file=f, key="adapters")
-        if recipe.parallel.pp > 1 or recipe.parallel.tp > 1 or recipe.parallel.cp > 1:
+        check_adapter_layout(recipe, recipe.parallel)
+
+
+def check_adapter_layout(recipe: Recipe, degrees: Any) -> None:
+    """[[adapters]] run data parallel only (posttrain.adapters: the base FSDP-sharded, the
+    adapters replicated and swapped per turn, which TP/PP/CP sharding would not allow).
+    `degrees`: anything with pp/tp/cp (the recipe's [parallel], or the planner's layout)."""
+    for axis in ("pp", "tp", "cp"):
+        degree = getattr(degrees, axis)
+        if degree != 1:
             raise ConfigError(
-                "[[adapters]] run in one process (no tp/pp/cp)", file=f, key="adapters"
+                f"[[adapters]] run data parallel only; {axis} = {degree} is not supported, "
+                "set it to 1",
+                file=recipe.source,
+                key=f"parallel.{axis}",
             )
 
 

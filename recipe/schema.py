@@ -718,7 +718,9 @@ class AdapterSection:
     lr: float = field(default=1e-3, metadata=doc("Peak learning rate (AdamW, own state)."))
     steps: int = field(default=10, metadata=doc("Optimizer steps for this adapter."))
     warmup_steps: int = field(default=0, metadata=doc("Linear warmup steps."))
-    local_batch_size: int = field(default=0, metadata=doc("Rows per step; 0 = training's."))
+    local_batch_size: int = field(
+        default=0, metadata=doc("Rows per step and process; 0 = training's.")
+    )
     seed: int = field(default=0, metadata=doc("Adapter initialisation seed."))
 
     def __post_init__(self) -> None:

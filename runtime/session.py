@@ -223,6 +223,7 @@ def check_data_source(recipe: Recipe) -> None:
 
     d = recipe.data
     sft = d.format == "sft"
+    _check_sft_not_store(recipe)  # before the record scan, which would misread a store
 
     def check(spec: str, key: str, *, chats: bool, text_field: str = "text") -> None:
         # Kind first (exists, a file or folder of one kind), then one usable record: an
@@ -294,6 +295,24 @@ def check_sft_renders(recipe: Recipe, tokenizer_path: str) -> None:
             file=recipe.source,
             key=key,
         )
+
+
+def _check_sft_not_store(recipe: Recipe) -> None:
+    """SFT records (data.format = 'sft', every [[adapters]] source) are JSON Lines rendered
+    by data.chat; a prepared token store holds plain token rows without the chat masks."""
+    from data.store import is_store
+
+    keys = [(f"adapters[{i}].source", a.source) for i, a in enumerate(recipe.adapters)]
+    if recipe.data.format == "sft" and not recipe.adapters:
+        keys.append(("data.source", recipe.data.source))
+    for key, spec in keys:
+        if is_store(spec):
+            raise ConfigError(
+                f"{spec} is a prepared token store; sft reads JSON Lines of chats or "
+                "prompt/completion pairs (point it at the .jsonl)",
+                file=recipe.source,
+                key=key,
+            )
 
 
 def check_data_tokenizer(recipe: Recipe, tokenizer_path: str) -> None:

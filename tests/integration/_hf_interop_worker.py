@@ -50,19 +50,9 @@ def hf_model(family: str):
             tie_word_embeddings=False,
         )
         return transformers.LlamaForCausalLM(cfg)
-    cfg = transformers.Qwen3Config(
-        hidden_size=256,
-        intermediate_size=3072,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=2048,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        tie_word_embeddings=True,
-    )
+    from tests.helpers.hf_reference import QWEN3_DEBUG
+
+    cfg = transformers.Qwen3Config(**QWEN3_DEBUG)
     return transformers.Qwen3ForCausalLM(cfg)
 
 

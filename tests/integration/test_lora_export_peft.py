@@ -5,14 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.lora import (
-    adapter_state,
-    base_state,
-    export_merged,
-    export_peft,
-    llama_hf_config,
-    lora_modules,
-)
+from posttrain.lora import base_state, lora_modules
+from runtime.hf import hf_config
+from tests.helpers.hf_reference import check_peft_and_merged
 
 RANK, ALPHA = 4, 8.0
 
@@ -65,7 +60,6 @@ def _lora_debug_model(n_layers: int = 2, n_kv_heads: int | None = None):
 
 @pytest.mark.parametrize("n_kv_heads", [None, 4])
 def test_peft_adapter_and_merged_model_match_our_logits(tmp_path, n_kv_heads):
-    from peft import PeftModel
     from transformers import LlamaConfig, LlamaForCausalLM
 
     model, cfg, sda = _lora_debug_model(n_kv_heads=n_kv_heads)
@@ -74,27 +68,10 @@ def test_peft_adapter_and_merged_model_match_our_logits(tmp_path, n_kv_heads):
     with torch.no_grad():
         ours = model(x, pos, model.get_attention_masks(positions=pos)).float()
 
-    hf_cfg = LlamaConfig(**llama_hf_config(cfg))
+    hf_cfg = LlamaConfig(**hf_config(cfg, "llama3", "float32"))
     hf_cfg.attn_implementation = "eager"
     hf = LlamaForCausalLM(hf_cfg).float().eval()
     missing, unexpected = hf.load_state_dict(sda.to_hf(base_state(model)), strict=False)
     assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
-    with torch.no_grad():
-        plain = hf(x).logits
-    with torch.no_grad():  # control: the adapter changes the logits (else the test is moot)
-        assert (plain - ours).abs().max() > 1e-2
-
-    export_peft(str(tmp_path / "adapter"), model_config=cfg, adapter=adapter_state(model),
-                state_dict_adapter=sda, rank=RANK, alpha=ALPHA)  # fmt: skip
-    peft_model = PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
-    with torch.no_grad():
-        got = peft_model(x).logits
-    assert (got - ours).abs().max().item() < 1e-4
-
-    export_merged(str(tmp_path / "merged"), base=base_state(model), adapter=adapter_state(model),
-                  model_config=cfg, state_dict_adapter=sda, scale=ALPHA / RANK)  # fmt: skip
-    merged = LlamaForCausalLM.from_pretrained(str(tmp_path / "merged")).float().eval()
-    with torch.no_grad():
-        m_logits = merged(x).logits
-    assert (m_logits - ours).abs().max().item() < 1e-4
-    assert (m_logits - got).abs().max().item() < 1e-4
+    check_peft_and_merged(tmp_path, model=model, cfg=cfg, sda=sda, hf=hf, x=x, ours=ours,
+                          rank=RANK, alpha=ALPHA, family="llama3")  # fmt: skip

@@ -12,36 +12,7 @@ import torch
 
 from posttrain.adapters import AdapterJob
 from posttrain.lora import base_state
-from posttrain.tasks import letter_sort
-
-RECIPE = """
-base = "{root}/recipes/sft_debug.toml"
-[model]
-layers = 2
-[training]
-seq_len = 64
-local_batch_size = 2
-warmup_steps = 0
-[checkpoint]
-load_from = ""
-[metrics]
-summary_skip_steps = 0
-log_every = 1
-[[adapters]]
-name = "a"
-source = "{d}/a.jsonl"
-eval_source = "{d}/held.jsonl"
-lr = 0.01
-steps = 4
-seed = 1
-[[adapters]]
-name = "b"
-source = "{d}/b.jsonl"
-lr = 0.005
-steps = 3
-warmup_steps = 1
-seed = 2
-"""
+from tests.helpers.adapter_recipe import write_adapter_recipe
 
 pytestmark = pytest.mark.slow  # training runs: ~1-3 min on 2 shared cores
 
@@ -51,13 +22,8 @@ def prepared(tmp_path_factory):
     from runtime import session
 
     d = tmp_path_factory.mktemp("adapters")
-    train, held = letter_sort(400, 20, seed=0)
-    for name, rows in (("a", train[:200]), ("b", train[200:]), ("held", held)):
-        (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = d / "recipe.toml"
-    path.write_text(RECIPE.format(root=root, d=d))
-    job = session.prepare(str(path), [f"job.output_dir={d}/out"])
+    path = write_adapter_recipe(d)
+    job = session.prepare(path, [f"job.output_dir={d}/out"])
     return job, d
 
 

@@ -1,0 +1,59 @@
+"""transformers configs written by hand for torchtitan's debug shapes (the independent
+reference in the Hugging Face interop and PEFT export tests), and the PEFT check shared by
+the Llama and Qwen3 export tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Qwen3Config kwargs for torchtitan's qwen3 "debugmodel" (8 layers; tests may cut it).
+QWEN3_DEBUG: dict[str, Any] = {
+    "hidden_size": 256,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 2048,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "tie_word_embeddings": True,
+}
+
+TOL = 1e-4
+
+
+def check_peft_and_merged(
+    tmp: Path, *, model: Any, cfg: Any, sda: Any, hf: Any, x: torch.Tensor,
+    ours: torch.Tensor, rank: int, alpha: float, family: str,
+) -> None:  # fmt: skip
+    """Our LoRA `model` exported in PEFT format loads with peft on `hf` (transformers' model
+    holding our base weights) and gives `ours` within TOL; the merged folder loads with
+    transformers' from_pretrained and gives the same logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.lora import adapter_state, base_state, export_merged, export_peft
+
+    with torch.no_grad():  # control: the adapter changes the logits (else the test is moot)
+        assert (hf(x).logits - ours).abs().max() > 1e-2
+    adapter = adapter_state(model)
+    export_peft(str(tmp / "adapter"), model_config=cfg, adapter=adapter, state_dict_adapter=sda,
+                rank=rank, alpha=alpha)  # fmt: skip
+    peft_model = PeftModel.from_pretrained(hf, str(tmp / "adapter")).eval()
+    with torch.no_grad():
+        got = peft_model(x).logits
+    assert (got - ours).abs().max().item() < TOL
+
+    export_merged(str(tmp / "merged"), base=base_state(model), adapter=adapter, model_config=cfg,
+                  state_dict_adapter=sda, scale=alpha / rank, family=family)  # fmt: skip
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp / "merged"), dtype=torch.float32)
+    assert type(merged).__name__ == type(hf).__name__
+    with torch.no_grad():
+        m_logits = merged.eval()(x).logits
+    assert (m_logits - ours).abs().max().item() < TOL
+    assert (m_logits - got).abs().max().item() < TOL
