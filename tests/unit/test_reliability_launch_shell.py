@@ -262,7 +262,7 @@ def test_node_lists_refused_in_one_line_and_bounded_time(nodelist):
     rc, _, err = run_main(plan_main, argv)
     assert time.monotonic() - t < 10
     assert rc == 2 and len(err.strip("\n").split("\n")) == 1, err
-    assert err.startswith("error: slurm: SLURM_JOB_NODELIST: "), err
+    assert err.startswith("error: --nodelist: "), err  # the argument the user typed
     record_case("tools.plan", "node lists (hostlist)")
 
 
