@@ -40,6 +40,7 @@ def check_before_search(recipe: Recipe, cluster: Cluster) -> None:
     """What the planner checks before choosing degrees: the model and fine-tuning fields and
     the kernels on this GPU (context parallelism is checked per candidate)."""
     check_model_fields(recipe)
+    check_tokenizer_on_hand(recipe)
     check_kernels_on(recipe, cluster, cp=1)
 
 
@@ -48,5 +49,27 @@ def check_job(recipe: Recipe, cluster: Cluster, world_size: int) -> Layout:
     (tools.predict, tools.launch): the recipe against the world size and the model, then
     the kernels on the profile's GPU with the layout's cp. Returns the layout."""
     layout = check_recipe(recipe, world_size)
+    check_tokenizer_on_hand(recipe)
     check_kernels_on(recipe, cluster, cp=1 if recipe.parallel.auto else layout.cp)
     return layout
+
+
+def check_tokenizer_on_hand(recipe: Recipe) -> None:
+    """Training's vocabulary check (`recipe.model_checks.check_vocab`: the tokenizer's ids fit
+    the model's embedding table) when `model.tokenizer` is a folder this machine has. A tool
+    often plans on a login node for paths that exist only on the cluster: a missing or
+    unreadable folder is left to training, which reports it before its process group."""
+    from pathlib import Path
+
+    spec = recipe.model.tokenizer
+    if spec == "embedded" or not Path(spec).is_dir():
+        return
+    from data.tokenizer import tokenizer_id_count
+    from recipe.model_checks import check_vocab
+
+    try:
+        ids = tokenizer_id_count(spec)
+    except Exception:  # a malformed tokenizer.json: training names it (check_tokenizer)
+        return
+    if ids is not None:
+        check_vocab(recipe, ids, spec)

@@ -555,3 +555,20 @@ def test_bad_slurm_topology_text(tmp_path, text, needle, capsys):
     refused("tools.plan", ["--recipe", "debug", "--cluster", "hgx_h100_ib", "--nodes", "2",
                            "--slurm-topology", str(topo), "--nodelist", "n[0-1]"], capsys,
             needle, kind="nonsense accepted")  # fmt: skip
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_refused_by_planning_tools(tmp_path, capsys):
+    """Training's vocabulary check runs in plan, predict and launch when the tokenizer folder
+    is on hand: ids up to 4999 do not fit the debug model's 2048 embedding rows."""
+    import json
+
+    (tmp_path / "vocab.json").write_text(json.dumps({"a": 0, "b": 1, "ab": 4999}))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\na b\n")
+    tok = f"model.tokenizer={tmp_path}"
+    for entry in ("tools.plan", "tools.predict"):
+        argv = ["--recipe", "debug", "--cluster", "local_cpu", "--set", tok]
+        refused(entry, argv, capsys, "model.vocab_size", "4999", kind="model shape (vocabulary)")
+    # A folder this machine lacks is the cluster's: left to training.
+    argv = ["--recipe", "debug", "--cluster", "local_cpu", "--set", "model.tokenizer=/nonexistent"]
+    code, _, err, _ = run_tool("tools.plan", argv, capsys)
+    assert code == 0, err
