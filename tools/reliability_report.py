@@ -11,6 +11,7 @@ names a JSON file, so a plain `pytest` run writes nothing. The figures land betw
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
 import os
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,21 +48,32 @@ LABELS = {
 }
 
 
-def record(name: str, value: Any) -> None:
-    """Add a figure (merged into the JSON file named by $TITANSCALE_RELIABILITY_FIGURES)."""
+@contextlib.contextmanager
+def _figures() -> Iterator[dict[str, Any] | None]:
+    """The figures file's content under an exclusive lock (tests run in several processes),
+    written back on exit; None (nothing recorded) unless $TITANSCALE_RELIABILITY_FIGURES is set."""
     path = os.environ.get(ENV)
     if not path:
+        yield None
         return
     with open(path + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         data = json.loads(Path(path).read_text()) if os.path.exists(path) else {}
+        yield data
+        Path(path).write_text(json.dumps(data, indent=1, sort_keys=True))
+
+
+def record(name: str, value: Any) -> None:
+    """Add a figure (merged into the JSON file named by $TITANSCALE_RELIABILITY_FIGURES)."""
+    with _figures() as data:
+        if data is None:
+            return
         old = data.get(name)
         if isinstance(value, (int, float)) and name.startswith("max_"):
             value = max(value, old) if isinstance(old, (int, float)) else value
         elif isinstance(value, int) and isinstance(old, int) and not name.endswith("_in_s"):
             value = old + value  # counts add up across tests
         data[name] = value
-        Path(path).write_text(json.dumps(data, indent=1, sort_keys=True))
 
 
 def record_case(entry: str, kind: str, *, clean: bool = True, n: int = 1) -> None:
@@ -69,16 +82,12 @@ def record_case(entry: str, kind: str, *, clean: bool = True, n: int = 1) -> Non
     ...). `clean` means the case ended as documented: one line and exit 2 (or a documented 0),
     within its time bound, no traceback, nothing lost. The report tabulates them per entry
     point; every test asserts clean before recording, so an unclean case fails the run."""
-    path = os.environ.get(ENV)
-    if not path:
-        return
-    with open(path + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        data = json.loads(Path(path).read_text()) if os.path.exists(path) else {}
+    with _figures() as data:
+        if data is None:
+            return
         cases = data.setdefault("cases", {})
         tried, ok = cases.setdefault(entry, {}).get(kind, [0, 0])
         cases[entry][kind] = [tried + n, ok + (n if clean else 0)]
-        Path(path).write_text(json.dumps(data, indent=1, sort_keys=True))
 
 
 def render_cases(cases: dict[str, dict[str, list[int]]]) -> list[str]:
