@@ -40,7 +40,8 @@ def test_tp_larger_than_world_is_one_line_exit_2(tmp_path):
     no_launcher_traceback(p)
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert errors == [
-        "error: recipes/debug.toml: parallel.dp_shard: dp_replicate x cp x tp x pp = 4 does not "
+        # The value that broke the check came from --set, so the line names it, not the file.
+        "error: --set parallel.tp=4: parallel.dp_shard: dp_replicate x cp x tp x pp = 4 does not "
         "divide the world size 2"
     ], p.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
@@ -52,7 +53,7 @@ def test_bad_override_is_exactly_one_line(tmp_path):
     p = torchrun(tmp_path, "train.py", "--set", "training.steps=x")
     assert p.returncode == 2, p.stderr[-3000:]
     lines = p.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: --set: training.steps:"), p.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: --set training.steps=x: training.steps:"), p.stderr
     assert p.stdout == ""
     record_case("torchrun", "bad input on every rank")
 
