@@ -53,7 +53,9 @@ def test_bad_override_is_exactly_one_line(tmp_path):
     p = torchrun(tmp_path, "train.py", "--set", "training.steps=x")
     assert p.returncode == 2, p.stderr[-3000:]
     lines = p.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: --set training.steps=x: training.steps:"), p.stderr
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: --set training.steps=x: training.steps:"
+    ), p.stderr
     assert p.stdout == ""
     record_case("torchrun", "bad input on every rank")
 
