@@ -247,12 +247,7 @@ def check_data_source(recipe: Recipe) -> None:
     if not d.sources:
         check(d.source, "data.source", chats=sft, text_field=d.text_field)
         return
-    if sft:
-        raise ConfigError(
-            "sft data is read from one JSON Lines source (data.source), not a [[data.sources]] mix",
-            file=recipe.source,
-            key="data.format",
-        )
+    # An sft mix never reaches here: check_recipe (recipe.loader.check_finetune) refused it.
     from data.store_stream import mix_counts
 
     for i, e in enumerate(d.sources):
