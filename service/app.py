@@ -1,15 +1,17 @@
 """The FastAPI application: the `/api/v1/...` routes the `tinker` SDK calls.
 
-Every route reads its body itself (bounded by `Limits.max_body_bytes`, 413 beyond), checks
-the API key (`X-API-Key`, 401 when missing or wrong; keys compared in constant time and
-never logged), and turns any `ServiceError` into `{"detail": "<field>: <what>"}` with its
-4xx status. Unexpected exceptions become a 500 with the exception's type only, logged
-server-side; the service keeps serving.
+Every route but `healthz` runs for one tenant: the middleware maps the `X-API-Key` header to
+its tenant (service/tenants.py; 401 when missing, unknown or revoked: the key file is re-read
+when it changes) and every route hands that tenant to `Service`, which resolves every id
+through it. Bodies are read by the route itself (bounded by `Limits.max_body_bytes`, 413
+beyond), and any `ServiceError` becomes `{"detail": "<field>: <what>"}` with its 4xx status
+(and Retry-After on 429). Unexpected exceptions become a 500 with the exception's type only,
+logged server-side; the service keeps serving. No key, path or traceback reaches a client.
 """
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -17,12 +19,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
 from service import wire
+from service.accounting import parse_since
 from service.core import Service, outcome_json
-from service.errors import ServiceError
+from service.errors import ServiceError, bad_request
 from service.futures import Future
-from service.storage import check_model_id
+from service.tenants import LOCAL, KeyFile
 
 log = logging.getLogger("service")
 PROTO = "application/x-protobuf"
@@ -30,6 +34,8 @@ PROTO = "application/x-protobuf"
 # What this server supports, as the SDK's startup config call reads it
 # (tinker.types.ClientConfigResponse): plain API keys, httpx transport, uncompressed
 # protobuf forward_backward, per-request retrieve_future polling, client-side custom losses.
+# `fwdbwd_max_chunk_len` is set per service: the datums of full context one request may
+# carry within the admission budget, so the SDK splits larger batches into admitted chunks.
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,
     "credential_default_source": "api_key",
@@ -43,36 +49,48 @@ CLIENT_CONFIG = {
 
 
 def _error(e: ServiceError) -> JSONResponse:
-    return JSONResponse({"detail": e.message}, status_code=e.status)
+    headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
+    return JSONResponse({"detail": e.message}, status_code=e.status, headers=headers)
 
 
 def future_json(fut: Future, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"request_id": fut.request_id, **(extra or {})}
 
 
-def create_app(service: Service, api_keys: list[str] | None) -> FastAPI:
-    app = FastAPI(title="titanscale Tinker-compatible service", docs_url=None, redoc_url=None)
-    keys = [k.encode() for k in api_keys] if api_keys else None
+def query_int(request: Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        raise bad_request(name, f"expected an integer, got {raw!r}") from None
+    if not lo <= v <= hi:
+        raise bad_request(name, f"expected {lo}..{hi}, got {v}")
+    return v
 
-    def authorized(request: Request) -> bool:
+
+def create_app(service: Service, keys: KeyFile | None) -> FastAPI:
+    app = FastAPI(title="titanscale Tinker-compatible service", docs_url=None, redoc_url=None)
+    client_config = {**CLIENT_CONFIG, "fwdbwd_max_chunk_len": service.max_chunk_len()}
+
+    def tenant_of(request: Request) -> str | None:
         if keys is None:
-            return True
-        got = request.headers.get("x-api-key", "").encode()
-        ok = False
-        for k in keys:  # compare with every key: timing reveals nothing about which matched
-            ok |= hmac.compare_digest(got, k)
-        return ok
+            return LOCAL
+        t = keys.tenant(request.headers.get("x-api-key", ""))
+        return t.name if t is not None else None
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]):
         service.last_request = time.monotonic()
-        if request.url.path != "/api/v1/healthz" and not authorized(request):
-            return JSONResponse({"detail": "missing or invalid API key (X-API-Key)"}, 401)
+        if request.url.path != "/api/v1/healthz":
+            tenant = tenant_of(request)
+            if tenant is None:
+                return JSONResponse({"detail": "missing or invalid API key (X-API-Key)"}, 401)
+            request.state.tenant = tenant
         enc = request.headers.get("content-encoding", "identity").lower()
         if enc not in ("identity", ""):
-            return JSONResponse(
-                {"detail": f"content-encoding: {enc!r} is not accepted (send identity)"}, 415
-            )
+            return JSONResponse({"detail": "content-encoding: only identity is accepted"}, 415)
         try:
             length = int(request.headers.get("content-length", "0") or 0)
         except ValueError:
@@ -85,10 +103,7 @@ def create_app(service: Service, api_keys: list[str] | None) -> FastAPI:
                 },
                 413,
             )
-        try:
-            return await call_next(request)
-        except ServiceError as e:
-            return _error(e)
+        return await call_next(request)
 
     async def body(request: Request) -> bytes:
         """The body, streamed with the size limit enforced (Content-Length may be absent)."""
@@ -103,10 +118,13 @@ def create_app(service: Service, api_keys: list[str] | None) -> FastAPI:
         return b"".join(chunks)
 
     def route(method: str, path: str):
+        """Register `fn(request, tenant, **path_params)`; errors become their 4xx/500."""
+
         def deco(fn: Callable[..., Awaitable[Any]]):
             async def handler(request: Request) -> Response:
                 try:
-                    out = await fn(request)
+                    tenant = getattr(request.state, "tenant", LOCAL)
+                    out = await fn(request, tenant, **request.path_params)
                 except ServiceError as e:
                     return _error(e)
                 except Exception as e:
@@ -121,147 +139,196 @@ def create_app(service: Service, api_keys: list[str] | None) -> FastAPI:
 
         return deco
 
+    async def training(
+        request: Request, tenant: str, model: type[BaseModel], kind: str, call: Callable
+    ) -> Any:
+        """A JSON training request: a body refused before its seq_id is known still keeps
+        its place in the model's order (Service.refuse_request)."""
+        raw = await body(request)
+        try:
+            b = wire.parse(model, raw)
+        except ServiceError as e:
+            service.refuse_request(tenant, raw, kind, e)
+            raise
+        return future_json(call(tenant, b))
+
     # --- service / session ----------------------------------------------------------------
 
     @route("GET", "/api/v1/healthz")
-    async def healthz(request: Request):
+    async def healthz(request: Request, tenant: str):
         return {"status": "ok"}
 
     @route("POST", "/api/v1/client/config")
-    async def client_config(request: Request):
-        return CLIENT_CONFIG
+    async def config(request: Request, tenant: str):
+        return client_config
 
     @route("POST", "/api/v1/client/dynamic_config")
-    async def dynamic_config(request: Request):
+    async def dynamic_config(request: Request, tenant: str):
         return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
 
     @route("GET", "/api/v1/get_server_capabilities")
-    async def capabilities(request: Request):
+    async def capabilities(request: Request, tenant: str):
         return service.capabilities()
 
     @route("POST", "/api/v1/create_session")
-    async def create_session(request: Request):
+    async def create_session(request: Request, tenant: str):
         b = wire.parse(wire.CreateSessionBody, await body(request))
-        return {"type": "create_session", "session_id": service.create_session(b)}
+        return {"type": "create_session", "session_id": service.create_session(tenant, b)}
 
     @route("POST", "/api/v1/session_heartbeat")
-    async def heartbeat(request: Request):
+    async def heartbeat(request: Request, tenant: str):
         b = wire.parse(wire.SessionIdBody, await body(request))
-        service.registry.session(b.session_id)
+        service.heartbeat(tenant, b.session_id)
         return {"type": "session_heartbeat"}
 
-    @app.post("/api/v1/sessions/{session_id}/finish")
-    async def finish(session_id: str, request: Request):
-        try:
-            b = wire.parse(wire.FinishBody, await body(request))
-            reason = str((b.reason or {}).get("type", "success"))
-            service.finish_session(session_id, reason)
-        except ServiceError as e:
-            return _error(e)
-        return JSONResponse(None)
+    @route("POST", "/api/v1/sessions/{session_id}/finish")
+    async def finish(request: Request, tenant: str, session_id: str):
+        b = wire.parse(wire.FinishBody, await body(request))
+        service.finish_session(tenant, session_id, str((b.reason or {}).get("type", "success")))
+        return None
 
-    @app.get("/api/v1/sessions/{session_id}/usage")
-    async def usage(session_id: str):
+    @route("GET", "/api/v1/sessions/{session_id}/usage")
+    async def session_usage(request: Request, tenant: str, session_id: str):
+        return service.usage(tenant, session_id)
+
+    @route("GET", "/api/v1/sessions/{session_id}")
+    async def get_session(request: Request, tenant: str, session_id: str):
+        return service.session_info(tenant, session_id)
+
+    @route("GET", "/api/v1/sessions")
+    async def list_sessions(request: Request, tenant: str):
+        limit = query_int(request, "limit", 20, 1, 10_000)
+        offset = query_int(request, "offset", 0, 0, 1 << 31)
+        return service.sessions(tenant, limit, offset)
+
+    @route("GET", "/api/v1/usage")
+    async def tenant_usage(request: Request, tenant: str):
+        raw = request.query_params.get("since")
         try:
-            return JSONResponse(service.usage(session_id))
-        except ServiceError as e:
-            return _error(e)
+            since = parse_since(raw) if raw else None
+        except ValueError as e:
+            raise bad_request("since", str(e)) from None
+        return await asyncio.to_thread(service.tenant_usage, tenant, since)
 
     @route("POST", "/api/v1/telemetry")
-    async def telemetry(request: Request):
+    async def telemetry(request: Request, tenant: str):
         await body(request)  # accepted and dropped: this service keeps no client telemetry
         return {"status": "accepted"}
 
     # --- training ---------------------------------------------------------------------------
 
     @route("POST", "/api/v1/create_model")
-    async def create_model(request: Request):
-        fut = service.create_model(wire.parse(wire.CreateModelBody, await body(request)))
-        return future_json(fut)
+    async def create_model(request: Request, tenant: str):
+        b = wire.parse(wire.CreateModelBody, await body(request))
+        return future_json(service.create_model(tenant, b))
 
     @route("POST", "/api/v1/get_info")
-    async def get_info(request: Request):
-        return service.get_info(wire.parse(wire.GetInfoBody, await body(request)).model_id)
+    async def get_info(request: Request, tenant: str):
+        b = wire.parse(wire.GetInfoBody, await body(request))
+        return service.get_info(tenant, b.model_id)
 
     @route("POST", "/api/v1/forward_backward")
-    async def forward_backward(request: Request):
+    async def forward_backward(request: Request, tenant: str):
         ctype = request.headers.get("content-type", "")
         if PROTO not in ctype:
-            raise ServiceError(415, f"content-type: expected {PROTO}, got {ctype!r}")
-        return future_json(service.forward_backward(await body(request)))
+            raise ServiceError(415, f"content-type: expected {PROTO}")
+        return future_json(service.forward_backward(tenant, await body(request)))
 
     @route("POST", "/api/v1/optim_step")
-    async def optim_step(request: Request):
-        return future_json(service.optim_step(wire.parse(wire.OptimStepBody, await body(request))))
+    async def optim_step(request: Request, tenant: str):
+        return await training(request, tenant, wire.OptimStepBody, "optim_step", service.optim_step)
 
     @route("POST", "/api/v1/save_weights")
-    async def save_weights(request: Request):
-        b = wire.parse(wire.SaveWeightsBody, await body(request))
-        return future_json(service.save_weights(b))
+    async def save_weights(request: Request, tenant: str):
+        return await training(
+            request, tenant, wire.SaveWeightsBody, "save_state", service.save_weights
+        )
 
     @route("POST", "/api/v1/save_weights_for_sampler")
-    async def save_for_sampler(request: Request):
-        b = wire.parse(wire.SaveForSamplerBody, await body(request))
-        return future_json(service.save_for_sampler(b))
+    async def save_for_sampler(request: Request, tenant: str):
+        return await training(
+            request, tenant, wire.SaveForSamplerBody, "save_for_sampler", service.save_for_sampler
+        )
 
     @route("POST", "/api/v1/load_weights")
-    async def load_weights(request: Request):
-        b = wire.parse(wire.LoadWeightsBody, await body(request))
-        return future_json(service.load_weights(b))
+    async def load_weights(request: Request, tenant: str):
+        return await training(
+            request, tenant, wire.LoadWeightsBody, "load_state", service.load_weights
+        )
 
-    @app.get("/api/v1/training_runs/{model_id}/checkpoints")
-    async def checkpoints(model_id: str, request: Request):
-        try:
-            items = service.storage.list(check_model_id(model_id))
-        except ServiceError as e:
-            return _error(e)
-        return JSONResponse({"checkpoints": items, "cursor": None})
+    # --- training runs and checkpoints (tinker.RestClient) ------------------------------------
+
+    @route("GET", "/api/v1/training_runs")
+    async def list_training_runs(request: Request, tenant: str):
+        limit = query_int(request, "limit", 20, 1, 10_000)
+        offset = query_int(request, "offset", 0, 0, 1 << 31)
+        return await asyncio.to_thread(service.training_runs, tenant, limit, offset)
+
+    @route("GET", "/api/v1/training_runs/{model_id}")
+    async def get_training_run(request: Request, tenant: str, model_id: str):
+        return await asyncio.to_thread(service.training_run, tenant, model_id)
+
+    @route("GET", "/api/v1/training_runs/{model_id}/checkpoints")
+    async def list_checkpoints(request: Request, tenant: str, model_id: str):
+        return await asyncio.to_thread(service.checkpoints, tenant, model_id)
+
+    @route("DELETE", "/api/v1/training_runs/{model_id}/checkpoints/{kind}/{name}")
+    async def delete_checkpoint(request: Request, tenant: str, model_id: str, kind: str, name: str):
+        await asyncio.to_thread(service.delete_checkpoint, tenant, model_id, f"{kind}/{name}")
+        return None
+
+    @route("PUT", "/api/v1/training_runs/{model_id}/checkpoints/{kind}/{name}/ttl")
+    async def set_ttl(request: Request, tenant: str, model_id: str, kind: str, name: str):
+        b = wire.parse(wire.TtlBody, await body(request))
+        service.set_checkpoint_ttl(tenant, model_id, f"{kind}/{name}", b.ttl_seconds)
+        return None
+
+    @route("GET", "/api/v1/checkpoints")
+    async def list_user_checkpoints(request: Request, tenant: str):
+        limit = query_int(request, "limit", 100, 1, 10_000)
+        offset = query_int(request, "offset", 0, 0, 1 << 31)
+        return await asyncio.to_thread(service.user_checkpoints, tenant, limit, offset)
+
+    @route("POST", "/api/v1/weights_info")
+    async def weights_info(request: Request, tenant: str):
+        b = wire.parse(wire.WeightsInfoBody, await body(request))
+        return service.weights_info(tenant, b.tinker_path)
 
     # --- sampling ---------------------------------------------------------------------------
 
     @route("POST", "/api/v1/create_sampling_session")
-    async def create_sampling_session(request: Request):
+    async def create_sampling_session(request: Request, tenant: str):
         b = wire.parse(wire.CreateSamplingSessionBody, await body(request))
-        sid = service.create_sampling_session(b)
+        sid = service.create_sampling_session(tenant, b)
         return {"type": "create_sampling_session", "sampling_session_id": sid}
 
     @route("POST", "/api/v1/join_sampling_session")
-    async def join(request: Request):
+    async def join(request: Request, tenant: str):
         b = wire.parse(wire.JoinSamplingSessionBody, await body(request))
-        s = service.registry.sampler(b.sampling_session_id)
-        with service.registry.lock:
-            n = s.clients
-            s.clients += 1
+        n = service.join_sampler(tenant, b.sampling_session_id)
         return {"type": "join_sampling_session", "client_counter": n}
 
-    @app.get("/api/v1/samplers/{sampler_id}")
-    async def get_sampler(sampler_id: str):
-        try:
-            s = service.registry.sampler(sampler_id)
-        except ServiceError as e:
-            return _error(e)
-        return JSONResponse(
-            {"sampler_id": s.sampler_id, "base_model": s.base_model, "model_path": s.model_path}
-        )
+    @route("GET", "/api/v1/samplers/{sampler_id}")
+    async def get_sampler(request: Request, tenant: str, sampler_id: str):
+        return service.sampler_info(tenant, sampler_id)
 
     @route("POST", "/api/v1/asample")
-    async def asample(request: Request):
-        fut, ids = service.sample(wire.parse(wire.SampleBody, await body(request)))
+    async def asample(request: Request, tenant: str):
+        fut, ids = service.sample(tenant, wire.parse(wire.SampleBody, await body(request)))
         return future_json(fut, {"sample_sequence_ids": ids})
-
-    @route("POST", "/api/v1/cancel_future")
-    async def cancel(request: Request):
-        await body(request)
-        return None
 
     # --- futures ----------------------------------------------------------------------------
 
-    @route("POST", "/api/v1/retrieve_future")
-    async def retrieve(request: Request):
+    @route("POST", "/api/v1/cancel_future")
+    async def cancel(request: Request, tenant: str):
         b = wire.parse(wire.RetrieveFutureBody, await body(request))
-        fut = service.futures.get(b.request_id)
-        if fut is None:
-            raise ServiceError(404, f"request {b.request_id!r} not found", field="request_id")
+        service.future(tenant, b.request_id)  # 404 unless the caller's; cancelling is a no-op
+        return None
+
+    @route("POST", "/api/v1/retrieve_future")
+    async def retrieve(request: Request, tenant: str):
+        b = wire.parse(wire.RetrieveFutureBody, await body(request))
+        fut = service.future(tenant, b.request_id)
         outcome = await service.futures.wait(fut, service.limits.retrieve_wait_s)
         if outcome is None:
             return {"type": "try_again", "request_id": fut.request_id, "queue_state": "active"}

@@ -1,6 +1,15 @@
-"""The service's operations: each SDK request becomes a validated `Op` on the scheduler that
-calls the backend, or an immediate answer. No training logic lives here: losses, optimizer,
-adapters and sampling are the backend's (the same objects train.py uses).
+"""The service's operations: each SDK request, on behalf of one tenant, becomes a validated
+`Op` on the scheduler that calls the backend, or an immediate answer. No training logic lives
+here: losses, optimizer, adapters and sampling are the backend's (the same objects train.py
+uses).
+
+Every method takes the caller's tenant and resolves ids through it (`Registry`, `FutureStore`,
+the tenant's `CheckpointStore`): another tenant's session, model, sampler, future or
+checkpoint is "not found", answered exactly like one that does not exist, and nothing of it
+changes. Training requests carry a `seq_id`; one refused before it is queued still takes its
+place in its model's order (`Scheduler.refuse`), so the client's next request runs.
+Admission: forward_backward and sample are priced (service/admission.py) before they are
+queued, and refused with 413 naming the limit when they can never fit.
 """
 
 from __future__ import annotations
@@ -9,21 +18,40 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from service import proto, wire
+from service.accounting import AccountingLog, read_records, summarize
+from service.admission import (
+    CostModel,
+    Price,
+    Throughput,
+    max_rows,
+    price_forward_backward,
+    price_sample,
+)
 from service.backend import Backend
-from service.errors import ServiceError, bad_request
+from service.errors import ServiceError, bad_request, log_safe, not_found, scrub_paths
 from service.futures import Future, FutureStore, Outcome
 from service.scheduler import Op, Scheduler
-from service.sessions import Model, Registry, Sampler
-from service.storage import CheckpointRef, CheckpointStore, check_name, parse_tinker_path
+from service.sessions import Model, Registry, Sampler, Session
+from service.storage import (
+    CheckpointRef,
+    CheckpointStore,
+    Storage,
+    check_model_id,
+    check_name,
+    checkpoint_ref,
+    parse_tinker_path,
+)
 from service.types import LoraSpec, SamplingParams
 
 log = logging.getLogger("service")
 INTERNAL_OPS = ("free", "load_sampler")  # ops the service queues itself: no client polls them
+GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -32,27 +60,60 @@ class Limits:
     max_data: int = 1024  # datums per forward_backward request
     max_samples: int = 64  # num_samples per sample request
     retrieve_wait_s: float = 20.0  # long-poll time of retrieve_future
+    # Memory one request may use beyond the resident model (admission); None: not priced.
+    max_request_bytes: float | None = None
+    max_queued_per_session: int = 64  # ops queued or held, not yet running (429 beyond)
+    max_queued_per_tenant: int = 256
+
+
+def _consumes_seq(e: ServiceError) -> bool:
+    """A refusal the SDK will not send again takes its seq_id place (4xx but 408/409/410/
+    429, which it retries or which end the session)."""
+    return 400 <= e.status < 500 and e.status not in (408, 409, 410, 429)
+
+
+def _str_dict(d: dict[str, Any] | None) -> dict[str, str] | None:
+    return None if d is None else {str(k): str(v) for k, v in d.items()}
 
 
 class Service:
     def __init__(
         self,
         backend: Backend,
-        storage: CheckpointStore,
+        storage: Storage,
         loop: asyncio.AbstractEventLoop,
         *,
         limits: Limits = Limits(),
         session_ttl_s: float = 1800.0,
+        cost: CostModel | None = None,
+        accounting: AccountingLog | None = None,
     ):
         self.backend = backend
         self.storage = storage
         self.limits = limits
         self.info = backend.base_model()
+        # A backend that runs forward_backward in microbatches declares its token budget;
+        # the same price function then charges one microbatch's memory (and admits more).
+        mb = getattr(backend, "microbatch_tokens", None)
+        self.cost = replace(cost, microbatch_tokens=mb) if cost is not None and mb else cost
+        self.accounting = accounting
         self.futures = FutureStore(loop)
-        self.scheduler = Scheduler(self.futures, devices=backend.devices)
+        self.throughput = Throughput()
+        self.scheduler = Scheduler(
+            self.futures,
+            devices=backend.devices,
+            max_per_session=limits.max_queued_per_session,
+            max_per_tenant=limits.max_queued_per_tenant,
+            record=accounting.write if accounting is not None else None,
+            throughput=self.throughput,
+        )
         self.registry = Registry(session_ttl_s)
         self.draining = False
         self.last_request = time.monotonic()  # set by the app on every request
+        self._roots = (str(storage.root),)
+
+    def store(self, tenant: str) -> CheckpointStore:
+        return self.storage.tenant(tenant)
 
     # --- immediate answers ------------------------------------------------------------------
 
@@ -68,12 +129,20 @@ class Service:
             ]
         }
 
+    def max_chunk_len(self) -> int:
+        """Datums of the full context one forward_backward may carry (the SDK's chunk size:
+        it splits a larger batch into requests the admission check accepts)."""
+        budget = self.limits.max_request_bytes
+        if self.cost is None or budget is None:
+            return self.limits.max_data
+        return max(1, max_rows(self.cost, self.info.max_context, budget, self.limits.max_data))
+
     def check_base_model(self, name: str, field: str = "base_model") -> None:
         if name != self.info.name:
             raise bad_request(field, f"unknown base model {name!r}; served: {self.info.name!r}")
 
-    def get_info(self, model_id: str) -> dict[str, Any]:
-        m = self.registry.model(model_id)
+    def get_info(self, tenant: str, model_id: str) -> dict[str, Any]:
+        m = self.registry.model(model_id, tenant)
         return {
             "type": "get_info",
             "model_id": m.model_id,
@@ -87,11 +156,8 @@ class Service:
             "lora_rank": m.lora.rank,
         }
 
-    def usage(self, session_id: str) -> dict[str, Any]:
-        with self.registry.lock:
-            s = self.registry.sessions.get(session_id)
-        if s is None:
-            raise ServiceError(404, f"session {session_id!r} not found")
+    def usage(self, tenant: str, session_id: str) -> dict[str, Any]:
+        s = self.registry.any_session(session_id, tenant)
         u = self.scheduler.session_usage(session_id)
         return {
             "session_id": session_id,
@@ -102,31 +168,51 @@ class Service:
             "finished": s.finished,
         }
 
+    def tenant_usage(self, tenant: str, since: float | None) -> dict[str, Any]:
+        """The caller's usage from the accounting log (all time, or since `since`)."""
+        if self.accounting is None:
+            raise ServiceError(404, "usage accounting is off on this service")
+        records, _ = read_records(self.accounting.path, since)
+        return {**summarize(r for r in records if r["tenant"] == tenant).tenant_json(tenant)}
+
     # --- sessions -----------------------------------------------------------------------------
 
-    def create_session(self, body: wire.CreateSessionBody) -> str:
+    def create_session(self, tenant: str, body: wire.CreateSessionBody) -> str:
         if self.draining:
             raise ServiceError(410, "the service is shutting down; no new sessions")
-        s = self.registry.new_session(body.user_metadata)
-        log.info("service.session created %s", s.session_id)
+        s = self.registry.new_session(body.user_metadata, tenant)
+        log.info("service.session created %s tenant=%s", s.session_id, log_safe(tenant))
         return s.session_id
 
-    def finish_session(self, session_id: str, reason: str) -> None:
-        models, samplers = self.registry.finish(session_id, reason)
-        self._free(session_id, models, samplers)
+    def heartbeat(self, tenant: str, session_id: str) -> None:
+        self.registry.session(session_id, tenant)
+
+    def finish_session(self, tenant: str, session_id: str, reason: str) -> None:
+        models, samplers = self.registry.finish(session_id, reason, tenant)
+        self._free(tenant, session_id, models, samplers)
         u = self.scheduler.session_usage(session_id)
         log.info(
-            "service.session finished %s reason=%s device_s=%.3f",
+            "service.session finished %s tenant=%s reason=%s device_s=%.3f",
             session_id,
-            reason,
+            log_safe(tenant),
+            log_safe(reason),
             u.device_seconds if u else 0.0,
         )
 
     def expire_sessions(self) -> None:
-        for sid in self.registry.expired():
-            self.finish_session(sid, "expired")
+        for sid, tenant in self.registry.expired():
+            self.finish_session(tenant, sid, "expired")
 
-    def _free(self, session_id: str, models: list[Model], samplers: list[Sampler]) -> None:
+    def sweep(self) -> None:
+        """Periodic: drop fetched results (and the lanes' retry entries pointing at them),
+        expire idle sessions, forget long-finished ones."""
+        self.scheduler.forget(self.futures.sweep())
+        self.expire_sessions()
+        self.registry.forget_finished()
+
+    def _free(
+        self, tenant: str, session_id: str, models: list[Model], samplers: list[Sampler]
+    ) -> None:
         if not models and not samplers:
             return
 
@@ -143,34 +229,64 @@ class Service:
             self.scheduler.close_lane(m.model_id)
         # Shutting down (410): the process is about to free everything anyway.
         with contextlib.suppress(ServiceError):
-            self.scheduler.submit(Op(session_id, "free", run))
+            self.scheduler.submit(Op(session_id, "free", run, tenant=tenant, internal=True))
 
     # --- training -----------------------------------------------------------------------------
 
-    def create_model(self, body: wire.CreateModelBody) -> Future:
-        self.registry.session(body.session_id)
+    def _run_info(self, m: Model) -> dict[str, Any]:
+        return {
+            "training_run_id": m.model_id,
+            "base_model": m.base_model,
+            "lora": m.lora.to_json(),
+            "user_metadata": _str_dict(m.user_metadata),
+            "session_id": m.session_id,
+            "created_at": m.created,
+        }
+
+    def _new_model(
+        self, tenant: str, session: Session, seq: int, base: str, spec: LoraSpec, meta: Any
+    ) -> tuple[Model, Future | None]:
+        """Register model `<session>:train:<seq>` (or return the existing one's create future:
+        an SDK retry of the same create)."""
+        model_id = f"{session.session_id}:train:{seq}"
+        with self.registry.lock:
+            existing = self.registry.models.get(model_id)
+        if existing is not None and existing.create_future is not None and existing.lora == spec:
+            return existing, existing.create_future
+        m = Model(model_id, session.session_id, base, spec, meta, tenant=tenant)
+        self.registry.add_model(m)
+        return m, None
+
+    def create_model(self, tenant: str, body: wire.CreateModelBody) -> Future:
+        session = self.registry.session(body.session_id, tenant)
         self.check_base_model(body.base_model)
         if body.optimizer_config.type != "adamw":
             raise bad_request(
                 "optimizer_config.type", f"{body.optimizer_config.type!r}: only adamw"
             )
         spec = wire.lora_spec(body.lora_config, max_rank=self.backend.max_lora_rank)
-        model_id = f"{body.session_id}:train:{body.model_seq_id}"
-        with self.registry.lock:
-            existing = self.registry.models.get(model_id)
-        if existing is not None and existing.create_future is not None and existing.lora == spec:
-            return existing.create_future  # an SDK retry of the same create
-        m = Model(model_id, body.session_id, body.base_model, spec, body.user_metadata)
-        self.registry.add_model(m)
-        self.scheduler.open_lane(model_id, first_seq=1)
+        m, again = self._new_model(
+            tenant, session, body.model_seq_id, body.base_model, spec, body.user_metadata
+        )
+        if again is not None:
+            return again
+        self.scheduler.open_lane(m.model_id, first_seq=1)
+        store = self.store(tenant)
 
         def run() -> Outcome:
-            self.backend.create_adapter(model_id, spec)
+            self.backend.create_adapter(m.model_id, spec)
             m.ready = True
-            return Outcome(json={"model_id": model_id, "type": "create_model"})
+            store.write_run(m.model_id, self._run_info(m))
+            return Outcome(json={"model_id": m.model_id, "type": "create_model"})
 
         m.create_future = self.scheduler.submit(
-            Op(body.session_id, "create_model", run, on_error=lambda: self._unregister(model_id))
+            Op(
+                session.session_id,
+                "create_model",
+                run,
+                on_error=lambda: self._unregister(m.model_id),
+                tenant=tenant,
+            )
         )
         return m.create_future
 
@@ -178,195 +294,332 @@ class Service:
         self.registry.remove_model(model_id)
         self.scheduler.close_lane(model_id)
 
-    def forward_backward(self, raw: bytes, *, forward_only_path: bool = False) -> Future:
-        req = proto.decode_forward_backward_request(raw)
-        m = self.registry.model(req.model_id)
-        data = wire.fwdbwd_data(
-            req.data,
-            req.loss_fn,
-            vocab=self.info.vocab_size,
-            max_len=self.info.max_context,
-            max_data=self.limits.max_data,
-        )
-        wire.check_loss_config(req.loss_fn, req.loss_fn_config)
-        forward_only = req.forward_only or forward_only_path
-        cfg = dict(req.loss_fn_config)
+    def _sequenced(
+        self, tenant: str, model_id: str, seq_id: int, kind: str, build: Callable[[Model], Op]
+    ) -> Future:
+        """Queue a training request in its model's seq_id order. The model must be the
+        tenant's (404 otherwise, nothing consumed); a refusal after that keeps the place."""
+        m = self.registry.model(model_id, tenant)
+        try:
+            op = build(m)
+            return self.scheduler.submit(op)
+        except ServiceError as e:
+            if _consumes_seq(e):
+                self.scheduler.refuse(
+                    m.model_id, seq_id, tenant=tenant, session_id=m.session_id, kind=kind, error=e
+                )
+            raise
 
-        def run() -> Outcome:
-            r = self.backend.forward_backward(
-                m.model_id, data, req.loss_fn, cfg, forward_only=forward_only
+    def refuse_request(self, tenant: str, raw: bytes, kind: str, error: ServiceError) -> None:
+        """A JSON training request whose body failed validation: if it names a model of this
+        tenant and a seq_id, the refusal still takes that place (see `Scheduler.refuse`)."""
+        key = wire.sequence_key(raw)
+        if key is None or not _consumes_seq(error):
+            return
+        m = self.registry.find_model(key[0], tenant)
+        if m is not None:
+            self.scheduler.refuse(
+                m.model_id, key[1], tenant=tenant, session_id=m.session_id, kind=kind, error=error
             )
-            return Outcome(proto=proto.encode_forward_backward_output(r.outputs, r.metrics))
 
-        kind = "forward" if forward_only else "forward_backward"
-        return self.scheduler.submit(Op(m.session_id, kind, run, m.model_id, req.seq_id))
-
-    def optim_step(self, body: wire.OptimStepBody) -> Future:
-        m = self.registry.model(body.model_id)
-        params = wire.adam_params(body)
-
-        def run() -> Outcome:
-            metrics = self.backend.optim_step(m.model_id, params)
-            return Outcome(json={"metrics": metrics})
-
-        return self.scheduler.submit(Op(m.session_id, "optim_step", run, m.model_id, body.seq_id))
-
-    def save_weights(self, body: wire.SaveWeightsBody) -> Future:
-        m = self.registry.model(body.model_id)
-        ref = CheckpointRef(m.model_id, "weights", check_name(body.path or "", "path"))
-        meta = {
-            "base_model": m.base_model,
-            "lora": m.lora.to_json(),
-            "kind": "training",
-            "user_metadata": body.user_metadata,
-        }
-
-        def run() -> Outcome:
-            path = self.storage.save(
-                ref,
-                lambda d: self.backend.save_state(m.model_id, d),
-                meta,
-                overwrite=body.overwrite,
-                ttl_seconds=body.ttl_seconds,
-            )
-            log.info("service.checkpoint saved %s", path)
-            return Outcome(json={"path": path, "type": "save_weights"})
-
-        return self.scheduler.submit(Op(m.session_id, "save_state", run, m.model_id, body.seq_id))
-
-    def save_for_sampler(self, body: wire.SaveForSamplerBody) -> Future:
-        m = self.registry.model(body.model_id)
-        if body.kind != "snapshot":
+    def forward_backward(
+        self, tenant: str, raw: bytes, *, forward_only_path: bool = False
+    ) -> Future:
+        try:
+            req = proto.decode_forward_backward_request(raw)
+        except ServiceError:
+            raise
+        except Exception as e:  # whatever the decoder trips on is the client's malformed body
             raise bad_request(
-                "kind", f"{body.kind!r} sampling clients are not served; use snapshot"
+                "body", f"not a ForwardBackwardRequest protobuf ({type(e).__name__})"
+            ) from None
+        forward_only = req.forward_only or forward_only_path
+        kind = "forward" if forward_only else "forward_backward"
+
+        def build(m: Model) -> Op:
+            data = wire.fwdbwd_data(
+                req.data,
+                req.loss_fn,
+                vocab=self.info.vocab_size,
+                max_len=self.info.max_context,
+                max_data=self.limits.max_data,
             )
-        if body.path is not None:
-            ref = CheckpointRef(m.model_id, "sampler_weights", check_name(body.path, "path"))
+            wire.check_loss_config(req.loss_fn, req.loss_fn_config)
+            price = self._admit_forward_backward([d.tokens.size for d in data], forward_only)
+            cfg = dict(req.loss_fn_config)
+
+            def run() -> Outcome:
+                r = self.backend.forward_backward(
+                    m.model_id, data, req.loss_fn, cfg, forward_only=forward_only
+                )
+                return Outcome(proto=proto.encode_forward_backward_output(r.outputs, r.metrics))
+
+            return Op(m.session_id, kind, run, m.model_id, req.seq_id, tenant=tenant, price=price)
+
+        return self._sequenced(tenant, req.model_id, req.seq_id, kind, build)
+
+    def _admit_forward_backward(self, lengths: list[int], forward_only: bool) -> Price | None:
+        if self.cost is None:
+            return None
+        price = price_forward_backward(self.cost, lengths, forward_only=forward_only)
+        budget = self.limits.max_request_bytes
+        if budget is not None and price.bytes > budget:
+            fit = max_rows(self.cost, price.length, budget, self.limits.max_data)
+            raise ServiceError(
+                413,
+                f"this request needs about {price.gib:.2f} GiB of activation memory "
+                f"({len(lengths)} datums padded to {price.length} tokens, "
+                f"{price.microbatches} microbatch(es) of {price.rows}); this service admits "
+                f"{budget / GIB:.2f} GiB per request (tools.serve --max-request-gib): send at "
+                f"most {fit} datums of {price.length} tokens per request",
+                field="data",
+            )
+        return price
+
+    def optim_step(self, tenant: str, body: wire.OptimStepBody) -> Future:
+        def build(m: Model) -> Op:
+            params = wire.adam_params(body)
+
+            def run() -> Outcome:
+                metrics = self.backend.optim_step(m.model_id, params)
+                return Outcome(json={"metrics": metrics})
+
+            return Op(m.session_id, "optim_step", run, m.model_id, body.seq_id, tenant=tenant)
+
+        return self._sequenced(tenant, body.model_id, body.seq_id, "optim_step", build)
+
+    def save_weights(self, tenant: str, body: wire.SaveWeightsBody) -> Future:
+        store = self.store(tenant)
+
+        def build(m: Model) -> Op:
+            ref = CheckpointRef(m.model_id, "weights", check_name(body.path or "", "path"))
             meta = {
                 "base_model": m.base_model,
                 "lora": m.lora.to_json(),
-                "kind": "sampler",
+                "kind": "training",
                 "user_metadata": body.user_metadata,
             }
 
             def run() -> Outcome:
-                path = self.storage.save(
+                path = store.save(
                     ref,
-                    lambda d: self.backend.save_sampler_weights(m.model_id, d),
+                    lambda d: self.backend.save_state(m.model_id, d),
                     meta,
-                    overwrite=True,
+                    overwrite=body.overwrite,
                     ttl_seconds=body.ttl_seconds,
                 )
-                return Outcome(json={"path": path, "type": "save_weights_for_sampler"})
+                log.info("service.checkpoint saved %s tenant=%s", path, log_safe(tenant))
+                return Outcome(json={"path": path, "type": "save_weights"})
 
-        else:
-            if body.sampling_session_seq_id is None:
-                raise bad_request("path", "either path or sampling_session_seq_id is required")
-            sampler_id = f"{m.session_id}:sample:{body.sampling_session_seq_id}"
+            return Op(m.session_id, "save_state", run, m.model_id, body.seq_id, tenant=tenant)
 
-            def run() -> Outcome:
-                handle = self.backend.snapshot(m.model_id)
-                self.registry.add_sampler(
-                    Sampler(sampler_id, m.session_id, m.base_model, None, handle)
+        return self._sequenced(tenant, body.model_id, body.seq_id, "save_state", build)
+
+    def save_for_sampler(self, tenant: str, body: wire.SaveForSamplerBody) -> Future:
+        store = self.store(tenant)
+
+        def build(m: Model) -> Op:
+            if body.kind != "snapshot":
+                raise bad_request(
+                    "kind", f"{body.kind!r} sampling clients are not served; use snapshot"
                 )
-                return Outcome(
-                    json={"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
-                )
+            run: Callable[[], Outcome]
+            if body.path is not None:
+                ref = CheckpointRef(m.model_id, "sampler_weights", check_name(body.path, "path"))
+                meta = {
+                    "base_model": m.base_model,
+                    "lora": m.lora.to_json(),
+                    "kind": "sampler",
+                    "user_metadata": body.user_metadata,
+                }
 
-        return self.scheduler.submit(
-            Op(m.session_id, "save_for_sampler", run, m.model_id, body.seq_id)
-        )
+                def run() -> Outcome:
+                    path = store.save(
+                        ref,
+                        lambda d: self.backend.save_sampler_weights(m.model_id, d),
+                        meta,
+                        overwrite=True,
+                        ttl_seconds=body.ttl_seconds,
+                    )
+                    return Outcome(json={"path": path, "type": "save_weights_for_sampler"})
 
-    def _checkpoint(self, path: str, field: str = "path") -> tuple[CheckpointRef, dict, Path]:
+            else:
+                if body.sampling_session_seq_id is None:
+                    raise bad_request("path", "either path or sampling_session_seq_id is required")
+                sampler_id = f"{m.session_id}:sample:{body.sampling_session_seq_id}"
+
+                def run() -> Outcome:
+                    handle = self.backend.snapshot(m.model_id)
+                    s = Sampler(sampler_id, m.session_id, m.base_model, None, handle, tenant=tenant)
+                    if self.registry.add_sampler(s) is not s:  # a retry: keep the first
+                        self.backend.drop_sampler(handle)
+                    return Outcome(
+                        json={"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
+                    )
+
+            return Op(m.session_id, "save_for_sampler", run, m.model_id, body.seq_id, tenant=tenant)
+
+        return self._sequenced(tenant, body.model_id, body.seq_id, "save_for_sampler", build)
+
+    def _checkpoint(
+        self, tenant: str, path: str, field: str = "path"
+    ) -> tuple[CheckpointRef, dict, Path]:
+        """A checkpoint of this tenant: 404 when missing or another tenant's, 422 when
+        damaged."""
         ref = parse_tinker_path(path, field)
-        meta = self.storage.meta(ref)
-        return ref, meta, self.storage.folder(ref)
+        store = self.store(tenant)
+        meta = store.meta(ref)
+        return ref, meta, store.folder(ref)
 
-    def load_weights(self, body: wire.LoadWeightsBody) -> Future:
-        ref, meta, folder = self._checkpoint(body.path)
-        if ref.kind != "weights":
-            raise bad_request("path", "load_state needs a training checkpoint (.../weights/...)")
+    def _spec(self, ref: CheckpointRef, meta: dict) -> LoraSpec:
+        try:
+            return LoraSpec(**meta["lora"])
+        except TypeError:
+            raise ServiceError(
+                422, f"checkpoint {ref.tinker_path} is damaged (meta.json: bad 'lora')"
+            ) from None
+
+    def _load_failed(self, what: str, e: Exception) -> ServiceError:
+        """A checkpoint that fails to load: one clear error naming it (never a server path)."""
+        if isinstance(e, ServiceError):
+            return e
+        detail = scrub_paths(f"{type(e).__name__}: {e}", self._roots)
+        return ServiceError(500, f"{what} could not be loaded ({detail})")
+
+    def load_weights(self, tenant: str, body: wire.LoadWeightsBody) -> Future:
         if body.session_id is not None:  # create a model from the checkpoint
+            session = self.registry.session(body.session_id, tenant)
             if body.model_seq_id is None:
                 raise bad_request("model_seq_id", "required with session_id")
-            self.registry.session(body.session_id)
+            ref, meta, folder = self._checkpoint(tenant, body.path)
+            if ref.kind != "weights":
+                raise bad_request(
+                    "path", "load_state needs a training checkpoint (.../weights/...)"
+                )
             base = body.base_model or meta["base_model"]
             self.check_base_model(base)
-            spec = LoraSpec(**meta["lora"])
-            model_id = f"{body.session_id}:train:{body.model_seq_id}"
-            with self.registry.lock:
-                existing = self.registry.models.get(model_id)
-            if existing is not None and existing.create_future is not None:
-                return existing.create_future  # an SDK retry of the same load
-            m = Model(model_id, body.session_id, base, spec, body.user_metadata)
-            self.registry.add_model(m)
-            self.scheduler.open_lane(model_id, first_seq=0)
+            spec = self._spec(ref, meta)
+            m, again = self._new_model(
+                tenant, session, body.model_seq_id, base, spec, body.user_metadata
+            )
+            if again is not None:
+                return again
+            self.scheduler.open_lane(m.model_id, first_seq=0)
+            store = self.store(tenant)
 
             def run() -> Outcome:
-                self.backend.create_adapter(model_id, spec)
+                self.backend.create_adapter(m.model_id, spec)
                 m.ready = True
-                self.backend.load_state(model_id, folder, optimizer=body.optimizer)
+                try:
+                    self.backend.load_state(m.model_id, folder, optimizer=body.optimizer)
+                except Exception as e:
+                    raise self._load_failed(f"checkpoint {ref.tinker_path}", e) from e
+                store.write_run(m.model_id, self._run_info(m))
                 return Outcome(
-                    json={"path": body.path, "model_id": model_id, "type": "load_weights"}
+                    json={"path": body.path, "model_id": m.model_id, "type": "load_weights"}
                 )
 
             m.create_future = self.scheduler.submit(
                 Op(
-                    body.session_id,
+                    session.session_id,
                     "load_state",
                     run,
-                    model_id,
+                    m.model_id,
                     0,
-                    on_error=lambda: self._unregister(model_id),
+                    on_error=lambda: self._unregister(m.model_id),
+                    tenant=tenant,
                 )
             )
             return m.create_future
         if body.model_id is None or body.seq_id is None:
             raise bad_request("model_id", "either model_id+seq_id or session_id+model_seq_id")
-        m = self.registry.model(body.model_id)
-        saved = LoraSpec(**meta["lora"])
-        if replace(saved, seed=None) != replace(m.lora, seed=None):  # the init seed may differ
-            raise bad_request("path", f"checkpoint LoRA {meta['lora']} differs from this model's")
 
-        def run_existing() -> Outcome:
-            self.backend.load_state(m.model_id, folder, optimizer=body.optimizer)
-            return Outcome(json={"path": body.path, "model_id": m.model_id, "type": "load_weights"})
+        def build(m: Model) -> Op:
+            ref, meta, folder = self._checkpoint(tenant, body.path)
+            if ref.kind != "weights":
+                raise bad_request(
+                    "path", "load_state needs a training checkpoint (.../weights/...)"
+                )
+            saved = self._spec(ref, meta)
+            if replace(saved, seed=None) != replace(m.lora, seed=None):  # the seed may differ
+                raise bad_request(
+                    "path", f"checkpoint LoRA {meta['lora']} differs from this model's"
+                )
 
-        return self.scheduler.submit(
-            Op(m.session_id, "load_state", run_existing, m.model_id, body.seq_id)
-        )
+            def run() -> Outcome:
+                try:
+                    self.backend.load_state(m.model_id, folder, optimizer=body.optimizer)
+                except Exception as e:
+                    raise self._load_failed(f"checkpoint {ref.tinker_path}", e) from e
+                return Outcome(
+                    json={"path": body.path, "model_id": m.model_id, "type": "load_weights"}
+                )
+
+            return Op(m.session_id, "load_state", run, m.model_id, body.seq_id, tenant=tenant)
+
+        return self._sequenced(tenant, body.model_id, body.seq_id, "load_state", build)
 
     # --- sampling -----------------------------------------------------------------------------
 
-    def create_sampling_session(self, body: wire.CreateSamplingSessionBody) -> str:
-        self.registry.session(body.session_id)
-        sampler_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
+    def create_sampling_session(self, tenant: str, body: wire.CreateSamplingSessionBody) -> str:
+        session = self.registry.session(body.session_id, tenant)
+        sampler_id = f"{session.session_id}:sample:{body.sampling_session_seq_id}"
         if body.model_path is None:
             if body.base_model is None:
                 raise bad_request("base_model", "base_model or model_path is required")
             self.check_base_model(body.base_model)
             self.registry.add_sampler(
-                Sampler(sampler_id, body.session_id, body.base_model, None, None)
+                Sampler(sampler_id, session.session_id, body.base_model, None, None, tenant=tenant)
             )
             return sampler_id
-        ref, meta, folder = self._checkpoint(body.model_path, "model_path")
-        spec = LoraSpec(**meta["lora"])
-        s = Sampler(sampler_id, body.session_id, meta["base_model"], body.model_path)
+        ref, meta, folder = self._checkpoint(tenant, body.model_path, "model_path")
+        spec = self._spec(ref, meta)
+        self.check_base_model(meta["base_model"], "model_path")
+        s = Sampler(
+            sampler_id,
+            session.session_id,
+            meta["base_model"],
+            body.model_path,
+            tenant=tenant,
+            state="loading",
+        )
+        if self.registry.add_sampler(s) is not s:
+            return sampler_id  # an SDK retry of the same create
 
         def run() -> Outcome:
-            s.handle = self.backend.load_sampler(folder, spec)
+            try:
+                s.handle = self.backend.load_sampler(folder, spec)
+            except Exception as e:
+                err = self._load_failed(f"sampler weights {ref.tinker_path}", e)
+                s.state, s.error = "failed", err.message
+                raise err from e
+            s.state = "ready"
             return Outcome(json={})
 
         # Loading is device work, so it queues like any other op; the sampler is usable once
         # registered, and its samples queue behind the load in the same session FIFO.
-        self.registry.add_sampler(s)
-        self.scheduler.submit(Op(body.session_id, "load_sampler", run))
+        self.scheduler.submit(
+            Op(session.session_id, "load_sampler", run, tenant=tenant, internal=True)
+        )
         return sampler_id
 
-    def sample(self, body: wire.SampleBody) -> tuple[Future, list[str]]:
+    def join_sampler(self, tenant: str, sampler_id: str) -> int:
+        s = self.registry.sampler(sampler_id, tenant)
+        with self.registry.lock:
+            n = s.clients
+            s.clients += 1
+        return n
+
+    def sampler_info(self, tenant: str, sampler_id: str) -> dict[str, Any]:
+        s = self.registry.sampler(sampler_id, tenant)
+        return {"sampler_id": s.sampler_id, "base_model": s.base_model, "model_path": s.model_path}
+
+    def sample(self, tenant: str, body: wire.SampleBody) -> tuple[Future, list[str]]:
         if body.sampling_session_id is None:
             raise bad_request("sampling_session_id", "required (create a sampling client first)")
-        s = self.registry.sampler(body.sampling_session_id)
+        s = self.registry.sampler(body.sampling_session_id, tenant)
+        if s.state == "failed":
+            raise ServiceError(422, s.error or "the sampler's weights failed to load")
         prompt = wire.prompt_tokens(body.prompt, vocab=self.info.vocab_size)
         if prompt.size == 0:
             raise bad_request("prompt", "no tokens")
@@ -406,18 +659,166 @@ class Service:
             stop_tokens=stop,
         )
         want_prompt_lp = bool(body.prompt_logprobs)
+        price = self._admit_sample(int(prompt.size), max_tokens, body.num_samples, want_prompt_lp)
         tokens = prompt.tolist()
 
         def run() -> Outcome:
+            if s.state != "ready" or (s.model_path is not None and s.handle is None):
+                # Never the base model in place of weights that did not load.
+                raise ServiceError(422, s.error or "the sampler's weights are not loaded")
             r = self.backend.sample(
                 s.handle, tokens, body.num_samples, params, prompt_logprobs=want_prompt_lp
             )
             seqs = [(q.tokens, q.logprobs, q.stop_reason) for q in r.sequences]
             return Outcome(proto=proto.encode_sample_response(seqs, r.prompt_logprobs))
 
-        fut = self.scheduler.submit(Op(s.session_id, "sample", run))
+        fut = self.scheduler.submit(Op(s.session_id, "sample", run, tenant=tenant, price=price))
         ids = [f"{fut.request_id}:{i}" for i in range(body.num_samples)]
         return fut, ids
+
+    def _admit_sample(
+        self, prompt_len: int, max_tokens: int, num_samples: int, prompt_lp: bool
+    ) -> Price | None:
+        if self.cost is None:
+            return None
+        price = price_sample(
+            self.cost, prompt_len, max_tokens, num_samples, prompt_logprobs=prompt_lp
+        )
+        budget = self.limits.max_request_bytes
+        if budget is not None and price.bytes > budget:
+            raise ServiceError(
+                413,
+                f"sampling {num_samples} x (prompt {prompt_len} + {max_tokens} tokens) needs "
+                f"about {price.gib:.2f} GiB (KV cache and prefill); this service admits "
+                f"{budget / GIB:.2f} GiB per request (tools.serve --max-request-gib)",
+                field="num_samples",
+            )
+        return price
+
+    # --- futures ------------------------------------------------------------------------------
+
+    def future(self, tenant: str, request_id: str) -> Future:
+        fut = self.futures.get(request_id, tenant)
+        if fut is None:
+            raise not_found(f"request {request_id!r}", field="request_id")
+        return fut
+
+    # --- REST: training runs, checkpoints, sessions (tinker RestClient) -------------------------
+
+    def _run_json(self, tenant: str, model_id: str) -> dict[str, Any] | None:
+        live = self.registry.find_model(model_id, tenant)
+        store = self.store(tenant)
+        stored = store.run(model_id)
+        if live is None and stored is None:
+            return None
+        items, damaged = store.list(model_id) if stored is not None else ([], [])
+        info = self._run_info(live) if live is not None else (stored or {})
+        lora = info.get("lora") if isinstance(info.get("lora"), dict) else None
+        if lora is None and items:  # a run folder without run.json: read a checkpoint's meta
+            with contextlib.suppress(ServiceError):
+                meta = store.meta(parse_tinker_path(items[-1]["tinker_path"]))
+                info = {**meta, **info}
+                lora = meta.get("lora")
+        last: dict[str, dict[str, Any] | None] = {"training": None, "sampler": None}
+        for c in items:  # oldest first: the last of each type wins
+            last[c["checkpoint_type"]] = c
+        times = [c["time"] for c in items] + [float(info.get("created_at") or 0.0)]
+        if live is not None:
+            times.append(live.last_request)
+        meta_in = info.get("user_metadata")
+        return {
+            "training_run_id": model_id,
+            "base_model": str(info.get("base_model") or self.info.name),
+            "model_owner": tenant,
+            "is_lora": True,
+            "corrupted": lora is None or bool(damaged),
+            "lora_rank": lora.get("rank") if lora else None,
+            "last_request_time": max(times),
+            "last_checkpoint": last["training"],
+            "last_sampler_checkpoint": last["sampler"],
+            "user_metadata": _str_dict(meta_in) if isinstance(meta_in, dict) else None,
+        }
+
+    def training_run(self, tenant: str, model_id: str) -> dict[str, Any]:
+        run = self._run_json(tenant, check_model_id(model_id, "training_run_id"))
+        if run is None:
+            raise not_found(f"training run {model_id!r}", field="training_run_id")
+        return run
+
+    def training_runs(self, tenant: str, limit: int, offset: int) -> dict[str, Any]:
+        ids = set(self.store(tenant).run_ids())
+        with self.registry.lock:
+            ids |= {m.model_id for m in self.registry.models.values() if m.tenant == tenant}
+        runs = [r for i in ids if (r := self._run_json(tenant, i)) is not None]
+        runs.sort(key=lambda r: r["last_request_time"], reverse=True)
+        return {
+            "training_runs": runs[offset : offset + limit],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)},
+        }
+
+    def checkpoints(self, tenant: str, model_id: str) -> dict[str, Any]:
+        check_model_id(model_id, "training_run_id")
+        store = self.store(tenant)
+        if store.run(model_id) is None and self.registry.find_model(model_id, tenant) is None:
+            raise not_found(f"training run {model_id!r}", field="training_run_id")
+        items, damaged = store.list(model_id)
+        for d in damaged:
+            log.warning(
+                "service.checkpoint damaged tenant=%s %s: %s",
+                log_safe(tenant),
+                d["tinker_path"],
+                d["problem"],
+            )
+        return {"checkpoints": items, "cursor": None, "damaged": damaged}
+
+    def user_checkpoints(self, tenant: str, limit: int, offset: int) -> dict[str, Any]:
+        store = self.store(tenant)
+        items: list[dict[str, Any]] = []
+        damaged: list[dict[str, Any]] = []
+        for rid in store.run_ids():
+            a, b = store.list(rid)
+            items += a
+            damaged += b
+        items.sort(key=lambda c: c["time"], reverse=True)
+        return {
+            "checkpoints": items[offset : offset + limit],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(items)},
+            "damaged": damaged,
+        }
+
+    def delete_checkpoint(self, tenant: str, model_id: str, checkpoint_id: str) -> None:
+        ref = checkpoint_ref(model_id, checkpoint_id)
+        self.store(tenant).delete(ref)
+        log.info("service.checkpoint deleted %s tenant=%s", ref.tinker_path, log_safe(tenant))
+
+    def set_checkpoint_ttl(
+        self, tenant: str, model_id: str, checkpoint_id: str, ttl_seconds: int | None
+    ) -> None:
+        self.store(tenant).set_ttl(checkpoint_ref(model_id, checkpoint_id), ttl_seconds)
+
+    def weights_info(self, tenant: str, tinker_path: str) -> dict[str, Any]:
+        ref, meta, _ = self._checkpoint(tenant, tinker_path, "tinker_path")
+        spec = self._spec(ref, meta)
+        return {
+            "base_model": meta["base_model"],
+            "is_lora": True,
+            "lora_rank": spec.rank,
+            "train_unembed": spec.train_unembed,
+            "train_mlp": spec.train_mlp,
+            "train_attn": spec.train_attn,
+        }
+
+    def sessions(self, tenant: str, limit: int, offset: int) -> dict[str, Any]:
+        ids = [s.session_id for s in self.registry.tenant_sessions(tenant)]
+        return {"sessions": ids[offset : offset + limit]}
+
+    def session_info(self, tenant: str, session_id: str) -> dict[str, Any]:
+        s = self.registry.any_session(session_id, tenant)
+        return {
+            "training_run_ids": sorted(s.models),
+            "sampler_ids": sorted(s.samplers),
+            "user_metadata": _str_dict(s.user_metadata),
+        }
 
 
 def outcome_json(o: Outcome) -> dict[str, Any]:

@@ -4,16 +4,20 @@ A future is completed once, from the scheduler's worker thread, with a JSON body
 protobuf body, or an error (message + category "user" | "server"). Pollers wait on an
 asyncio event (long poll, `wait` seconds at most) so a client does not spin. Finished
 results are kept `keep_s` seconds after their last retrieval (a client retrying a lost
-response gets the same answer), then dropped.
+response gets the same answer), then dropped; `sweep` returns what it dropped so the
+scheduler can forget the retry entries that point at them.
+
+Each future belongs to the tenant whose request created it: `get(request_id, tenant)` finds
+another tenant's future exactly as it finds a missing one (None). Request ids are 128 random
+bits (`secrets`), not a counter: one tenant cannot name another's requests.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import secrets
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,12 +33,19 @@ class Outcome:
 @dataclass
 class Future:
     request_id: str
+    tenant: str
     session_id: str
     kind: str
     created: float = field(default_factory=time.time)
     outcome: Outcome | None = None
     retrieved_at: float | None = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
+    lane: str | None = None  # the model whose seq_id order it took part in
+    seq_id: int | None = None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(16)}"
 
 
 class FutureStore:
@@ -42,20 +53,19 @@ class FutureStore:
         self._loop = loop
         self._lock = threading.Lock()
         self._futures: dict[str, Future] = {}
-        self._ids = itertools.count()
         self._keep_s = keep_s
-        self._prefix = uuid.uuid4().hex[:8]
 
-    def create(self, session_id: str, kind: str) -> Future:
-        rid = f"{self._prefix}-{next(self._ids)}"
-        fut = Future(rid, session_id, kind)
+    def create(self, tenant: str, session_id: str, kind: str) -> Future:
+        fut = Future(new_id("r"), tenant, session_id, kind)
         with self._lock:
-            self._futures[rid] = fut
+            self._futures[fut.request_id] = fut
         return fut
 
-    def get(self, request_id: str) -> Future | None:
+    def get(self, request_id: str, tenant: str) -> Future | None:
+        """The tenant's future, or None (missing, swept, or another tenant's)."""
         with self._lock:
-            return self._futures.get(request_id)
+            f = self._futures.get(request_id)
+        return f if f is not None and f.tenant == tenant else None
 
     def complete(self, fut: Future, outcome: Outcome) -> None:
         """Thread-safe; the first completion wins."""
@@ -74,22 +84,23 @@ class FutureStore:
         fut.retrieved_at = time.time()
         return fut.outcome
 
-    def sweep(self) -> int:
-        """Drop results retrieved more than keep_s ago (and unretrieved ones after 24 h)."""
-        now = time.time()
+    def sweep(self, now: float | None = None) -> list[Future]:
+        """Drop results retrieved more than keep_s ago (and unretrieved ones after 24 h);
+        returns the dropped futures."""
+        now = time.time() if now is None else now
         with self._lock:
             old = [
-                k
-                for k, f in self._futures.items()
+                f
+                for f in self._futures.values()
                 if f.outcome is not None
                 and (
                     (f.retrieved_at is not None and now - f.retrieved_at > self._keep_s)
                     or now - f.created > 86400
                 )
             ]
-            for k in old:
-                del self._futures[k]
-        return len(old)
+            for f in old:
+                del self._futures[f.request_id]
+        return old
 
     def all(self) -> list[Future]:
         with self._lock:

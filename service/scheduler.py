@@ -1,35 +1,51 @@
 """One worker thread runs every operation on the backend, in order per model, fairly across
-sessions, and accounts device-seconds per session.
+sessions, within queue caps, and accounts device-seconds per tenant, session and kind.
 
 Ordering: the SDK numbers each training client's requests (`seq_id`, from 1; a model created
 by loading a checkpoint runs that load as seq 0) and expects them executed in that order,
 even though its chunks and retries may arrive out of order. Each model is a *lane*: an op
 waits until every lower seq_id of its lane has been queued, and a second op with a seq_id
 already seen (an SDK retry after a lost response) returns the first one's future. So a step
-is never lost or run twice.
+is never lost or run twice. A request the service refuses (400, 404 of a checkpoint, 413 ...)
+still takes its place: `refuse` files a placeholder that completes with the refusal when its
+turn comes, so the client's next request runs instead of waiting forever for a seq_id that
+will never arrive. (A 429 does not take a place: the SDK sends the same request again.)
+
+Leaks closed: a lane's retry entries (`Lane.seen`) are forgotten with their futures when the
+future store sweeps them; closing a lane (its session finished or expired) completes the ops
+it still held for a missing seq_id with an error; `drain` has a deadline for the running op.
 
 Fairness: ops ready to run sit in one FIFO per session; the worker takes one op from each
 session with work in turn (round robin), so a session with a long backlog delays another
 session's op by at most one op per other active session.
 
+Queue caps: a session may have `max_per_session` and a tenant `max_per_tenant` ops queued or
+held (not yet running); beyond that a request gets 429 with Retry-After = the priced seconds
+of that tenant's queued work (rounded up, 1..600). The service's own ops (free, load_sampler)
+are not capped.
+
 Accounting: each op's wall time x the backend's device count is added to its session's
-device-seconds, logged per op (`service.op ... device_s=... session_device_s=...`) and
-served by `/api/v1/sessions/{id}/usage`.
+device-seconds, logged per op (`service.op ... device_s=... session_device_s=...`) and handed
+to `record` (the JSONL accounting log, service/accounting.py) as one record.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from service.errors import ServiceError
+from service.admission import Price, Throughput
+from service.errors import ServiceError, log_safe
 from service.futures import Future, FutureStore, Outcome
 
 log = logging.getLogger("service")
+SHUTDOWN_ERROR = "the service shut down before this request ran"
 
 
 @dataclass
@@ -41,6 +57,11 @@ class Op:
     seq_id: int | None = None
     future: Future | None = None
     on_error: Callable[[], None] | None = None
+    tenant: str = ""
+    price: Price | None = None
+    internal: bool = False  # queued by the service itself: not capped
+    refusal: Outcome | None = None  # a refused request's placeholder in its lane
+    est_s: float = 0.0  # priced seconds (Retry-After hints)
 
 
 @dataclass
@@ -52,19 +73,37 @@ class Lane:
 
 @dataclass
 class Usage:
+    tenant: str = ""
     device_seconds: float = 0.0
     ops: Counter = field(default_factory=Counter)
     failed: Counter = field(default_factory=Counter)
 
 
 class Scheduler:
-    def __init__(self, futures: FutureStore, *, devices: int):
+    def __init__(
+        self,
+        futures: FutureStore,
+        *,
+        devices: int,
+        max_per_session: int = 1 << 30,
+        max_per_tenant: int = 1 << 30,
+        record: Callable[[dict[str, Any]], None] | None = None,
+        throughput: Throughput | None = None,
+    ):
         self.futures = futures
         self.devices = devices
+        self.max_per_session = max_per_session
+        self.max_per_tenant = max_per_tenant
+        self.record = record
+        self.throughput = throughput or Throughput()
         self._cond = threading.Condition()
         self._ready: OrderedDict[str, deque[Op]] = OrderedDict()  # session -> FIFO
         self._lanes: dict[str, Lane] = {}
         self.usage: dict[str, Usage] = {}
+        self._pending_session: Counter = Counter()
+        self._pending_tenant: Counter = Counter()
+        self._pending_tenant_s: defaultdict[str, float] = defaultdict(float)
+        self._kind_s: dict[str, float] = {}  # measured wall seconds per kind (EWMA)
         self._accepting = True
         self._stop = False
         self._running: Op | None = None
@@ -78,8 +117,43 @@ class Scheduler:
             self._lanes.setdefault(lane, Lane(next_seq=first_seq))
 
     def close_lane(self, lane: str) -> None:
+        """Forget the lane; ops it held for a missing seq_id can never run: fail them."""
         with self._cond:
-            self._lanes.pop(lane, None)
+            ln = self._lanes.pop(lane, None)
+            held = list(ln.held.values()) if ln is not None else []
+            for op in held:
+                self._unpend(op)
+        for op in held:
+            assert op.future is not None
+            self.futures.complete(
+                op.future,
+                Outcome(
+                    error=op.refusal.error
+                    if op.refusal is not None
+                    else "the model was released (its session finished) before this request ran",
+                    category=op.refusal.category if op.refusal is not None else "user",
+                ),
+            )
+
+    def _estimate(self, op: Op) -> float:
+        if op.price is not None:
+            return self.throughput.seconds(op.price.flops)
+        return self._kind_s.get(op.kind, 0.05)
+
+    def _check_caps(self, op: Op) -> None:
+        if op.internal:
+            return
+        s, t = self._pending_session[op.session_id], self._pending_tenant[op.tenant]
+        if s < self.max_per_session and t < self.max_per_tenant:
+            return
+        wait = math.ceil(self._pending_tenant_s[op.tenant] + self._estimate(op))
+        wait = min(600, max(1, wait))
+        which = (
+            f"session {op.session_id} has {s} requests queued (limit {self.max_per_session})"
+            if s >= self.max_per_session
+            else f"this tenant has {t} requests queued (limit {self.max_per_tenant})"
+        )
+        raise ServiceError(429, f"{which}; retry in about {wait} s", retry_after=wait)
 
     def submit(self, op: Op) -> Future:
         with self._cond:
@@ -90,31 +164,112 @@ class Scheduler:
             lane = self._lanes.get(op.lane) if op.lane is not None else None
             if op.lane is not None and op.seq_id is not None:
                 if lane is None:
-                    raise ServiceError(404, f"model {op.lane} not found")
+                    raise ServiceError(404, "model not found", field="model_id")
                 if op.seq_id in lane.seen:  # a retry of a request already queued
                     return lane.seen[op.seq_id]
                 if op.seq_id < lane.next_seq:
                     raise ServiceError(
-                        409, f"seq_id {op.seq_id} of model {op.lane} was already executed"
+                        400, f"seq_id {op.seq_id} of this model was already executed"
                     )
-            op.future = self.futures.create(op.session_id, op.kind)
-            self.usage.setdefault(op.session_id, Usage())
+            if op.refusal is None:
+                self._check_caps(op)
+            op.est_s = self._estimate(op)
+            op.future = self.futures.create(op.tenant, op.session_id, op.kind)
+            op.future.lane, op.future.seq_id = op.lane, op.seq_id
+            self.usage.setdefault(op.session_id, Usage(tenant=op.tenant))
+            if op.refusal is None:
+                self._pend(op)
             if lane is not None and op.seq_id is not None:
                 lane.seen[op.seq_id] = op.future
                 lane.held[op.seq_id] = op
-                while lane.next_seq in lane.held:  # release the contiguous prefix
-                    self._enqueue(lane.held.pop(lane.next_seq))
-                    lane.next_seq += 1
+                done = self._release(lane)
             else:
+                done = []
                 self._enqueue(op)
             self._cond.notify()
-            return op.future
+        for o in done:
+            assert o.future is not None and o.refusal is not None
+            self.futures.complete(o.future, o.refusal)
+        return op.future
+
+    def refuse(
+        self,
+        lane: str,
+        seq_id: int,
+        *,
+        tenant: str,
+        session_id: str,
+        kind: str,
+        error: ServiceError,
+    ) -> None:
+        """A refused request keeps its seq_id place: a placeholder completing with `error`
+        when its turn comes (nothing if the lane is gone or the seq_id was already seen)."""
+        with self._cond:
+            ln = self._lanes.get(lane)
+            if ln is None or seq_id in ln.seen or seq_id < ln.next_seq:
+                return
+        category = "user" if error.status < 500 else "server"
+        op = Op(session_id, kind, _never, lane, seq_id, tenant=tenant)
+        op.refusal = Outcome(error=error.message, category=category)
+        try:
+            fut = self.submit(op)
+        except ServiceError:
+            return  # shutting down: the lane is about to go
+        # Nobody polls a placeholder (the client got its 4xx); it is kept for an SDK retry of
+        # the same seq_id and swept like a fetched result.
+        fut.retrieved_at = time.time()
+        with self._cond:
+            u = self.usage.get(session_id)
+            if u is not None:
+                u.failed[kind] += 1
+
+    def _release(self, lane: Lane) -> list[Op]:
+        """Queue the lane's contiguous prefix; returns refusal placeholders to complete."""
+        done = []
+        while lane.next_seq in lane.held:
+            op = lane.held.pop(lane.next_seq)
+            lane.next_seq += 1
+            if op.refusal is not None:
+                done.append(op)
+            else:
+                self._enqueue(op)
+        return done
+
+    def _pend(self, op: Op) -> None:
+        if op.internal:
+            return
+        self._pending_session[op.session_id] += 1
+        self._pending_tenant[op.tenant] += 1
+        self._pending_tenant_s[op.tenant] += op.est_s
+
+    def _unpend(self, op: Op) -> None:
+        if op.internal or op.refusal is not None:
+            return
+        self._pending_session[op.session_id] -= 1
+        self._pending_tenant[op.tenant] -= 1
+        self._pending_tenant_s[op.tenant] = max(0.0, self._pending_tenant_s[op.tenant] - op.est_s)
+        if self._pending_session[op.session_id] <= 0:
+            del self._pending_session[op.session_id]
 
     def _enqueue(self, op: Op) -> None:
         q = self._ready.get(op.session_id)
         if q is None:
             q = self._ready[op.session_id] = deque()
         q.append(op)
+
+    def forget(self, futures: list[Future]) -> None:
+        """Drop the lanes' retry entries of swept futures (`FutureStore.sweep`)."""
+        with self._cond:
+            for f in futures:
+                ln = self._lanes.get(f.lane) if f.lane is not None else None
+                if ln is not None and f.seq_id is not None and ln.seen.get(f.seq_id) is f:
+                    del ln.seen[f.seq_id]
+
+    def lane_sizes(self, lane: str) -> tuple[int, int] | None:
+        """(retry entries, held ops) of a lane, or None."""
+        with self._cond:
+            ln = self._lanes.get(lane)
+            return None if ln is None else (len(ln.seen), len(ln.held))
 
     # --- the worker --------------------------------------------------------------------------
 
@@ -128,6 +283,7 @@ class Scheduler:
             op = q.popleft()
             if q:
                 self._ready[session] = q  # back of the line
+            self._unpend(op)
             self._running = op
             return op
 
@@ -137,33 +293,56 @@ class Scheduler:
             try:
                 outcome = op.run()
             except ServiceError as e:
-                outcome = Outcome(error=e.message, category="user")
+                if e.status >= 500:
+                    log.exception("service.op failed: session=%s kind=%s", op.session_id, op.kind)
+                outcome = Outcome(error=e.message, category="user" if e.status < 500 else "server")
             except Exception as e:  # a failing step fails its future; the service goes on
                 log.exception("service.op failed: session=%s kind=%s", op.session_id, op.kind)
                 outcome = Outcome(error=f"{type(e).__name__}: {e}", category="server")
             wall = time.perf_counter() - t0
+            device_s = wall * self.devices
             with self._cond:
-                self._running = None
-                u = self.usage.setdefault(op.session_id, Usage())
-                u.device_seconds += wall * self.devices
+                if self._running is op:
+                    self._running = None
+                u = self.usage.setdefault(op.session_id, Usage(tenant=op.tenant))
+                u.device_seconds += device_s
                 u.ops[op.kind] += 1
                 if outcome.error is not None:
                     u.failed[op.kind] += 1
                 total = u.device_seconds
+                prev = self._kind_s.get(op.kind, wall)
+                self._kind_s[op.kind] = 0.8 * prev + 0.2 * wall
                 self._cond.notify_all()
+            if op.price is not None and outcome.error is None:
+                self.throughput.observe(op.price.flops, wall)
             if outcome.error is not None and op.on_error is not None:
                 op.on_error()
+            if self.record is not None:
+                self.record(
+                    {
+                        "ts": time.time(),
+                        "tenant": op.tenant,
+                        "session": op.session_id,
+                        "model": op.lane,
+                        "kind": op.kind,
+                        "ok": outcome.error is None,
+                        "wall_s": wall,
+                        "devices": self.devices,
+                        "device_s": device_s,
+                    }
+                )
             log.info(
-                "service.op session=%s lane=%s kind=%s seq=%s wall_s=%.4f device_s=%.4f "
-                "session_device_s=%.3f%s",
+                "service.op tenant=%s session=%s lane=%s kind=%s seq=%s wall_s=%.4f "
+                "device_s=%.4f session_device_s=%.3f%s",
+                log_safe(op.tenant),
                 op.session_id,
                 op.lane,
                 op.kind,
                 op.seq_id,
                 wall,
-                wall * self.devices,
+                device_s,
                 total,
-                f" error={outcome.error!r}" if outcome.error else "",
+                f" error={log_safe(outcome.error)!r}" if outcome.error else "",
             )
             assert op.future is not None
             self.futures.complete(op.future, outcome)
@@ -174,9 +353,11 @@ class Scheduler:
         with self._cond:
             self._accepting = False
 
-    def drain(self, deadline_s: float) -> tuple[int, int]:
+    def drain(self, deadline_s: float, running_grace_s: float = 30.0) -> tuple[int, int]:
         """Finish queued work until the deadline, then fail what is left (including ops held
-        for a missing earlier seq_id) with a clear error. Returns (finished, refused)."""
+        for a missing earlier seq_id) with a clear error. The op running at the deadline gets
+        `running_grace_s` more (a save in progress finishes: saves are atomic either way);
+        after that its future fails too and drain returns. Returns (finished, refused)."""
         self.stop_accepting()
         end = time.monotonic() + deadline_s
         with self._cond:
@@ -188,6 +369,8 @@ class Scheduler:
             self._ready.clear()
             for lane in self._lanes.values():
                 lane.held.clear()
+            for op in refused:
+                self._unpend(op)
             finished = sum(sum(u.ops.values()) for u in self.usage.values()) - start_count
             running = self._running
             self._stop = True
@@ -195,13 +378,31 @@ class Scheduler:
         for op in refused:
             assert op.future is not None
             self.futures.complete(
-                op.future,
-                Outcome(error="the service shut down before this request ran", category="server"),
+                op.future, op.refusal or Outcome(error=SHUTDOWN_ERROR, category="server")
             )
-        if running is not None:  # past the deadline: let the current op finish (atomic saves)
-            self._thread.join()
-        return finished, len(refused)
+        if running is not None:
+            self._thread.join(timeout=running_grace_s)
+            if self._thread.is_alive():
+                log.error(
+                    "service: %s op of session %s still running %.0f s after the drain "
+                    "deadline; giving up on it",
+                    running.kind,
+                    running.session_id,
+                    running_grace_s,
+                )
+                assert running.future is not None
+                self.futures.complete(
+                    running.future,
+                    Outcome(
+                        error="the service shut down while this request ran", category="server"
+                    ),
+                )
+        return finished, len([op for op in refused if op.refusal is None])
 
     def session_usage(self, session_id: str) -> Usage | None:
         with self._cond:
             return self.usage.get(session_id)
+
+
+def _never() -> Outcome:  # a refusal placeholder is completed, never run
+    raise AssertionError("a refused request was run")

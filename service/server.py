@@ -1,12 +1,14 @@
 """Run the service: uvicorn on one event loop, the scheduler's worker thread beside it, and a
-drain on SIGTERM / SIGINT.
+drain on SIGTERM / SIGINT; SIGHUP re-reads the API key file.
 
-Shutdown: the first signal stops new work (410: the SDK would retry a 503 for minutes), lets the worker finish what is queued
-for up to `drain_s` seconds, fails the rest with "the service shut down before this request
-ran", keeps answering `retrieve_future` until every finished result was fetched (or
-`fetch_grace_s` passed) and no request came for 2 s, then stops uvicorn and exits 0. Checkpoint saves are atomic
-(`service.storage`), so no reported save is lost and no partial one is left. A second
-signal exits at once.
+Start-up: `tools.serve` binds the listening socket (`bind`) before it builds the model, so a
+port in use is one line and exit 2, and the "serving ..." line is logged only once the socket
+is ours. Shutdown: the first signal stops new work (410: the SDK would retry a 503 for
+minutes), lets the worker finish what is queued for up to `drain_s` seconds, fails the rest
+with "the service shut down before this request ran", keeps answering `retrieve_future` until
+every finished result was fetched (or `fetch_grace_s` passed) and no request came for 2 s,
+then stops uvicorn and exits 0. Checkpoint saves are atomic (`service.storage`), so no
+reported save is lost and no partial one is left. A second signal exits at once.
 """
 
 from __future__ import annotations
@@ -15,18 +17,22 @@ import asyncio
 import ipaddress
 import logging
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import uvicorn
 
 from core.errors import ConfigError
+from service.accounting import AccountingLog
+from service.admission import CostModel
 from service.app import create_app
 from service.backend import Backend
 from service.core import INTERNAL_OPS, Limits, Service
-from service.storage import CheckpointStore
+from service.errors import log_safe
+from service.storage import Storage
+from service.tenants import KeyFile
 
 log = logging.getLogger("service")
 QUIET_S = 2.0  # no request for this long after a drain: the clients have stopped
@@ -44,28 +50,6 @@ class ServeOptions:
     limits: Limits = Limits()
 
 
-def read_api_keys(path: str) -> list[str]:
-    """One key per line; blank lines and '#' comments ignored. Never logged."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise ConfigError(
-            f"cannot read API key file ({e.strerror})", key="--api-key-file"
-        ) from None
-    keys = [s.strip() for s in lines if s.strip() and not s.strip().startswith("#")]
-    if not keys:
-        raise ConfigError(f"{path} holds no keys (one per line)", key="--api-key-file")
-    bad = [i for i, k in enumerate(keys) if not k.startswith("tml-")]
-    if bad:
-        # The SDK itself refuses keys without this prefix (tinker.lib._auth_token_provider).
-        raise ConfigError(
-            f"{path}: key on non-comment line {bad[0] + 1} does not start with 'tml-' "
-            "(the tinker SDK only sends keys that do)",
-            key="--api-key-file",
-        )
-    return keys
-
-
 def check_exposure(opts: ServeOptions) -> None:
     try:
         loopback = ipaddress.ip_address(opts.host).is_loopback
@@ -75,6 +59,25 @@ def check_exposure(opts: ServeOptions) -> None:
         raise ConfigError(
             f"serving on {opts.host} (not loopback) needs --api-key-file", key="--host"
         )
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket (port 0: any free port), or ConfigError naming the problem."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"cannot resolve {host!r} ({e.strerror})", key="--host") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror})", key="--port") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 class _DrainingServer(uvicorn.Server):
@@ -117,52 +120,65 @@ class _DrainingServer(uvicorn.Server):
             time.sleep(0.1)
         for sid, u in sorted(self.service.scheduler.usage.items()):
             log.info(
-                "service.usage session=%s device_s=%.3f ops=%s", sid, u.device_seconds, dict(u.ops)
+                "service.usage tenant=%s session=%s device_s=%.3f ops=%s",
+                log_safe(u.tenant),
+                sid,
+                u.device_seconds,
+                dict(u.ops),
             )
         self.should_exit = True
 
 
-async def serve(backend: Backend, opts: ServeOptions) -> None:
+async def serve(
+    backend: Backend,
+    opts: ServeOptions,
+    *,
+    sock: socket.socket,
+    keys: KeyFile | None,
+    cost: CostModel | None = None,
+) -> None:
     check_exposure(opts)
-    keys = read_api_keys(opts.api_key_file) if opts.api_key_file else None
     loop = asyncio.get_running_loop()
+    storage = Storage(opts.storage)
+    accounting = AccountingLog(storage.root)
     service = Service(
         backend,
-        CheckpointStore(opts.storage),
+        storage,
         loop,
         limits=opts.limits,
         session_ttl_s=opts.session_ttl_s,
+        cost=cost,
+        accounting=accounting,
     )
     app = create_app(service, keys)
-    config = uvicorn.Config(
-        app,
-        host=opts.host,
-        port=opts.port,
-        access_log=False,
-        log_level="warning",
-        timeout_graceful_shutdown=5,
-    )
+    config = uvicorn.Config(app, access_log=False, log_level="warning", timeout_graceful_shutdown=5)
     server = _DrainingServer(config, service, opts)
+    if keys is not None:
+        loop.add_signal_handler(signal.SIGHUP, keys.reload)
 
     async def sweep() -> None:
         while True:
             await asyncio.sleep(30)
-            service.futures.sweep()
-            service.expire_sessions()
+            service.sweep()
 
     sweeper = asyncio.create_task(sweep())
     info = backend.base_model()
+    host, port = sock.getsockname()[:2]
+    budget = opts.limits.max_request_bytes
     log.info(
-        "service: serving %s (max context %d, vocab %d) on http://%s:%d, storage %s, auth %s",
+        "service: serving %s (max context %d, vocab %d) on http://%s:%d, storage %s, auth %s, "
+        "admission %s per request",
         info.name,
         info.max_context,
         info.vocab_size,
-        opts.host,
-        opts.port,
-        Path(opts.storage).resolve(),
-        f"{len(keys)} key(s)" if keys else "off (loopback only)",
+        host,
+        port,
+        storage.root,
+        f"{len(keys)} key(s) of {len(keys.tenants())} tenant(s)" if keys else "off (loopback only)",
+        f"{budget / (1 << 30):.2f} GiB" if budget is not None and cost is not None else "off",
     )
     try:
-        await server.serve()
+        await server.serve(sockets=[sock])
     finally:
         sweeper.cancel()
+        accounting.close()

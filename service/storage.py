@@ -1,14 +1,22 @@
-"""Checkpoint folders under one storage root, addressed by the SDK's tinker:// paths.
+"""Checkpoint folders, one tree per tenant, addressed by the SDK's tinker:// paths.
 
     tinker://<model_id>/weights/<name>          training state (adapter + optimizer)
     tinker://<model_id>/sampler_weights/<name>  adapter weights for sampling
 
-on disk `<root>/<model_id>/<weights|sampler_weights>/<name>/` with a `meta.json`. Names and
-model ids come from clients, so each is checked against a strict pattern (no `/`, no `..`,
-no leading dot) and the resolved folder must lie under the root: a name can never address
-anything outside it. A save writes into a hidden temporary folder, fsyncs, then renames it
-into place, so a crash or SIGTERM mid-save leaves either the old checkpoint or the new one,
-never half of one; a checkpoint whose future reported success is on disk.
+on disk:
+
+    <storage>/usage.jsonl                                   accounting (service/accounting.py)
+    <storage>/tenants/<tenant>/<model_id>/run.json          the training run (base, LoRA, metadata)
+    <storage>/tenants/<tenant>/<model_id>/<weights|sampler_weights>/<name>/meta.json + files
+
+A tinker:// path is resolved inside the caller's tenant folder only, so another tenant's
+path is "not found" exactly like a path that never existed. Names and model ids come from
+clients, so each is checked against a strict pattern (no `/`, no `..`, no leading dot) and the
+resolved folder must lie under the tenant's root. A save writes into a hidden temporary
+folder, fsyncs, then renames it into place, so a crash or SIGTERM mid-save leaves either the
+old checkpoint or the new one, never half of one. A checkpoint whose `meta.json` is damaged
+is reported as damaged (listing shows it apart, loading it fails naming it) and hides nothing
+else. Client-facing messages name tinker:// paths, never server folders.
 """
 
 from __future__ import annotations
@@ -24,11 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.errors import ServiceError, bad_request
+from service.errors import ServiceError, bad_request, not_found
 
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 _MODEL_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,127}$")
+RUN_FILE = "run.json"
 
 
 def check_name(name: str, field: str = "path") -> str:
@@ -57,6 +66,10 @@ class CheckpointRef:
     def tinker_path(self) -> str:
         return f"tinker://{self.model_id}/{self.kind}/{self.name}"
 
+    @property
+    def checkpoint_id(self) -> str:
+        return f"{self.kind}/{self.name}"
+
 
 def parse_tinker_path(path: str, field: str = "path") -> CheckpointRef:
     if not path.startswith("tinker://"):
@@ -70,10 +83,64 @@ def parse_tinker_path(path: str, field: str = "path") -> CheckpointRef:
     return CheckpointRef(check_model_id(model_id, field), kind, check_name(name, field))
 
 
-class CheckpointStore:
+def checkpoint_ref(
+    model_id: str, checkpoint_id: str, field: str = "checkpoint_id"
+) -> CheckpointRef:
+    """(run id, "weights/<name>") as the SDK's REST routes send them."""
+    kind, _, name = checkpoint_id.partition("/")
+    if kind not in KINDS:
+        raise bad_request(
+            field, f"expected weights/<name> or sampler_weights/<name>, got {checkpoint_id!r}"
+        )
+    return CheckpointRef(check_model_id(model_id), kind, check_name(name, field))
+
+
+def check_meta(meta: Any) -> dict[str, Any]:
+    """meta.json as written by `save`, or ValueError saying what is wrong."""
+    if not isinstance(meta, dict):
+        raise ValueError("not a JSON object")
+    for k in ("base_model", "lora", "created_at", "tinker_path"):
+        if k not in meta:
+            raise ValueError(f"no {k!r}")
+    lora = meta["lora"]
+    if not isinstance(lora, dict) or not isinstance(lora.get("rank"), int):
+        raise ValueError("'lora' has no integer rank")
+    if not isinstance(meta["created_at"], int | float):
+        raise ValueError("'created_at' is not a number")
+    return meta
+
+
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_bytes())
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class Storage:
+    """The storage root: one `CheckpointStore` per tenant, and the accounting log's folder."""
+
     def __init__(self, root: str | Path):
         self.root = Path(root).resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root / "tenants").mkdir(parents=True, exist_ok=True)
+
+    def tenant(self, name: str) -> CheckpointStore:
+        return CheckpointStore(self.root / "tenants" / name, create=False)
+
+
+class CheckpointStore:
+    """One tenant's checkpoints (or, in tests, any folder)."""
+
+    def __init__(self, root: str | Path, *, create: bool = True):
+        self.root = Path(root).resolve()
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
 
     def folder(self, ref: CheckpointRef) -> Path:
         p = (self.root / ref.model_id / ref.kind / ref.name).resolve()
@@ -82,17 +149,31 @@ class CheckpointStore:
             raise bad_request("path", "checkpoint path escapes the storage folder")
         return p
 
+    def run_folder(self, model_id: str) -> Path:
+        p = (self.root / check_model_id(model_id)).resolve()
+        if not p.is_relative_to(self.root):
+            raise bad_request("model_id", "run path escapes the storage folder")
+        return p
+
     def exists(self, ref: CheckpointRef) -> bool:
         return (self.folder(ref) / "meta.json").is_file()
 
     def meta(self, ref: CheckpointRef) -> dict[str, Any]:
+        """The checkpoint's meta.json: 404 if missing (or expired), 422 if damaged."""
         f = self.folder(ref) / "meta.json"
         if not f.is_file():
-            raise ServiceError(404, f"checkpoint {ref.tinker_path} not found")
-        meta = json.loads(f.read_text())
+            raise not_found(f"checkpoint {ref.tinker_path}")
+        try:
+            meta = check_meta(_read_json(f))
+        except (ValueError, OSError) as e:
+            raise ServiceError(
+                422,
+                f"checkpoint {ref.tinker_path} is damaged (meta.json: {_why(e)}); "
+                "delete it or save it again",
+            ) from None
         expires = meta.get("expires_at")
-        if expires is not None and expires < time.time():
-            raise ServiceError(404, f"checkpoint {ref.tinker_path} has expired")
+        if isinstance(expires, int | float) and expires < time.time():
+            raise not_found(f"checkpoint {ref.tinker_path} (it has expired)")
         return meta
 
     def save(
@@ -143,27 +224,94 @@ class CheckpointStore:
                 shutil.rmtree(tmp, ignore_errors=True)
         return ref.tinker_path
 
-    def list(self, model_id: str) -> list[dict[str, Any]]:
-        out = []
-        base = self.root / model_id
+    def delete(self, ref: CheckpointRef) -> None:
+        """Remove a checkpoint (moved aside atomically, then deleted); 404 if missing."""
+        final = self.folder(ref)
+        if not final.is_dir():
+            raise not_found(f"checkpoint {ref.tinker_path}")
+        gone = final.parent / f".del-{ref.name}-{uuid.uuid4().hex[:8]}"
+        os.replace(final, gone)
+        shutil.rmtree(gone, ignore_errors=True)
+
+    def set_ttl(self, ref: CheckpointRef, ttl_seconds: int | None) -> None:
+        """Expire the checkpoint `ttl_seconds` from now (None: never); meta.json rewritten
+        atomically."""
+        meta = self.meta(ref)
+        meta["expires_at"] = time.time() + ttl_seconds if ttl_seconds else None
+        _write_json_atomic(self.folder(ref) / "meta.json", meta)
+
+    # --- training runs ----------------------------------------------------------------------
+
+    def write_run(self, model_id: str, info: dict[str, Any]) -> None:
+        d = self.run_folder(model_id)
+        d.mkdir(parents=True, exist_ok=True)
+        _write_json_atomic(d / RUN_FILE, info)
+
+    def run(self, model_id: str) -> dict[str, Any] | None:
+        """run.json of a stored run ({} when the folder exists without a readable one);
+        None when this tenant has no such run."""
+        d = self.run_folder(model_id)
+        if not d.is_dir():
+            return None
+        try:
+            info = _read_json(d / RUN_FILE)
+            return info if isinstance(info, dict) else {}
+        except (ValueError, OSError):
+            return {}
+
+    def run_ids(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and _MODEL_ID.match(p.name))
+
+    def list(self, model_id: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """(checkpoints, damaged) of one run, oldest first. A checkpoint whose meta.json
+        cannot be read is listed in `damaged` (checkpoint_id, tinker_path, problem) only."""
+        out, damaged = [], []
+        base = self.run_folder(model_id)
         for kind in KINDS:
             d = base / kind
             if not d.is_dir():
                 continue
             for c in sorted(d.iterdir()):
-                if c.name.startswith(".") or not (c / "meta.json").is_file():
+                if c.name.startswith(".") or not c.is_dir():
                     continue
-                meta = json.loads((c / "meta.json").read_text())
+                ref = CheckpointRef(model_id, kind, c.name)
+                try:
+                    meta = check_meta(_read_json(c / "meta.json"))
+                except (ValueError, OSError) as e:
+                    damaged.append(
+                        {
+                            "checkpoint_id": ref.checkpoint_id,
+                            "tinker_path": ref.tinker_path,
+                            "problem": f"meta.json: {_why(e)}",
+                        }
+                    )
+                    continue
                 size = sum(f.stat().st_size for f in c.iterdir() if f.is_file())
+                expires = meta.get("expires_at")
+                if isinstance(expires, int | float) and expires < time.time():
+                    continue
                 out.append(
                     {
-                        "checkpoint_id": f"{kind}/{c.name}",
+                        "checkpoint_id": ref.checkpoint_id,
                         "checkpoint_type": KINDS[kind],
                         "time": meta["created_at"],
-                        "tinker_path": meta["tinker_path"],
+                        "tinker_path": ref.tinker_path,
                         "size_bytes": size,
+                        "public": False,
                         "user_metadata": meta.get("user_metadata"),
-                        "expires_at": meta.get("expires_at"),
+                        "expires_at": expires,
+                        "training_run_id": model_id,
                     }
                 )
-        return out
+        out.sort(key=lambda c: c["time"])
+        return out, damaged
+
+
+def _why(e: Exception) -> str:
+    if isinstance(e, OSError):
+        return e.strerror or type(e).__name__
+    if isinstance(e, json.JSONDecodeError):
+        return f"not JSON ({e.msg} at byte {e.pos})"
+    return str(e)

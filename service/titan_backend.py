@@ -335,6 +335,9 @@ class TitanLoraBackend:
         state = self._read_adapter(folder)
         # untargeted modules: the rank-0 pair of a fresh adapter of this shape
         shape = self._new_tensors(replace(spec, seed=0), torch.Generator().manual_seed(0))
+        for k, p in shape.items():  # a targeted tensor missing is a damaged checkpoint, not 0
+            if p.requires_grad and (k not in state or state[k].shape != p.shape):
+                raise ServiceError(422, f"sampler weights lack a matching {k}")
         params = {k: state.get(k, p.detach()) for k, p in shape.items()}
         return self._store_sampler(spec.rank, params)
 

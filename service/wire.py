@@ -2,13 +2,17 @@
 
 Every model ignores fields it does not know (newer SDKs add some) and rejects a wrong type
 or value with `ServiceError(400)` naming the dotted field, e.g.
-`optim_params.learning_rate: Input should be a valid number`.
+`optim_params.learning_rate: Input should be a valid number`. Types are strict: an integer
+field refuses 1.0 and "1", a boolean refuses 0/1, a number refuses NaN and infinity, and every
+integer is bounded (ids below 2**62, tokens below 2**31, seeds within int64), so nothing a
+client sends can overflow a conversion further down (decoding never ends in a 500).
 """
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -18,12 +22,26 @@ from service.types import LOSS_INPUTS, LOSSES, OPTIONAL_INPUTS, AdamParams, Datu
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_config = ConfigDict(
+        extra="ignore", protected_namespaces=(), strict=True, allow_inf_nan=False
+    )
+
+
+Id = Annotated[int, Field(ge=0, lt=2**62)]  # seq ids, model / sampler counters
+Token = Annotated[int, Field(ge=0, lt=2**31)]
+Seed = Annotated[int, Field(ge=-(2**63), lt=2**63)]  # what torch.Generator.manual_seed takes
+# Log-probabilities below this cannot come from a float32 sampler (e^-88 is below the
+# smallest normal float32), and an importance weight exp(logp - logprobs) with logp <= 0
+# stays finite in float32 only while logprobs >= -88.7: refused rather than trained as inf/NaN.
+MIN_LOGPROB = -88.0
+# The smallest positive AdamW eps that float32 arithmetic keeps (a smaller one rounds to 0 in
+# sqrt(v) + eps, and 0/0 makes the adapter NaN).
+MIN_EPS = float(np.finfo(np.float32).tiny)
 
 
 class LoraConfigBody(_Body):
     rank: int = Field(ge=1, le=1024)
-    seed: int | None = None
+    seed: Seed | None = None
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True
@@ -47,7 +65,7 @@ class SessionIdBody(_Body):
 
 class CreateModelBody(_Body):
     session_id: str
-    model_seq_id: int = Field(ge=0)
+    model_seq_id: Id
     base_model: str
     user_metadata: dict[str, Any] | None = None
     lora_config: LoraConfigBody | None = None
@@ -71,14 +89,14 @@ class OptimStepBody(_Body):
     adam_params: AdamParamsBody | None = None
     optimizer_params: dict[str, Any] | None = None
     model_id: str
-    seq_id: int
+    seq_id: Id
 
 
 class SaveWeightsBody(_Body):
     model_id: str
     path: str | None = None
-    seq_id: int
-    ttl_seconds: int | None = Field(default=None, ge=1)
+    seq_id: Id
+    ttl_seconds: int | None = Field(default=None, ge=1, lt=2**40)
     overwrite: bool = False
     user_metadata: dict[str, str] | None = None
 
@@ -86,18 +104,18 @@ class SaveWeightsBody(_Body):
 class SaveForSamplerBody(_Body):
     model_id: str
     path: str | None = None
-    sampling_session_seq_id: int | None = None
+    sampling_session_seq_id: Id | None = None
     kind: str = "snapshot"
-    seq_id: int
-    ttl_seconds: int | None = Field(default=None, ge=1)
+    seq_id: Id
+    ttl_seconds: int | None = Field(default=None, ge=1, lt=2**40)
     user_metadata: dict[str, str] | None = None
 
 
 class LoadWeightsBody(_Body):
     model_id: str | None = None
-    seq_id: int | None = None
+    seq_id: Id | None = None
     session_id: str | None = None
-    model_seq_id: int | None = Field(default=None, ge=0)
+    model_seq_id: Id | None = None
     base_model: str | None = None
     user_metadata: dict[str, Any] | None = None
     path: str
@@ -107,7 +125,7 @@ class LoadWeightsBody(_Body):
 
 class CreateSamplingSessionBody(_Body):
     session_id: str
-    sampling_session_seq_id: int = Field(ge=0)
+    sampling_session_seq_id: Id
     base_model: str | None = None
     model_path: str | None = None
 
@@ -118,7 +136,7 @@ class JoinSamplingSessionBody(_Body):
 
 class ChunkBody(_Body):
     type: str = "encoded_text"
-    tokens: list[int] = []
+    tokens: list[Token] = []
 
 
 class ModelInputBody(_Body):
@@ -126,28 +144,28 @@ class ModelInputBody(_Body):
 
 
 class SamplingParamsBody(_Body):
-    max_tokens: int | None = Field(default=None, ge=1)
-    seed: int | None = None
-    stop: str | list[str] | list[int] | None = None
+    max_tokens: int | None = Field(default=None, ge=1, lt=2**31)
+    seed: Seed | None = None
+    stop: str | list[str] | list[Token] | None = None
     temperature: float = Field(default=1.0, ge=0.0)
-    top_k: int = -1
+    top_k: int = Field(default=-1, ge=-1, lt=2**31)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
 
 
 class SampleBody(_Body):
-    num_samples: int = Field(default=1, ge=1)
+    num_samples: int = Field(default=1, ge=1, lt=2**31)
     prompt: ModelInputBody
     sampling_params: SamplingParamsBody
     sampling_session_id: str | None = None
     base_model: str | None = None
     model_path: str | None = None
-    seq_id: int | None = None
+    seq_id: Id | None = None
     prompt_logprobs: bool | None = None
-    topk_prompt_logprobs: int = 0
-    topk_sample_logprobs: int = 0
+    topk_prompt_logprobs: int = Field(default=0, ge=0, lt=2**31)
+    topk_sample_logprobs: int = Field(default=0, ge=0, lt=2**31)
     target_prompt_logprobs: dict[str, Any] | None = None
-    prompt_alt_tokens_k: int = 0
-    prompt_logprobs_last_n: int | None = None
+    prompt_alt_tokens_k: int = Field(default=0, ge=0, lt=2**31)
+    prompt_logprobs_last_n: int | None = Field(default=None, ge=0, lt=2**31)
 
 
 class RetrieveFutureBody(_Body):
@@ -158,6 +176,14 @@ class RetrieveFutureBody(_Body):
 class FinishBody(_Body):
     reason: dict[str, Any] | None = None
     detail: str | None = None
+
+
+class WeightsInfoBody(_Body):
+    tinker_path: str
+
+
+class TtlBody(_Body):
+    ttl_seconds: int | None = Field(default=None, ge=1, lt=2**40)
 
 
 B = TypeVar("B", bound=BaseModel)
@@ -173,6 +199,21 @@ def parse(model: type[B], body: bytes) -> B:
         raise bad_request(loc, err["msg"]) from None
 
 
+def sequence_key(raw: bytes) -> tuple[str, int] | None:
+    """(model_id, seq_id) of a JSON training request whose body failed validation, when both
+    are readable: the refused request still takes its place in the model's order."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(obj, dict):
+        return None
+    mid, seq = obj.get("model_id"), obj.get("seq_id")
+    if isinstance(mid, str) and type(seq) is int and 0 <= seq < 2**62:
+        return mid, seq
+    return None
+
+
 def adam_params(body: OptimStepBody) -> AdamParams:
     if body.adam_params is None:
         kind = (body.optimizer_params or {}).get("type", "?")
@@ -184,7 +225,13 @@ def adam_params(body: OptimStepBody) -> AdamParams:
             raise bad_request(f"adam_params.{name}", f"expected a finite number >= 0, got {v}")
     for name in ("beta1", "beta2"):
         if getattr(p, name) >= 1:
-            raise bad_request(f"adam_params.{name}", "expected a value below 1")
+            raise bad_request(f"adam_params.{name}", "expected a value in [0, 1)")
+    if p.eps < MIN_EPS:
+        raise bad_request(
+            "adam_params.eps",
+            f"expected eps >= {MIN_EPS:.3g} (0 or a smaller value makes AdamW divide 0 by 0 "
+            f"and the adapter NaN), got {p.eps}",
+        )
     return AdamParams(**p.model_dump())
 
 
@@ -261,12 +308,20 @@ def fwdbwd_data(
                     f, f"expected shape [{n}] (one per input token), got {list(arr.shape)}"
                 )
             if key == "target_tokens":
+                if arr.dtype.kind not in "iu":
+                    raise bad_request(f, f"expected integer token ids, got {arr.dtype} values")
                 arr = arr.astype(np.int64)
                 check_tokens(arr, vocab=vocab, field=f)
             else:
                 arr = arr.astype(np.float32)
                 if not np.all(np.isfinite(arr)):
                     raise bad_request(f, "contains NaN or infinity")
+                if key == "logprobs" and arr.size and float(arr.min()) < MIN_LOGPROB:
+                    raise bad_request(
+                        f,
+                        f"log-probability {float(arr.min()):.4g} below {MIN_LOGPROB}: no "
+                        "sampler produces it, and its importance weight overflows",
+                    )
             clean[key] = arr
         out.append(Datum(tokens=tokens, inputs=clean))
     return out

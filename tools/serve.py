@@ -1,12 +1,18 @@
 """Serve a recipe's base model over the Tinker HTTP API (the `tinker` SDK drives it unchanged).
 
     python -m tools.serve --recipe R [--host 127.0.0.1 --port 8000] [--api-key-file F]
-                          [--storage DIR] [--session-ttl S] [--drain S] [--set k=v ...]
+                          [--storage DIR] [--session-ttl S] [--drain S] [--max-body-mb M]
+                          [--max-request-gib G] [--max-queued-per-session N]
+                          [--max-queued-per-tenant N] [--set k=v ...]
 
 Clients: `tinker.ServiceClient(base_url="http://HOST:PORT", api_key="tml-...")`. Keys come
-from `--api-key-file` (one per line, each starting with `tml-`, as the SDK requires); without
-it the service accepts any client and refuses to bind to anything but loopback. SIGTERM
-drains (see service/server.py). Bad arguments: one line, exit 2. Details: docs/service.md.
+from `--api-key-file` (one `KEY` or `TENANT KEY` per line, mode 0600; see
+service/tenants.py): each tenant sees only its own sessions, models, samplers, results and
+checkpoints. Without it the service accepts any client as one tenant and refuses to bind to
+anything but loopback. SIGTERM drains, SIGHUP re-reads the key file (see service/server.py).
+Usage: `<storage>/usage.jsonl`, summed by `python -m tools.usage --storage DIR`. Bad
+arguments: one line, exit 2, before the model is built and before anything is served.
+Details: docs/service.md.
 """
 
 from __future__ import annotations
@@ -17,15 +23,22 @@ import logging
 import os
 
 from core.errors import ConfigError
-from tools.cli import add_override_arg, add_recipe_arg, run
+from tools.cli import (
+    ArgumentParser,
+    add_override_arg,
+    add_recipe_arg,
+    out_dir_arg,
+    positive_arg,
+    run,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_recipe_arg(p)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key-file", default=None, help="API keys, one per line")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (logged)")
+    p.add_argument("--api-key-file", default=None, help="API keys: KEY or TENANT KEY per line")
     p.add_argument(
         "--storage", default=None, help="checkpoint folder (default: <output_dir>/service)"
     )
@@ -42,20 +55,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds SIGTERM lets queued work finish before refusing the rest",
     )
     p.add_argument("--max-body-mb", type=float, default=64.0, help="request size limit")
+    p.add_argument(
+        "--max-request-gib",
+        type=float,
+        default=None,
+        help="memory one request may use beyond the resident model (admission control); "
+        "default: half the memory available once the model is built",
+    )
+    p.add_argument(
+        "--max-queued-per-session",
+        type=int,
+        default=64,
+        help="requests a session may have queued (429 with Retry-After beyond)",
+    )
+    p.add_argument(
+        "--max-queued-per-tenant",
+        type=int,
+        default=256,
+        help="requests a tenant may have queued over all its sessions",
+    )
     add_override_arg(p)
     return p.parse_args(argv)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Every number finite and in range (one line naming the flag otherwise)."""
+    if not 0 <= args.port < 65536:
+        raise ConfigError(f"expected a port in 0..65535, got {args.port}", key="--port")
+    positive_arg(args.session_ttl, "--session-ttl")
+    positive_arg(args.max_body_mb, "--max-body-mb", bound=1 << 20)
+    if args.drain != 0:
+        positive_arg(args.drain, "--drain")
+    if args.max_request_gib is not None:
+        positive_arg(args.max_request_gib, "--max-request-gib", bound=1 << 20)
+    positive_arg(args.max_queued_per_session, "--max-queued-per-session", bound=1 << 20)
+    positive_arg(args.max_queued_per_tenant, "--max-queued-per-tenant", bound=1 << 20)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    check_args(args)
     from recipe.loader import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     from service.core import Limits
-    from service.server import ServeOptions, check_exposure, read_api_keys
+    from service.server import ServeOptions, bind, check_exposure
+    from service.tenants import KeyFile
 
-    if not 0 < args.port < 65536:
-        raise ConfigError(f"expected a port in 1..65535, got {args.port}", key="--port")
     opts = ServeOptions(
         host=args.host,
         port=args.port,
@@ -63,9 +109,15 @@ def main(argv: list[str] | None = None) -> None:
         storage=args.storage or os.path.join(recipe.output_dir, "service"),
         session_ttl_s=args.session_ttl,
         drain_s=args.drain,
-        limits=Limits(max_body_bytes=int(args.max_body_mb * (1 << 20))),
+        limits=Limits(
+            max_body_bytes=int(args.max_body_mb * (1 << 20)),
+            max_queued_per_session=args.max_queued_per_session,
+            max_queued_per_tenant=args.max_queued_per_tenant,
+        ),
     )
     check_exposure(opts)  # bad input before the model is built
+    keys = KeyFile(opts.api_key_file) if opts.api_key_file else None
+    out_dir_arg(opts.storage, "--storage")
     if recipe.checkpoint.load_hf:
         # Serving a random base silently would be worse than refusing.
         raise ConfigError(
@@ -95,14 +147,24 @@ def main(argv: list[str] | None = None) -> None:
                 file=recipe.source,
                 key="checkpoint.load_from",
             )
-    if opts.api_key_file:
-        read_api_keys(opts.api_key_file)
+    # The port before the model: "in use" is one line now, not after a minute of loading.
+    sock = bind(opts.host, opts.port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    from dataclasses import replace
+
+    from service.admission import cost_model_from_recipe, default_budget_bytes
     from service.server import serve
     from service.titan_backend import TitanLoraBackend
 
     backend = TitanLoraBackend.from_recipe(recipe)
-    asyncio.run(serve(backend, opts))
+    cost = cost_model_from_recipe(recipe)
+    budget = (
+        args.max_request_gib * (1 << 30)
+        if args.max_request_gib is not None
+        else default_budget_bytes()
+    )
+    opts = replace(opts, limits=replace(opts.limits, max_request_bytes=budget))
+    asyncio.run(serve(backend, opts, sock=sock, keys=keys, cost=cost))
 
 
 if __name__ == "__main__":

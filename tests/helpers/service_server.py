@@ -14,6 +14,10 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "tml-test-key-7f3a91c2"
+# A second tenant ("bob", two keys) for the isolation tests: `start_server(..., keys=TWO_TENANTS)`.
+KEY_B = "tml-bob-first-key-0d9e4f71"
+KEY_B2 = "tml-bob-second-key-66a2c0b8"
+TWO_TENANTS = f"# tenant by fingerprint, and tenant bob with two keys\n{KEY}\nbob {KEY_B}\nbob {KEY_B2}\n"
 BASE_MODEL = "titanscale/debug"
 # Two layers, 64 tokens: the debug model's width and vocabulary, small enough that a
 # forward_backward takes ~0.1 s on one loaded CPU core.
@@ -26,6 +30,12 @@ class Server:
     url: str
     storage: Path
     log: Path
+
+    def tenant_dir(self, key: str = KEY, name: str | None = None) -> Path:
+        """Where the tenant of `key` (or the named tenant) keeps its checkpoints."""
+        from service.tenants import fingerprint
+
+        return self.storage / "tenants" / (name or fingerprint(key))
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -44,10 +54,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(tmp: Path, *extra: str, storage: Path | None = None, sets=TINY) -> Server:
+def start_server(
+    tmp: Path, *extra: str, storage: Path | None = None, sets=TINY, keys: str | None = None
+) -> Server:
     tmp.mkdir(parents=True, exist_ok=True)
     keyfile = tmp / "keys.txt"
-    keyfile.write_text(f"# test keys\n{KEY}\n")
+    keyfile.write_text(keys or f"# test keys\n{KEY}\n")
+    keyfile.chmod(0o600)  # the service refuses a key file others can read
     port = free_port()
     storage = storage or tmp / "storage"
     log = tmp / f"server-{port}.log"

@@ -71,7 +71,7 @@ def test_sft_loop(server):
     saved = tc.save_state("sft-final").result()
     assert saved.path.endswith("/weights/sft-final")
     run_id = saved.path.split("/")[2]
-    folder = server.storage / run_id / "weights" / "sft-final"
+    folder = server.tenant_dir() / run_id / "weights" / "sft-final"
     assert (folder / "meta.json").is_file() and (folder / "adapter_model.safetensors").is_file()
 
     spath = tc.save_weights_for_sampler("sft-sampler").result().path
@@ -172,7 +172,7 @@ def test_failing_step_fails_its_future_and_service_keeps_serving(server):
     tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=1).result()
     path = tc.save_state("broken").result().path
     run_id = path.split("/")[2]
-    (server.storage / run_id / "weights" / "broken" / "adapter_model.safetensors").write_bytes(
+    (server.tenant_dir() / run_id / "weights" / "broken" / "adapter_model.safetensors").write_bytes(
         b"not a safetensors file"
     )
     with pytest.raises(tinker.RequestFailedError, match="load|safetensors|header|Error"):

@@ -67,7 +67,7 @@ def test_sigterm_drains_and_keeps_saved_state(tmp_path):
     log = a.log_text()
     assert "SIGTERM received; draining" in log and "drained: " in log
     assert not list(storage.rglob(".tmp-*"))  # no half-written checkpoint
-    run = storage / path.split("/")[2] / "weights"
+    run = a.tenant_dir() / path.split("/")[2] / "weights"
     assert (run / "before" / "meta.json").is_file()
     assert (run / "late" / "meta.json").is_file() == (late == "ok")
 

@@ -126,7 +126,7 @@ def test_store_is_atomic_and_inside_its_root(tmp_path):
     with pytest.raises(RuntimeError):
         store.save(ref, boom, {})
     assert not store.exists(ref) and not list((tmp_path / "root").rglob("half"))
-    store.save(ref, lambda f: (f / "w").write_text("1"), {"lora": {}})
+    store.save(ref, lambda f: (f / "w").write_text("1"), {"base_model": "b", "lora": {"rank": 1}})
     with pytest.raises(ServiceError) as e:  # no silent overwrite
         store.save(ref, lambda f: None, {})
     assert e.value.status == 409
@@ -231,7 +231,7 @@ def test_sessions_expire_and_free_their_models():
     reg.add_model(Model(f"{s.session_id}:train:0", s.session_id, "b", LoraSpec(rank=1)))
     assert reg.expired() == []
     time.sleep(0.1)
-    assert reg.expired() == [s.session_id]
+    assert reg.expired() == [(s.session_id, "")]
     models, _ = reg.finish(s.session_id, "expired")
     assert [m.model_id for m in models] == [f"{s.session_id}:train:0"]
     with pytest.raises(ServiceError) as e:  # a finished session answers 410
