@@ -618,8 +618,6 @@ class Service:
         if body.sampling_session_id is None:
             raise bad_request("sampling_session_id", "required (create a sampling client first)")
         s = self.registry.sampler(body.sampling_session_id, tenant)
-        if s.state == "failed":
-            raise ServiceError(422, s.error or "the sampler's weights failed to load")
         prompt = wire.prompt_tokens(body.prompt, vocab=self.info.vocab_size)
         if prompt.size == 0:
             raise bad_request("prompt", "no tokens")
