@@ -153,9 +153,10 @@ def main(argv: list[str] | None = None) -> None:
     from dataclasses import replace
 
     from service.admission import cost_model_from_recipe, default_budget_bytes
-    from service.server import serve
+    from service.server import bound_host_memory, serve
     from service.titan_backend import TitanLoraBackend
 
+    bound_host_memory()  # before the model's tensors are allocated
     backend = TitanLoraBackend.from_recipe(recipe)
     cost = cost_model_from_recipe(recipe)
     budget = (

@@ -17,7 +17,9 @@ KEY = "tml-test-key-7f3a91c2"
 # A second tenant ("bob", two keys) for the isolation tests: `start_server(..., keys=TWO_TENANTS)`.
 KEY_B = "tml-bob-first-key-0d9e4f71"
 KEY_B2 = "tml-bob-second-key-66a2c0b8"
-TWO_TENANTS = f"# tenant by fingerprint, and tenant bob with two keys\n{KEY}\nbob {KEY_B}\nbob {KEY_B2}\n"
+TWO_TENANTS = (
+    f"# tenant by fingerprint, and tenant bob with two keys\n{KEY}\nbob {KEY_B}\nbob {KEY_B2}\n"
+)
 BASE_MODEL = "titanscale/debug"
 # Two layers, 64 tokens: the debug model's width and vocabulary, small enough that a
 # forward_backward takes ~0.1 s on one loaded CPU core.
