@@ -208,7 +208,7 @@ class Service:
         expire idle sessions, forget long-finished ones."""
         self.scheduler.forget(self.futures.sweep())
         self.expire_sessions()
-        self.registry.forget_finished()
+        self.scheduler.forget_sessions(self.registry.forget_finished())
 
     def _free(
         self, tenant: str, session_id: str, models: list[Model], samplers: list[Sampler]

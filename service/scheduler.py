@@ -265,6 +265,13 @@ class Scheduler:
                 if ln is not None and f.seq_id is not None and ln.seen.get(f.seq_id) is f:
                     del ln.seen[f.seq_id]
 
+    def forget_sessions(self, session_ids: list[str]) -> None:
+        """Drop the in-memory usage of sessions the registry forgot (the accounting log
+        keeps their records)."""
+        with self._cond:
+            for sid in session_ids:
+                self.usage.pop(sid, None)
+
     def lane_sizes(self, lane: str) -> tuple[int, int] | None:
         """(retry entries, held ops) of a lane, or None."""
         with self._cond:

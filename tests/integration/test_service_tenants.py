@@ -685,11 +685,19 @@ def test_optim_step_fields_are_strict(server, attacker, body, field):
 
 def test_decoding_never_answers_500(server, attacker):
     sid = attacker["session"]
+    r = call(
+        server,
+        KEY_B,
+        "POST",
+        "/api/v1/create_sampling_session",
+        {"session_id": sid, "sampling_session_seq_id": 900, "base_model": BASE_MODEL},
+    )
+    sampler = r.json()["sampling_session_id"]
     bodies = [
         (
             "/api/v1/asample",
             {
-                "sampling_session_id": "x",
+                "sampling_session_id": sampler,
                 "prompt": {"chunks": [{"tokens": [10**30]}]},
                 "sampling_params": {},
             },
