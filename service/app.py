@@ -57,6 +57,14 @@ def future_json(fut: Future, extra: dict[str, Any] | None = None) -> dict[str, A
     return {"request_id": fut.request_id, **(extra or {})}
 
 
+def page(request: Request, default_limit: int) -> tuple[int, int]:
+    """(limit, offset) of a listing, from its query string."""
+    return (
+        query_int(request, "limit", default_limit, 1, 10_000),
+        query_int(request, "offset", 0, 0, 1 << 31),
+    )
+
+
 def query_int(request: Request, name: str, default: int, lo: int, hi: int) -> int:
     raw = request.query_params.get(name)
     if raw is None:
@@ -197,9 +205,7 @@ def create_app(service: Service, keys: KeyFile | None) -> FastAPI:
 
     @route("GET", "/api/v1/sessions")
     async def list_sessions(request: Request, tenant: str):
-        limit = query_int(request, "limit", 20, 1, 10_000)
-        offset = query_int(request, "offset", 0, 0, 1 << 31)
-        return service.sessions(tenant, limit, offset)
+        return service.sessions(tenant, *page(request, 20))
 
     @route("GET", "/api/v1/usage")
     async def tenant_usage(request: Request, tenant: str):
@@ -260,9 +266,7 @@ def create_app(service: Service, keys: KeyFile | None) -> FastAPI:
 
     @route("GET", "/api/v1/training_runs")
     async def list_training_runs(request: Request, tenant: str):
-        limit = query_int(request, "limit", 20, 1, 10_000)
-        offset = query_int(request, "offset", 0, 0, 1 << 31)
-        return await asyncio.to_thread(service.training_runs, tenant, limit, offset)
+        return await asyncio.to_thread(service.training_runs, tenant, *page(request, 20))
 
     @route("GET", "/api/v1/training_runs/{model_id}")
     async def get_training_run(request: Request, tenant: str, model_id: str):
@@ -285,9 +289,7 @@ def create_app(service: Service, keys: KeyFile | None) -> FastAPI:
 
     @route("GET", "/api/v1/checkpoints")
     async def list_user_checkpoints(request: Request, tenant: str):
-        limit = query_int(request, "limit", 100, 1, 10_000)
-        offset = query_int(request, "offset", 0, 0, 1 << 31)
-        return await asyncio.to_thread(service.user_checkpoints, tenant, limit, offset)
+        return await asyncio.to_thread(service.user_checkpoints, tenant, *page(request, 100))
 
     @route("POST", "/api/v1/weights_info")
     async def weights_info(request: Request, tenant: str):

@@ -39,6 +39,7 @@ from service.futures import Future, FutureStore, Outcome
 from service.scheduler import Op, Scheduler
 from service.sessions import Model, Registry, Sampler, Session
 from service.storage import (
+    KINDS,
     CheckpointRef,
     CheckpointStore,
     Storage,
@@ -388,36 +389,52 @@ class Service:
 
         return self._sequenced(tenant, body.model_id, body.seq_id, "optim_step", build)
 
-    def save_weights(self, tenant: str, body: wire.SaveWeightsBody) -> Future:
+    def _saver(
+        self,
+        tenant: str,
+        m: Model,
+        ref: CheckpointRef,
+        write: Callable[[Path], None],
+        answer: str,
+        *,
+        overwrite: bool,
+        ttl_seconds: int | None,
+        user_metadata: dict[str, str] | None,
+    ) -> Callable[[], Outcome]:
+        """The op that saves `ref` atomically into the tenant's storage."""
         store = self.store(tenant)
+        meta = {
+            "base_model": m.base_model,
+            "lora": m.lora.to_json(),
+            "kind": KINDS[ref.kind],
+            "user_metadata": user_metadata,
+        }
 
+        def run() -> Outcome:
+            path = store.save(ref, write, meta, overwrite=overwrite, ttl_seconds=ttl_seconds)
+            log.info("service.checkpoint saved %s tenant=%s", path, log_safe(tenant))
+            return Outcome(json={"path": path, "type": answer})
+
+        return run
+
+    def save_weights(self, tenant: str, body: wire.SaveWeightsBody) -> Future:
         def build(m: Model) -> Op:
             ref = CheckpointRef(m.model_id, "weights", check_name(body.path or "", "path"))
-            meta = {
-                "base_model": m.base_model,
-                "lora": m.lora.to_json(),
-                "kind": "training",
-                "user_metadata": body.user_metadata,
-            }
-
-            def run() -> Outcome:
-                path = store.save(
-                    ref,
-                    lambda d: self.backend.save_state(m.model_id, d),
-                    meta,
-                    overwrite=body.overwrite,
-                    ttl_seconds=body.ttl_seconds,
-                )
-                log.info("service.checkpoint saved %s tenant=%s", path, log_safe(tenant))
-                return Outcome(json={"path": path, "type": "save_weights"})
-
+            run = self._saver(
+                tenant,
+                m,
+                ref,
+                lambda d: self.backend.save_state(m.model_id, d),
+                "save_weights",
+                overwrite=body.overwrite,
+                ttl_seconds=body.ttl_seconds,
+                user_metadata=body.user_metadata,
+            )
             return Op(m.session_id, "save_state", run, m.model_id, body.seq_id, tenant=tenant)
 
         return self._sequenced(tenant, body.model_id, body.seq_id, "save_state", build)
 
     def save_for_sampler(self, tenant: str, body: wire.SaveForSamplerBody) -> Future:
-        store = self.store(tenant)
-
         def build(m: Model) -> Op:
             if body.kind != "snapshot":
                 raise bad_request(
@@ -426,23 +443,16 @@ class Service:
             run: Callable[[], Outcome]
             if body.path is not None:
                 ref = CheckpointRef(m.model_id, "sampler_weights", check_name(body.path, "path"))
-                meta = {
-                    "base_model": m.base_model,
-                    "lora": m.lora.to_json(),
-                    "kind": "sampler",
-                    "user_metadata": body.user_metadata,
-                }
-
-                def run() -> Outcome:
-                    path = store.save(
-                        ref,
-                        lambda d: self.backend.save_sampler_weights(m.model_id, d),
-                        meta,
-                        overwrite=True,
-                        ttl_seconds=body.ttl_seconds,
-                    )
-                    return Outcome(json={"path": path, "type": "save_weights_for_sampler"})
-
+                run = self._saver(
+                    tenant,
+                    m,
+                    ref,
+                    lambda d: self.backend.save_sampler_weights(m.model_id, d),
+                    "save_weights_for_sampler",
+                    overwrite=True,
+                    ttl_seconds=body.ttl_seconds,
+                    user_metadata=body.user_metadata,
+                )
             else:
                 if body.sampling_session_seq_id is None:
                     raise bad_request("path", "either path or sampling_session_seq_id is required")

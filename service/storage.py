@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from data.store import write_json_atomic
 from service.errors import ServiceError, bad_request, not_found
 
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
@@ -112,15 +113,6 @@ def check_meta(meta: Any) -> dict[str, Any]:
 
 def _read_json(path: Path) -> Any:
     return json.loads(path.read_bytes())
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class Storage:
@@ -238,14 +230,14 @@ class CheckpointStore:
         atomically."""
         meta = self.meta(ref)
         meta["expires_at"] = time.time() + ttl_seconds if ttl_seconds else None
-        _write_json_atomic(self.folder(ref) / "meta.json", meta)
+        write_json_atomic(self.folder(ref) / "meta.json", meta)
 
     # --- training runs ----------------------------------------------------------------------
 
     def write_run(self, model_id: str, info: dict[str, Any]) -> None:
         d = self.run_folder(model_id)
         d.mkdir(parents=True, exist_ok=True)
-        _write_json_atomic(d / RUN_FILE, info)
+        write_json_atomic(d / RUN_FILE, info)
 
     def run(self, model_id: str) -> dict[str, Any] | None:
         """run.json of a stored run ({} when the folder exists without a readable one);
