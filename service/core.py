@@ -107,6 +107,7 @@ class Service:
             max_per_tenant=limits.max_queued_per_tenant,
             record=accounting.write if accounting is not None else None,
             throughput=self.throughput,
+            roots=(str(storage.root),),
         )
         self.registry = Registry(session_ttl_s)
         self.draining = False

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.admission import Price, Throughput
-from service.errors import ServiceError, log_safe
+from service.errors import ServiceError, log_safe, scrub_paths
 from service.futures import Future, FutureStore, Outcome
 
 log = logging.getLogger("service")
@@ -89,6 +89,7 @@ class Scheduler:
         max_per_tenant: int = 1 << 30,
         record: Callable[[dict[str, Any]], None] | None = None,
         throughput: Throughput | None = None,
+        roots: tuple[str, ...] = (),
     ):
         self.futures = futures
         self.devices = devices
@@ -96,6 +97,7 @@ class Scheduler:
         self.max_per_tenant = max_per_tenant
         self.record = record
         self.throughput = throughput or Throughput()
+        self.roots = roots  # server folders to scrub from error messages (the storage root)
         self._cond = threading.Condition()
         self._ready: OrderedDict[str, deque[Op]] = OrderedDict()  # session -> FIFO
         self._lanes: dict[str, Lane] = {}
@@ -305,7 +307,10 @@ class Scheduler:
                 outcome = Outcome(error=e.message, category="user" if e.status < 500 else "server")
             except Exception as e:  # a failing step fails its future; the service goes on
                 log.exception("service.op failed: session=%s kind=%s", op.session_id, op.kind)
-                outcome = Outcome(error=f"{type(e).__name__}: {e}", category="server")
+                # the client gets the error's type and text, never a server path
+                outcome = Outcome(
+                    error=scrub_paths(f"{type(e).__name__}: {e}", self.roots), category="server"
+                )
             wall = time.perf_counter() - t0
             device_s = wall * self.devices
             with self._cond:
