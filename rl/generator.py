@@ -72,6 +72,14 @@ class _Cache:
     v: list[torch.Tensor] = field(default_factory=list)
 
 
+def kv_cache_bytes(
+    layers: int, kv_heads: int, head_dim: int, rows: int, slots: int, itemsize: int
+) -> int:
+    """Bytes of the generator's keys and values for `rows` sequences of `slots` positions
+    (a prefill holds one such cache for its prompts, decoding one for its sample rows)."""
+    return 2 * layers * kv_heads * head_dim * rows * slots * itemsize
+
+
 def _layers(model: Any) -> list[Any]:
     return list(model.layers.values())
 
@@ -238,15 +246,6 @@ class Generator:
                 out += self._generate_prompts(prompts, chunk, params, gen, version)
         return out
 
-    @staticmethod
-    def cache_bytes(model: torch.nn.Module, rows: int, slots: int, dtype: torch.dtype) -> int:
-        """Bytes of the keys and values of `rows` sequences of `slots` positions (the
-        decode cache; a prefill holds one more such cache for its prompts)."""
-        per_slot = sum(
-            2 * layer.attention.n_kv_heads * layer.attention.head_dim for layer in _layers(model)
-        )
-        return rows * slots * per_slot * torch.empty((), dtype=dtype).element_size()
-
     def _prefill_inputs(self, seqs: list[list[int]], total: int):
         """Left-padded tokens, per-row RoPE positions, lengths, key mask and an empty cache
         of `total` slots."""
@@ -289,6 +288,30 @@ class Generator:
                 out.append(logp[b, idx, tgt].tolist())
             return out
 
+    @torch.no_grad()
+    def prompt_scores(self, prompt: list[int], k: int = 0):
+        """Through this generator's numerics (temperature 1): log p(prompt[t] | prompt[:t])
+        for t >= 1 ([P-1] float32) and, when k > 0, the k most likely tokens and their
+        logprobs at each of those positions ([P-1, k] int32 / float32)."""
+        import numpy as np
+
+        with self._lock:
+            self._apply_pending()
+            tokens, positions, _, key_ok, cache = self._prefill_inputs([prompt], len(prompt))
+            logits = _forward_cached(
+                self.model, tokens, positions, cache, 0, key_ok, last_only=False
+            )
+        logp = F.log_softmax(logits[0, :-1].float(), dim=-1)
+        lp = logp.gather(-1, tokens[0, 1:, None]).squeeze(-1).cpu().numpy()
+        if k <= 0:
+            return lp.astype(np.float32), None, None
+        top = logp.topk(min(k, logp.shape[-1]), dim=-1)
+        return (
+            lp.astype(np.float32),
+            top.indices.cpu().numpy().astype(np.int32),
+            top.values.cpu().numpy().astype(np.float32),
+        )
+
     def _generate_prompts(
         self,
         prompts: list[list[int]],
@@ -315,9 +338,7 @@ class Generator:
                     [v.index_select(0, src) for v in cache.v],
                 )
                 lg, ln, ok = logits[src], lens[src], key_ok[src]
-            out += self._decode(
-                [chunk[j] for j in sub], c, lg, ln, ok, P, params, gen, version
-            )
+            out += self._decode([chunk[j] for j in sub], c, lg, ln, ok, P, params, gen, version)
         return out
 
     def _stop_string_at_end(self, toks: list[int], stops: tuple[str, ...]) -> bool:

@@ -2,6 +2,11 @@
 
     python -m tools.serve --recipe R [--host 127.0.0.1 --port 8000] [--api-key-file F]
                           [--storage DIR] [--session-ttl S] [--drain S] [--set k=v ...]
+                          [--base-name NAME] [--context N] [--tokenizer-id ID]
+
+The base is the recipe's model: `checkpoint.load_hf` (a Hugging Face folder, Llama 3 or
+Qwen3), `checkpoint.load_from` (DCP) or `training.seed`. Its name, context and tokenizer:
+service/served_base.py and docs/from_tinker.md.
 
 Clients: `tinker.ServiceClient(base_url="http://HOST:PORT", api_key="tml-...")`. Keys come
 from `--api-key-file` (one per line, each starting with `tml-`, as the SDK requires); without
@@ -42,6 +47,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds SIGTERM lets queued work finish before refusing the rest",
     )
     p.add_argument("--max-body-mb", type=float, default=64.0, help="request size limit")
+    p.add_argument(
+        "--base-name",
+        default=None,
+        help="base_model name clients use (default: the Hugging Face folder's org/name, "
+        "else titanscale/<job.name>)",
+    )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="tokens per sequence, prompt + sampled (default: training.seq_len; at most the "
+        "model's RoPE table and what fits the device)",
+    )
+    p.add_argument(
+        "--tokenizer-id",
+        default=None,
+        help="what get_info tells clients to load with AutoTokenizer (default: the Hugging "
+        "Face name, else the tokenizer folder's path)",
+    )
     add_override_arg(p)
     return p.parse_args(argv)
 
@@ -66,15 +90,15 @@ def main(argv: list[str] | None = None) -> None:
         limits=Limits(max_body_bytes=int(args.max_body_mb * (1 << 20))),
     )
     check_exposure(opts)  # bad input before the model is built
-    if recipe.checkpoint.load_hf:
-        # Serving a random base silently would be worse than refusing.
-        raise ConfigError(
-            "a Hugging Face base is not served yet; save it as a DCP checkpoint with a "
-            "train.py run that loads it, then pass --set checkpoint.load_hf= "
-            "--set checkpoint.load_from=<that checkpoint>",
-            file=recipe.source,
-            key="checkpoint.load_hf",
-        )
+    from service.served_base import resolve_served_base
+
+    served = resolve_served_base(
+        recipe,
+        name=args.base_name,
+        context=args.context,
+        tokenizer_id=args.tokenizer_id,
+        max_samples=opts.limits.max_samples,
+    )
     base = recipe.checkpoint.load_from
     if base:  # the base model's weights (else initialised from training.seed)
         from runtime.checkpoint import not_a_checkpoint, verify_checkpoint
@@ -101,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     from service.server import serve
     from service.titan_backend import TitanLoraBackend
 
-    backend = TitanLoraBackend.from_recipe(recipe)
+    backend = TitanLoraBackend.from_recipe(recipe, served)
     asyncio.run(serve(backend, opts))
 
 

@@ -171,7 +171,9 @@ def test_each_prompt_is_prefilled_once_for_all_its_samples(model):
         samples = gen.generate(prompts, SamplingParams(max_tokens=6, n=4, seed=4))
         wide = Generator.from_model(model, max_batch=12)
         wide.model.tok_embeddings.register_forward_hook(
-            lambda m, args, out: prefill_rows.append(args[0].shape[0]) if args[0].shape[1] > 1 else None
+            lambda m, args, out: (
+                prefill_rows.append(args[0].shape[0]) if args[0].shape[1] > 1 else None
+            )
         )
         wide.generate(prompts, SamplingParams(max_tokens=6, n=4, seed=4))
     finally:
