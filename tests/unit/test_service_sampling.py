@@ -95,6 +95,8 @@ def test_records_expire_and_are_bounded():
 
 
 def test_served_base_name_context_and_memory(tmp_path):
+    from tokenizers import Tokenizer
+
     from recipe.loader import load_recipe
     from service.served_base import hf_name, resolve_served_base, served_bytes
 
@@ -112,8 +114,8 @@ def test_served_base_name_context_and_memory(tmp_path):
     assert base.name == "titanscale/debug" and base.context == 64 and base.hf_folder is None
     # no Hugging Face name: clients are told the tokenizer folder's path
     assert base.tokenizer_id == str(Path(base.tokenizer_dir).resolve())
-    assert json.loads(open(f"{base.tokenizer_dir}/tokenizer_config.json").read())["eos_token"]
-    assert base.eos_ids  # the embedded tokenizer's <|end_of_text|>
+    tok = Tokenizer.from_file(f"{base.tokenizer_dir}/tokenizer.json")
+    assert base.eos_ids == (tok.token_to_id("<|end_of_text|>"),)  # the embedded tokenizer's
     assert resolve_served_base(r, context=4096, device_bytes=big).context == 4096
     with pytest.raises(ConfigError, match="RoPE") as e:  # llama3 debugmodel: 131072 positions
         resolve_served_base(r, context=131073, device_bytes=big)
@@ -139,3 +141,30 @@ def test_kv_cache_bytes_is_what_the_generator_allocates():
     a = next(iter(gen.model.layers.values())).attention
     assert allocated == kv_cache_bytes(len(cache.k), a.n_kv_heads, a.head_dim, 2, 10, 4)
 
+
+@pytest.mark.parametrize(
+    "extra,key,case",
+    [
+        (["--context", "200000"], "--context", "context beyond the RoPE table"),
+        (["--context", "1"], "--context", "context under 2 tokens"),
+        (["--base-name", " "], "--base-name", "blank base name"),
+        ([], "checkpoint.load_hf", "Hugging Face folder of another shape"),
+    ],
+)
+def test_tools_serve_refuses_bad_base_options_in_one_line(extra, key, case, tmp_path, capsys):
+    from core.errors import exit_on_config_error
+    from tools import serve
+    from tools.reliability_report import record_case
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 9}))
+    (hf / "model.safetensors").write_bytes(b"")
+    argv = ["--set", f"job.output_dir={tmp_path}", "--port", "65000", *extra]
+    if key == "checkpoint.load_hf":
+        argv += ["--set", f"checkpoint.load_hf={hf}"]
+    with pytest.raises(SystemExit) as e:
+        exit_on_config_error(serve.main)(argv)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error")]
+    assert e.value.code == 2 and len(err) == 1 and f" {key}: " in err[0], err
+    record_case("tools.serve", case)

@@ -93,7 +93,7 @@ def test_vendored_descriptor_is_the_installed_sdks():
 
     from service import tinker_proto
 
-    assert tinker_proto.DESCRIPTOR_BYTES == tinker_public_pb2.DESCRIPTOR.serialized_pb
+    assert tinker_public_pb2.DESCRIPTOR.serialized_pb == tinker_proto.DESCRIPTOR_BYTES
 
 
 def test_provenance_spans_and_topk_prompt_logprobs_round_trip_with_the_sdk():
