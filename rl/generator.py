@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -293,8 +294,6 @@ class Generator:
         """Through this generator's numerics (temperature 1): log p(prompt[t] | prompt[:t])
         for t >= 1 ([P-1] float32) and, when k > 0, the k most likely tokens and their
         logprobs at each of those positions ([P-1, k] int32 / float32)."""
-        import numpy as np
-
         with self._lock:
             self._apply_pending()
             tokens, positions, _, key_ok, cache = self._prefill_inputs([prompt], len(prompt))
