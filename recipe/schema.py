@@ -553,7 +553,16 @@ class RLSection:
         metadata=doc("'module:function' (task, completion) -> float replacing env's reward."),
     )
     loss: Literal[
-        "grpo", "cispo", "dppo", "ppo", "importance_sampling", "cross_entropy", "custom"
+        "grpo",
+        "cispo",
+        "dppo",
+        "ppo",
+        "importance_sampling",
+        "cross_entropy",
+        "dro",
+        "gspo",
+        "stable_reinforce",
+        "custom",
     ] = field(default="grpo", metadata=doc("Policy loss (rl/losses.py, docs/rl.md)."))
     custom_loss: str = field(
         default="",
@@ -566,7 +575,13 @@ class RLSection:
     max_new_tokens: int = field(default=8, metadata=doc("Completion length limit."))
     temperature: float = field(default=1.0, metadata=doc("Sampling temperature (> 0)."))
     top_p: float = field(default=1.0, metadata=doc("Nucleus sampling mass in (0, 1]."))
-    clip_low: float = field(default=0.2, metadata=doc("Ratio clip below 1 (ppo/grpo/cispo/dppo)."))
+    clip_low: float = field(
+        default=0.2,
+        metadata=doc(
+            "Ratio clip below 1 (ppo/grpo/cispo/dppo/gspo; stable_reinforce: tokens whose "
+            "ratio leaves [1 - clip_low, 1 + clip_high] carry no gradient)."
+        ),
+    )
     clip_high: float = field(default=0.2, metadata=doc("Ratio clip above 1."))
     kl_coef: float = field(
         default=0.0, metadata=doc("GRPO: weight of KL(pi || initial policy); 0 = no reference.")

@@ -7,6 +7,14 @@ Prompts are left-padded; padded keys are masked and RoPE positions count from ea
 first real token, so a row's logits equal the model's full forward on that row alone (checked
 in tests/unit/test_rl_generator.py to 1e-5 in float32).
 
+Each prompt is prefilled once: its keys and values are copied to its `n` sample rows
+(`torch.index_select` of the prefill cache), so a group costs one prefill, not `n`.
+Sampling draws from a `torch.Generator` of its own (seeded by `SamplingParams.seed`, else
+from the OS), never from or into torch's global RNG. Stops: token ids (`stop_tokens`, the
+caller adds EOS) and strings (`stop_strings`, matched on the decoded completion with the
+`decode` callable the generator is given); a stopped sample ends with the token that
+completed the stop, as Tinker returns them.
+
 The generator holds its own copy of the weights (optionally in bfloat16: the
 inference-numerics side of the train/inference mismatch) and a version number; the trainer
 pushes full weights or only its trainable (LoRA adapter) parameters with `update_weights`.
@@ -15,10 +23,13 @@ pushes full weights or only its trainable (LoRA adapter) parameters with `update
 from __future__ import annotations
 
 import copy
+import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -31,6 +42,8 @@ class SamplingParams:
     n: int = 1  # samples per prompt
     stop_tokens: tuple[int, ...] = ()
     seed: int | None = None
+    top_k: int = -1  # keep the k most likely tokens (-1: all)
+    stop_strings: tuple[str, ...] = ()  # needs the generator's `decode`
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -39,13 +52,17 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.max_tokens < 1 or self.n < 1:
             raise ValueError("max_tokens and n must be >= 1")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError("top_k must be -1 (off) or >= 1")
+        if any(not x for x in self.stop_strings):
+            raise ValueError("stop strings must be non-empty")
 
 
 @dataclass
 class Sample:
     prompt_index: int
-    tokens: list[int]  # completion tokens (a stop token, when hit, is the last)
-    logprobs: list[float]  # log p(token) at the sampling temperature, before top-p
+    tokens: list[int]  # completion tokens (the token completing a stop, when hit, is last)
+    logprobs: list[float]  # log p(token) at the sampling temperature, before top-k/top-p
     finish_reason: str  # "stop" | "length"
     version: int  # weight version that produced it
 
@@ -54,6 +71,14 @@ class Sample:
 class _Cache:
     k: list[torch.Tensor] = field(default_factory=list)
     v: list[torch.Tensor] = field(default_factory=list)
+
+
+def kv_cache_bytes(
+    layers: int, kv_heads: int, head_dim: int, rows: int, slots: int, itemsize: int
+) -> int:
+    """Bytes of the generator's keys and values for `rows` sequences of `slots` positions
+    (a prefill holds one such cache for its prompts, decoding one for its sample rows)."""
+    return 2 * layers * kv_heads * head_dim * rows * slots * itemsize
 
 
 def _layers(model: Any) -> list[Any]:
@@ -111,9 +136,14 @@ def _forward_cached(
 
 
 def _sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator):
-    """-> (token, logprob under the tempered distribution) per row."""
+    """-> (token, logprob under the tempered distribution) per row. top-k first, then
+    top-p on what top-k kept (renormalised), as vLLM does."""
     logp = F.log_softmax(logits.float() / p.temperature, dim=-1)
     probs = logp.exp()
+    if 0 < p.top_k < probs.shape[-1]:
+        kth = probs.topk(p.top_k, dim=-1).values[:, -1:]
+        probs = probs.masked_fill(probs < kth, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
     if p.top_p < 1.0:
         sorted_p, idx = probs.sort(dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (always the top token)
@@ -134,6 +164,7 @@ class Generator:
         dtype: torch.dtype = torch.float32,
         pad_id: int = 0,
         max_batch: int = 256,
+        decode: Callable[[list[int]], str] | None = None,
     ) -> None:
         _check_supported(model)
         # Parameters only: `model.to(dtype)` would also cast RoPE's complex cache to real.
@@ -143,6 +174,7 @@ class Generator:
         self.dtype = dtype
         self.pad_id = pad_id
         self.max_batch = max_batch
+        self.decode = decode  # token ids -> text: what stop strings are matched on
         self.version = 0
         self._lock = threading.Lock()
         self._pending: tuple[dict[str, torch.Tensor], int] | None = None
@@ -195,18 +227,24 @@ class Generator:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
-        """n samples for each prompt, in prompt order; batched up to max_batch rows."""
-        rows = [(i, p) for i, p in enumerate(prompts) for _ in range(params.n)]
-        if any(not p for _, p in rows):
+        """n samples for each prompt, in prompt order. Prompts are prefilled together (as
+        many as fill max_batch sample rows, at least one) and their samples decoded in
+        batches of up to max_batch rows."""
+        if any(not p for p in prompts):
             raise ValueError("empty prompt")
+        if params.stop_strings and self.decode is None:
+            raise ValueError("stop strings need the generator's decode function")
         gen = torch.Generator(device=self.device)
-        gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+        # No seed: one from the OS, not torch.seed() (that would reseed the global RNG).
+        gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+        per_chunk = max(1, self.max_batch // params.n)
         out: list[Sample] = []
         with self._lock:
             self._apply_pending()
             version = self.version
-            for s in range(0, len(rows), self.max_batch):
-                out += self._generate_batch(rows[s : s + self.max_batch], params, gen, version)
+            for s in range(0, len(prompts), per_chunk):
+                chunk = list(range(s, min(len(prompts), s + per_chunk)))
+                out += self._generate_prompts(prompts, chunk, params, gen, version)
         return out
 
     def _prefill_inputs(self, seqs: list[list[int]], total: int):
@@ -251,23 +289,102 @@ class Generator:
                 out.append(logp[b, idx, tgt].tolist())
             return out
 
-    def _generate_batch(self, rows, params: SamplingParams, gen, version: int) -> list[Sample]:
-        dev, B = self.device, len(rows)
-        P = max(len(p) for _, p in rows)
-        tokens, positions, lens, key_ok, cache = self._prefill_inputs(
-            [p for _, p in rows], P + params.max_tokens
+    @torch.no_grad()
+    def prompt_scores(self, prompt: list[int], k: int = 0):
+        """Through this generator's numerics (temperature 1): log p(prompt[t] | prompt[:t])
+        for t >= 1 ([P-1] float32) and, when k > 0, the k most likely tokens and their
+        logprobs at each of those positions ([P-1, k] int32 / float32)."""
+        with self._lock:
+            self._apply_pending()
+            tokens, positions, _, key_ok, cache = self._prefill_inputs([prompt], len(prompt))
+            logits = _forward_cached(
+                self.model, tokens, positions, cache, 0, key_ok, last_only=False
+            )
+        logp = F.log_softmax(logits[0, :-1].float(), dim=-1)
+        lp = logp.gather(-1, tokens[0, 1:, None]).squeeze(-1).cpu().numpy()
+        if k <= 0:
+            return lp.astype(np.float32), None, None
+        top = logp.topk(min(k, logp.shape[-1]), dim=-1)
+        return (
+            lp.astype(np.float32),
+            top.indices.cpu().numpy().astype(np.int32),
+            top.values.cpu().numpy().astype(np.float32),
         )
+
+    def _generate_prompts(
+        self,
+        prompts: list[list[int]],
+        chunk: list[int],
+        params: SamplingParams,
+        gen: torch.Generator,
+        version: int,
+    ) -> list[Sample]:
+        """Prefill `chunk`'s prompts once, then decode their n samples each."""
+        seqs = [prompts[i] for i in chunk]
+        P = max(len(p) for p in seqs)
+        tokens, positions, lens, key_ok, cache = self._prefill_inputs(seqs, P + params.max_tokens)
         logits = _forward_cached(self.model, tokens, positions, cache, 0, key_ok)
+        rows = [j for j in range(len(seqs)) for _ in range(params.n)]
+        out: list[Sample] = []
+        for s in range(0, len(rows), self.max_batch):
+            sub = rows[s : s + self.max_batch]
+            if sub == list(range(len(seqs))):  # n = 1, one batch: the prefill cache itself
+                c, lg, ln, ok = cache, logits, lens, key_ok
+            else:  # each sample row starts from a copy of its prompt's keys and values
+                src = torch.tensor(sub, device=self.device)
+                c = _Cache(
+                    [k.index_select(0, src) for k in cache.k],
+                    [v.index_select(0, src) for v in cache.v],
+                )
+                lg, ln, ok = logits[src], lens[src], key_ok[src]
+            out += self._decode([chunk[j] for j in sub], c, lg, ln, ok, P, params, gen, version)
+        return out
+
+    def _stop_string_at_end(self, toks: list[int], stops: tuple[str, ...]) -> bool:
+        """Whether a stop string occurs in the decoded tail of `toks`. Every token decodes
+        to at least one byte and a character is at most 4 bytes, so 4 * len + 2 tokens
+        cover the longest stop string; the caller checks after every token, so a match is
+        new (it ends in the latest token)."""
+        assert self.decode is not None
+        need = 4 * max(len(x) for x in stops) + 2
+        text = self.decode(toks[-need:])
+        return any(x in text for x in stops)
+
+    def _decode(
+        self,
+        prompt_index: list[int],
+        cache: _Cache,
+        logits: torch.Tensor,
+        lens: torch.Tensor,
+        key_ok: torch.Tensor,
+        P: int,
+        params: SamplingParams,
+        gen: torch.Generator,
+        version: int,
+    ) -> list[Sample]:
+        dev, B = self.device, len(prompt_index)
         stop = torch.tensor(list(params.stop_tokens), device=dev, dtype=torch.long)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
-        toks, lps, stopped = [], [], torch.zeros(B, dtype=torch.bool, device=dev)
+        ends: list[int | None] = [None] * B  # tokens kept when the row stopped
+        hist: list[list[int]] = [[] for _ in range(B)]
+        toks, lps = [], []
         for t in range(params.max_tokens):
             tok, lp = _sample(logits, params, gen)
             toks.append(tok)
             lps.append(lp)
             hit = torch.isin(tok, stop) & ~done
-            stopped |= hit
-            done |= hit
+            if params.stop_strings:
+                tl, dl = tok.tolist(), done.tolist()
+                for b in range(B):
+                    if dl[b]:
+                        continue
+                    hist[b].append(tl[b])
+                    if self._stop_string_at_end(hist[b], params.stop_strings):
+                        hit[b] = True
+            if bool(hit.any()):
+                for b in hit.nonzero().flatten().tolist():
+                    ends[b] = t + 1
+                done |= hit
             if bool(done.all()) or t == params.max_tokens - 1:
                 break
             logits = _forward_cached(
@@ -276,12 +393,10 @@ class Generator:
         tok_m = torch.stack(toks, 1).tolist()
         lp_m = torch.stack(lps, 1).float().tolist()
         out = []
-        for b, (i, _) in enumerate(rows):
-            seq, lp = tok_m[b], lp_m[b]
-            if stopped[b]:
-                n = next(j for j, x in enumerate(seq) if x in params.stop_tokens) + 1
-                seq, lp = seq[:n], lp[:n]
-            out.append(Sample(i, seq, lp, "stop" if stopped[b] else "length", version))
+        for b, i in enumerate(prompt_index):
+            n = ends[b]
+            seq, lp = (tok_m[b], lp_m[b]) if n is None else (tok_m[b][:n], lp_m[b][:n])
+            out.append(Sample(i, seq, lp, "length" if n is None else "stop", version))
         return out
 
 

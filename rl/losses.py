@@ -15,6 +15,16 @@ The losses (formulas in docs/rl.md; each has a numpy reference in tests/unit/tes
 - dppo: decoupled PPO (Hilton et al. 2021): the PPO surrogate against the proximal policy
   (the trainer's weights before this update) times the behaviour weight pi_prox / mu of the
   policy that sampled (an older version, in asynchronous RL), which corrects the lag.
+- dro: direct reward optimisation (Richemond et al. 2024), Tinker's `dro`:
+  -(A log pi - beta/2 (log pi - log mu)^2).
+- gspo: GSPO-token (Zheng et al. 2025), Tinker's `gspo`: every token carries the sequence's
+  ratio s = exp(mean over `ratio_mask` of log pi/mu) (value stopped, its own gradient) in
+  the PPO surrogate.
+- stable_reinforce: REINFORCE with masked importance weights, -sg(m r) A log pi with
+  r = pi / mu and m = 1 inside [1 - clip_low, 1 + clip_high], 0 outside: tokens whose
+  sampler and learner disagree too much (stale or low-precision samples) carry no gradient.
+  Tinker's `stable_reinforce` (alpha) does not publish its objective; this is ours
+  (docs/from_tinker.md says what differs).
 
 `mu` is the generator (behaviour) policy: `sampling_logprobs`. `pi_old` is `old_logprobs`,
 the trainer's own recomputation under the weights that produced the sample (equal to mu when
@@ -43,6 +53,7 @@ class LossBatch:
     sampling_logprobs: torch.Tensor | None = None  # mu: the generator's, at sampling time
     old_logprobs: torch.Tensor | None = None  # pi_old: the trainer's, same weights as mu
     ref_logprobs: torch.Tensor | None = None  # pi_ref: the reference policy (KL)
+    ratio_mask: torch.Tensor | None = None  # gspo: tokens of the sequence ratio (else mask)
 
     def token_advantages(self) -> torch.Tensor:
         if self.advantages is None:
@@ -66,6 +77,7 @@ class LossConfig:
     clip_high: float = 0.2
     kl_coef: float = 0.0
     tis_cap: float = 0.0  # 0 = no truncated importance weights
+    beta: float = 0.05  # dro: weight of the quadratic penalty (Tinker's docs' example value)
     aggregation: Aggregation = "token_mean"
 
 
@@ -172,6 +184,36 @@ def dppo_loss(
     return aggregate(behav.detach() * surr, batch.mask, cfg.aggregation)
 
 
+def dro_loss(
+    logprobs: torch.Tensor, batch: LossBatch, cfg: LossConfig = LossConfig()
+) -> torch.Tensor:
+    d = logprobs - batch.behaviour()
+    per_token = -(logprobs * batch.token_advantages() - 0.5 * cfg.beta * d * d)
+    return _finish(per_token, batch, cfg)
+
+
+def gspo_loss(
+    logprobs: torch.Tensor, batch: LossBatch, cfg: LossConfig = LossConfig()
+) -> torch.Tensor:
+    rmask = (batch.ratio_mask if batch.ratio_mask is not None else batch.mask) != 0
+    lr = (logprobs.detach() - batch.behaviour()) * rmask
+    # each row's mean log-ratio over its ratio tokens (a row with none: ratio 1)
+    seq = lr.sum(-1, keepdim=True) / rmask.sum(-1, keepdim=True).clamp(min=1)
+    ratio = torch.exp(seq + logprobs - logprobs.detach())
+    clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+    adv = batch.token_advantages()
+    return _finish(-torch.minimum(ratio * adv, clipped * adv), batch, cfg)
+
+
+def stable_reinforce_loss(
+    logprobs: torch.Tensor, batch: LossBatch, cfg: LossConfig = LossConfig()
+) -> torch.Tensor:
+    r = torch.exp(logprobs.detach() - batch.behaviour())
+    keep = (r >= 1 - cfg.clip_low) & (r <= 1 + cfg.clip_high)
+    w = torch.where(keep, r, torch.zeros_like(r))
+    return _finish(-w * batch.token_advantages() * logprobs, batch, cfg)
+
+
 LossFn = Callable[[torch.Tensor, LossBatch], torch.Tensor]
 
 BUILTIN_LOSSES: dict[str, Callable[[torch.Tensor, LossBatch, LossConfig], torch.Tensor]] = {
@@ -181,6 +223,9 @@ BUILTIN_LOSSES: dict[str, Callable[[torch.Tensor, LossBatch, LossConfig], torch.
     "grpo": grpo_loss,
     "cispo": cispo_loss,
     "dppo": dppo_loss,
+    "dro": dro_loss,
+    "gspo": gspo_loss,
+    "stable_reinforce": stable_reinforce_loss,
 }
 
 

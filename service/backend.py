@@ -86,6 +86,10 @@ class Backend(Protocol):
         params: SamplingParams,
         *,
         prompt_logprobs: bool,
+        topk_prompt_logprobs: int = 0,
+        prompt_logprobs_last_n: int | None = None,
     ) -> SampleResult:
-        """Sample from the adapter behind `handle` (None: the base model alone)."""
+        """Sample from the adapter behind `handle` (None: the base model alone). Prompt
+        logprobs (and the top-k ones when k > 0) score the last `prompt_logprobs_last_n`
+        prompt tokens (None: all but the first)."""
         ...

@@ -17,13 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from service import proto, wire
+from service import proto, sampling, wire
 from service.accounting import AccountingLog, read_records, summarize
 from service.admission import (
     CostModel,
@@ -48,7 +49,7 @@ from service.storage import (
     checkpoint_ref,
     parse_tinker_path,
 )
-from service.types import LoraSpec, SamplingParams
+from service.types import LoraSpec
 
 log = logging.getLogger("service")
 INTERNAL_OPS = ("free", "load_sampler")  # ops the service queues itself: no client polls them
@@ -110,6 +111,7 @@ class Service:
             roots=(str(storage.root),),
         )
         self.registry = Registry(session_ttl_s)
+        self.records = sampling.StabilityRecords()  # what stable_reinforce trains on
         self.draining = False
         self.last_request = time.monotonic()  # set by the app on every request
         self._roots = (str(storage.root),)
@@ -192,6 +194,7 @@ class Service:
     def finish_session(self, tenant: str, session_id: str, reason: str) -> None:
         models, samplers = self.registry.finish(session_id, reason, tenant)
         self._free(tenant, session_id, models, samplers)
+        self.records.drop_session(session_id)
         u = self.scheduler.session_usage(session_id)
         log.info(
             "service.session finished %s tenant=%s reason=%s device_s=%.3f",
@@ -347,6 +350,18 @@ class Service:
                 max_data=self.limits.max_data,
             )
             wire.check_loss_config(req.loss_fn, req.loss_fn_config)
+            if req.loss_fn == "stable_reinforce":  # the sampler's logprobs, from its records
+                for i, d in enumerate(data):
+                    q, sampled = sampling.recorded_logprobs(
+                        self.records, m.session_id, req.spans[i], d.inputs["target_tokens"],
+                        where=f"data[{i}]",
+                    )  # fmt: skip
+                    d.inputs["logprobs"] = q
+                    d.inputs["advantages"] = d.inputs["advantages"] * sampled
+            if req.loss_fn == "gspo":  # the sequence ratio's default tokens: the trained ones
+                for d in data:
+                    if "sequence_ratio_mask" not in d.inputs:
+                        d.inputs["sequence_ratio_mask"] = (d.inputs["advantages"] != 0).astype("f4")
             price = self._admit_forward_backward([d.tokens.size for d in data], forward_only)
             cfg = dict(req.loss_fn_config)
 
@@ -629,60 +644,46 @@ class Service:
         if body.sampling_session_id is None:
             raise bad_request("sampling_session_id", "required (create a sampling client first)")
         s = self.registry.sampler(body.sampling_session_id, tenant)
-        prompt = wire.prompt_tokens(body.prompt, vocab=self.info.vocab_size)
-        if prompt.size == 0:
-            raise bad_request("prompt", "no tokens")
-        if body.num_samples > self.limits.max_samples:
-            raise bad_request(
-                "num_samples", f"{body.num_samples} exceeds {self.limits.max_samples}"
-            )
-        for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
-            if getattr(body, name):
-                raise bad_request(name, "not served by this service")
-        if body.target_prompt_logprobs is not None:
-            raise bad_request("target_prompt_logprobs", "not served by this service")
-        sp = body.sampling_params
-        if sp.top_k > 0:
-            raise bad_request("sampling_params.top_k", "top-k sampling is not served (use top_p)")
-        max_tokens = sp.max_tokens or 16
-        if prompt.size + max_tokens > self.info.max_context:
-            raise bad_request(
-                "sampling_params.max_tokens",
-                f"prompt {prompt.size} + max_tokens {max_tokens} exceed {self.info.max_context}",
-            )
-        stop: tuple[int, ...] | None = None
-        if isinstance(sp.stop, str) or (
-            isinstance(sp.stop, list) and sp.stop and isinstance(sp.stop[0], str)
-        ):
-            raise bad_request(
-                "sampling_params.stop", "stop strings need a tokenizer; pass token ids"
-            )
-        if isinstance(sp.stop, list):
-            stop = tuple(int(t) for t in sp.stop)
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=sp.temperature,
-            top_k=sp.top_k,
-            top_p=sp.top_p,
-            seed=sp.seed,
-            stop_tokens=stop,
+        req = sampling.sample_request(
+            body,
+            vocab=self.info.vocab_size,
+            max_context=self.info.max_context,
+            max_samples=self.limits.max_samples,
         )
-        want_prompt_lp = bool(body.prompt_logprobs)
-        price = self._admit_sample(int(prompt.size), max_tokens, body.num_samples, want_prompt_lp)
-        tokens = prompt.tolist()
+        price = self._admit_sample(
+            int(req.prompt.size),
+            req.params.max_tokens,
+            body.num_samples,
+            req.prompt_logprobs or req.topk_prompt_logprobs > 0,
+        )
+        tokens = req.prompt.tolist()
+        # Ids known before the op runs (the stability records use them); random, so another
+        # session cannot name them, and records are looked up within the session anyway.
+        prefix = secrets.token_hex(8)
+        ids = [f"{s.sampler_id}:{prefix}:{i}" for i in range(body.num_samples)]
 
         def run() -> Outcome:
             if s.state != "ready" or (s.model_path is not None and s.handle is None):
                 # Never the base model in place of weights that did not load.
                 raise ServiceError(422, s.error or "the sampler's weights are not loaded")
             r = self.backend.sample(
-                s.handle, tokens, body.num_samples, params, prompt_logprobs=want_prompt_lp
+                s.handle,
+                tokens,
+                body.num_samples,
+                req.params,
+                prompt_logprobs=req.prompt_logprobs,
+                topk_prompt_logprobs=req.topk_prompt_logprobs,
+                prompt_logprobs_last_n=req.prompt_logprobs_last_n,
             )
             seqs = [(q.tokens, q.logprobs, q.stop_reason) for q in r.sequences]
-            return Outcome(proto=proto.encode_sample_response(seqs, r.prompt_logprobs))
+            if req.record:
+                for sid, q in zip(ids, r.sequences, strict=True):
+                    self.records.add(s.session_id, sid, req.prompt, q.tokens, q.logprobs)
+            return Outcome(
+                proto=proto.encode_sample_response(seqs, r.prompt_logprobs, r.topk_prompt)
+            )
 
         fut = self.scheduler.submit(Op(s.session_id, "sample", run, tenant=tenant, price=price))
-        ids = [f"{fut.request_id}:{i}" for i in range(body.num_samples)]
         return fut, ids
 
     def _admit_sample(

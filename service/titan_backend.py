@@ -44,8 +44,10 @@ from rl.generator import Generator
 from rl.generator import SamplingParams as GenParams
 from rl.losses import BUILTIN_LOSSES, LossBatch, LossConfig
 from rl.policy import forward_logits
+from service import proto
 from service.backend import BaseModelInfo
 from service.errors import ServiceError, bad_request
+from service.served_base import ServedBase, load_hf_weights
 from service.types import (
     AdamParams,
     Datum,
@@ -92,9 +94,11 @@ class _Snapshot:
     params: dict[str, torch.Tensor]
 
 
-def build_lora_model(recipe, device: torch.device) -> tuple[nn.Module, BaseModelInfo]:
+def build_lora_model(
+    recipe, device: torch.device, served: ServedBase | None = None
+) -> tuple[nn.Module, BaseModelInfo]:
     """The recipe's model with every Linear LoRA-converted (placeholder rank 1), initialised
-    from training.seed, on `device`."""
+    from training.seed (or a Hugging Face base's weights), on `device`."""
     from torchtitan.components.lora import LoRAConverter
 
     from kernels.registry import apply_kernels
@@ -122,12 +126,15 @@ def build_lora_model(recipe, device: torch.device) -> tuple[nn.Module, BaseModel
         from posttrain.adapters import load_base
 
         load_base(model, recipe.checkpoint.load_from, file=recipe.source)
+    if served is not None and served.hf_folder:
+        load_hf_weights(model, served.hf_folder, spec, file=recipe.source)
     vocab = model.tok_embeddings.weight.shape[0]
     info = BaseModelInfo(
-        name=f"titanscale/{recipe.job.name}",
-        max_context=recipe.training.seq_len,
+        name=served.name if served else f"titanscale/{recipe.job.name}",
+        max_context=served.context if served else recipe.training.seq_len,
         vocab_size=int(vocab),
         arch=f"{recipe.model.family}-{recipe.model.flavor}",
+        tokenizer_id=served.tokenizer_id if served else None,
     )
     return model, info
 
@@ -135,7 +142,16 @@ def build_lora_model(recipe, device: torch.device) -> tuple[nn.Module, BaseModel
 class TitanLoraBackend:
     max_lora_rank = 128
 
-    def __init__(self, model: nn.Module, info: BaseModelInfo, *, alpha: float, devices: int = 1):
+    def __init__(
+        self,
+        model: nn.Module,
+        info: BaseModelInfo,
+        *,
+        alpha: float,
+        devices: int = 1,
+        tokenizer_dir: str | None = None,
+        eos_ids: tuple[int, ...] = (),
+    ):
         self.model = model
         self.info = info
         self.alpha = alpha
@@ -148,9 +164,15 @@ class TitanLoraBackend:
         self._samplers: dict[str, _Snapshot] = {}
         self._ids = itertools.count()
         self._generator: Generator | None = None
+        self.eos_ids = eos_ids  # what stop=None stops at
+        self._tokenizer = None
+        if tokenizer_dir:  # server-side decoding of stop strings
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
 
     @classmethod
-    def from_recipe(cls, recipe) -> TitanLoraBackend:
+    def from_recipe(cls, recipe, served: ServedBase | None = None) -> TitanLoraBackend:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if device.type == "cpu":
             # torchtitan builds attention masks with a torch.compile'd create_block_mask, which
@@ -159,8 +181,11 @@ class TitanLoraBackend:
             # torch.compile reads this when torchtitan's attention module is imported, which
             # build_lora_model does next (the first torchtitan import of `tools.serve`).
             os.environ["TORCHDYNAMO_DISABLE"] = "1"
-        model, info = build_lora_model(recipe, device)
-        return cls(model, info, alpha=recipe.lora.alpha)
+        model, info = build_lora_model(recipe, device, served)
+        if served is None:
+            return cls(model, info, alpha=recipe.lora.alpha)
+        return cls(model, info, alpha=recipe.lora.alpha, tokenizer_dir=served.tokenizer_dir,
+                   eos_ids=served.eos_ids)  # fmt: skip
 
     def base_model(self) -> BaseModelInfo:
         return self.info
@@ -255,7 +280,10 @@ class TitanLoraBackend:
                 batch = LossBatch(mask=extra.get("weights", valid) * valid)
             else:
                 batch = LossBatch(
-                    mask=valid, advantages=extra["advantages"], sampling_logprobs=extra["logprobs"]
+                    mask=valid,
+                    advantages=extra["advantages"],
+                    sampling_logprobs=extra["logprobs"],
+                    ratio_mask=extra.get("sequence_ratio_mask"),
                 )
             loss = BUILTIN_LOSSES[loss_fn](logp, batch, cfg)
             if not forward_only:
@@ -346,7 +374,9 @@ class TitanLoraBackend:
 
     def _gen(self) -> Generator:
         if self._generator is None:
-            self._generator = Generator.from_model(self.model)
+            tok = self._tokenizer
+            decode = None if tok is None else lambda ids: tok.decode(ids, skip_special_tokens=False)
+            self._generator = Generator.from_model(self.model, decode=decode)
         return self._generator
 
     def sample(
@@ -357,9 +387,11 @@ class TitanLoraBackend:
         params: SamplingParams,
         *,
         prompt_logprobs: bool,
+        topk_prompt_logprobs: int = 0,
+        prompt_logprobs_last_n: int | None = None,
     ) -> SampleResult:
-        if params.top_k > 0:
-            raise bad_request("sampling_params.top_k", "top-k sampling is not served (use top_p)")
+        if params.stop_strings and self._tokenizer is None:
+            raise bad_request("sampling_params.stop", "stop strings need the served tokenizer")
         gen = self._gen()
         if handle is None:  # the base model: rank-0 everywhere
             none = LoraSpec(rank=1, train_mlp=False, train_attn=False, train_unembed=False)
@@ -376,8 +408,10 @@ class TitanLoraBackend:
             # temperature 0 means greedy in the SDK; the generator needs > 0: near-greedy.
             temperature=max(params.temperature, 1e-6),
             top_p=params.top_p,
+            top_k=params.top_k,
             n=num_samples,
-            stop_tokens=params.stop_tokens or (),
+            stop_tokens=(*(params.stop_tokens or ()), *(self.eos_ids if params.stop_eos else ())),
+            stop_strings=params.stop_strings,
             seed=params.seed,
         )
         samples = gen.generate([prompt], gp)
@@ -389,20 +423,34 @@ class TitanLoraBackend:
             )
             for s in samples
         ]
-        plp = None
-        if prompt_logprobs:
-            toks = torch.tensor([prompt], dtype=torch.long, device=self.device)
-            with torch.no_grad():
-                lg = forward_logits(gen.model, toks).float()
-                lp = F.log_softmax(lg[0, :-1], -1).gather(-1, toks[0, 1:, None]).squeeze(-1)
-            plp = np.concatenate([[np.nan], lp.cpu().numpy()]).astype(np.float32)
-        return SampleResult(seqs, plp)
+        if not (prompt_logprobs or topk_prompt_logprobs):
+            return SampleResult(seqs)
+        lp, top_ids, top_lp = gen.prompt_scores(prompt, topk_prompt_logprobs)
+        skip = 1 + (len(prompt) - 1 - prompt_logprobs_last_n if prompt_logprobs_last_n else 0)
+        plp = np.concatenate([[np.nan], lp]).astype(np.float32)
+        plp[:skip] = np.nan  # positions not scored
+        topk = None
+        if topk_prompt_logprobs:
+            ids = np.zeros((len(prompt), topk_prompt_logprobs), np.int32)
+            lps = np.full((len(prompt), topk_prompt_logprobs), proto.TOPK_EMPTY_LOGPROB, np.float32)
+            ids[1:], lps[1:] = top_ids, top_lp
+            ids[:skip], lps[:skip] = 0, proto.TOPK_EMPTY_LOGPROB
+            topk = (ids, lps)
+        return SampleResult(seqs, plp if prompt_logprobs else None, topk)
+
+
+# Ratio thresholds when a request gives none: Tinker's 0.8 / 1.2 for ppo/cispo/gspo; the
+# band outside which stable_reinforce drops a token's gradient is ours (wider: it masks, it
+# does not clip).
+_DEFAULT_THRESHOLDS = {"stable_reinforce": (0.5, 2.0)}
 
 
 def _loss_config(loss_fn: str, cfg: dict[str, float | str]) -> LossConfig:
-    """Tinker's loss_fn_config (ratio thresholds, e.g. clip_low_threshold=0.8; checked by
-    service.wire.check_loss_config) as the RL layer's LossConfig (epsilons), summed over
-    tokens as Tinker's losses are."""
-    low = float(cfg.get("clip_low_threshold", 0.8))
-    high = float(cfg.get("clip_high_threshold", 1.2))
-    return LossConfig(clip_low=1.0 - low, clip_high=high - 1.0, aggregation="sum")
+    """Tinker's loss_fn_config (ratio thresholds, e.g. clip_low_threshold=0.8; dro's beta;
+    checked by service.wire.check_loss_config) as the RL layer's LossConfig (epsilons),
+    summed over tokens as Tinker's losses are."""
+    lo, hi = _DEFAULT_THRESHOLDS.get(loss_fn, (0.8, 1.2))
+    low = float(cfg.get("clip_low_threshold", lo))
+    high = float(cfg.get("clip_high_threshold", hi))
+    beta = float(cfg.get("beta", LossConfig.beta))
+    return LossConfig(clip_low=1.0 - low, clip_high=high - 1.0, beta=beta, aggregation="sum")

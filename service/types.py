@@ -12,16 +12,34 @@ from typing import Literal
 import numpy as np
 
 # The losses a backend implements, named as the SDK names them (tinker.types.LossFnType).
-LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "custom")
+LOSSES = (
+    "cross_entropy",
+    "importance_sampling",
+    "ppo",
+    "cispo",
+    "dro",
+    "gspo",
+    "stable_reinforce",
+    "custom",
+)
 # loss_fn_inputs each loss reads, besides target_tokens (all per-token, float32).
 LOSS_INPUTS: dict[str, tuple[str, ...]] = {
     "cross_entropy": ("weights",),
     "importance_sampling": ("logprobs", "advantages"),
     "ppo": ("logprobs", "advantages"),
     "cispo": ("logprobs", "advantages"),
+    "dro": ("logprobs", "advantages"),
+    "gspo": ("logprobs", "advantages", "sequence_ratio_mask"),
+    # the sampler's logprobs come from the server's record (provenance spans); a client's
+    # `logprobs` is accepted and not used
+    "stable_reinforce": ("advantages", "logprobs"),
     "custom": (),
 }
-OPTIONAL_INPUTS: dict[str, tuple[str, ...]] = {"cross_entropy": ("weights",)}
+OPTIONAL_INPUTS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": ("weights",),
+    "gspo": ("sequence_ratio_mask",),  # default: the tokens with a nonzero advantage
+    "stable_reinforce": ("logprobs",),
+}
 
 
 @dataclass(frozen=True)
@@ -80,6 +98,9 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_tokens: tuple[int, ...] | None = None  # None: stop at the tokenizer's EOS if any
+    # (Tinker's `stop`: None = EOS; [] = nothing, not even EOS; a list = it and EOS)
+    stop_strings: tuple[str, ...] = ()  # matched on the decoded completion (server tokenizer)
+    stop_eos: bool = True  # False only for stop=[]
 
 
 @dataclass
@@ -93,3 +114,6 @@ class SampledSeq:
 class SampleResult:
     sequences: list[SampledSeq]
     prompt_logprobs: np.ndarray | None = None  # float32 [P], NaN at position 0
+    # top-k prompt logprobs: (token ids int32 [P, k], logprobs float32 [P, k]); row 0 (and
+    # rows not scored) hold token 0 / -99999.0, the SDK's empty cell
+    topk_prompt: tuple[np.ndarray, np.ndarray] | None = None

@@ -165,7 +165,8 @@ class SampleBody(_Body):
     topk_sample_logprobs: int = Field(default=0, ge=0, lt=2**31)
     target_prompt_logprobs: dict[str, Any] | None = None
     prompt_alt_tokens_k: int = Field(default=0, ge=0, lt=2**31)
-    prompt_logprobs_last_n: int | None = Field(default=None, ge=0, lt=2**31)
+    prompt_logprobs_last_n: int | None = Field(default=None, ge=1, lt=2**31)
+    record_stability_info: bool | None = None
 
 
 class RetrieveFutureBody(_Body):
@@ -327,18 +328,25 @@ def fwdbwd_data(
     return out
 
 
+# The loss_fn_config keys each loss takes. Ratio thresholds are Tinker's (clip_low_threshold
+# <= 1 <= clip_high_threshold); dro's beta weighs its quadratic penalty.
+RATIO_LOSSES = ("ppo", "cispo", "gspo", "stable_reinforce")
+LOSS_SETTINGS: dict[str, set[str]] = {
+    **{k: {"clip_low_threshold", "clip_high_threshold"} for k in RATIO_LOSSES},
+    "dro": {"beta"},
+}
+
+
 def check_loss_config(loss_fn: str, cfg: dict[str, float | str]) -> None:
-    """ppo / cispo take clip_low_threshold <= 1 <= clip_high_threshold (ratio bounds, as in
-    Tinker); the other losses take no settings."""
-    allowed = (
-        {"clip_low_threshold", "clip_high_threshold"} if loss_fn in ("ppo", "cispo") else set()
-    )
+    """Each key a setting of `loss_fn` (LOSS_SETTINGS), each value a positive number, and
+    clip_low_threshold <= 1 <= clip_high_threshold where given."""
+    allowed = LOSS_SETTINGS.get(loss_fn, set())
     for k, v in cfg.items():
         if k not in allowed:
             raise bad_request(f"loss_fn_config.{k}", f"not a setting of loss {loss_fn!r}")
         if not isinstance(v, float) or not math.isfinite(v) or v <= 0:
             raise bad_request(f"loss_fn_config.{k}", f"expected a positive number, got {v!r}")
-    low = float(cfg.get("clip_low_threshold", 0.8))
-    high = float(cfg.get("clip_high_threshold", 1.2))
+    low = float(cfg.get("clip_low_threshold", 1.0))
+    high = float(cfg.get("clip_high_threshold", 1.0))
     if not low <= 1.0 <= high:
         raise bad_request("loss_fn_config", "need clip_low_threshold <= 1 <= clip_high_threshold")

@@ -3,7 +3,12 @@
     python -m tools.serve --recipe R [--host 127.0.0.1 --port 8000] [--api-key-file F]
                           [--storage DIR] [--session-ttl S] [--drain S] [--max-body-mb M]
                           [--max-request-gib G] [--max-queued-per-session N]
-                          [--max-queued-per-tenant N] [--set k=v ...]
+                          [--max-queued-per-tenant N] [--base-name NAME] [--context N]
+                          [--tokenizer-id ID] [--set k=v ...]
+
+The base is the recipe's model: `checkpoint.load_hf` (a Hugging Face folder, Llama 3 or
+Qwen3), `checkpoint.load_from` (DCP) or `training.seed`. Its name, context and tokenizer:
+service/served_base.py and docs/from_tinker.md.
 
 Clients: `tinker.ServiceClient(base_url="http://HOST:PORT", api_key="tml-...")`. Keys come
 from `--api-key-file` (one `KEY` or `TENANT KEY` per line, mode 0600; see
@@ -74,6 +79,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=256,
         help="requests a tenant may have queued over all its sessions",
     )
+    p.add_argument(
+        "--base-name",
+        default=None,
+        help="base_model name clients use (default: the Hugging Face folder's org/name, "
+        "else titanscale/<job.name>)",
+    )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="tokens per sequence, prompt + sampled (default: training.seq_len; at most the "
+        "model's RoPE table and what fits the device)",
+    )
+    p.add_argument(
+        "--tokenizer-id",
+        default=None,
+        help="what get_info tells clients to load with AutoTokenizer (default: the Hugging "
+        "Face name, else the tokenizer folder's path)",
+    )
     add_override_arg(p)
     return p.parse_args(argv)
 
@@ -118,15 +142,15 @@ def main(argv: list[str] | None = None) -> None:
     check_exposure(opts)  # bad input before the model is built
     keys = KeyFile(opts.api_key_file) if opts.api_key_file else None
     out_dir_arg(opts.storage, "--storage")
-    if recipe.checkpoint.load_hf:
-        # Serving a random base silently would be worse than refusing.
-        raise ConfigError(
-            "a Hugging Face base is not served yet; save it as a DCP checkpoint with a "
-            "train.py run that loads it, then pass --set checkpoint.load_hf= "
-            "--set checkpoint.load_from=<that checkpoint>",
-            file=recipe.source,
-            key="checkpoint.load_hf",
-        )
+    from service.served_base import resolve_served_base
+
+    served = resolve_served_base(
+        recipe,
+        name=args.base_name,
+        context=args.context,
+        tokenizer_id=args.tokenizer_id,
+        max_samples=opts.limits.max_samples,
+    )
     base = recipe.checkpoint.load_from
     if base:  # the base model's weights (else initialised from training.seed)
         from runtime.checkpoint import not_a_checkpoint, verify_checkpoint
@@ -157,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     from service.titan_backend import TitanLoraBackend
 
     bound_host_memory()  # before the model's tensors are allocated
-    backend = TitanLoraBackend.from_recipe(recipe)
+    backend = TitanLoraBackend.from_recipe(recipe, served)
     cost = cost_model_from_recipe(recipe)
     budget = (
         args.max_request_gib * (1 << 30)

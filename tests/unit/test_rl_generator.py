@@ -1,5 +1,6 @@
-"""KV-cache generator against the model's own full forward (fp32), sampling controls,
-versioned weight updates and the mismatch metric's two regimes."""
+"""KV-cache generator against the model's own full forward (fp32; Llama 3 and Qwen3's q/k
+norms), one prefill per prompt shared by its samples, sampling controls (top-p, top-k, stop
+tokens and strings), a private RNG, versioned weight updates and the mismatch metric."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from rl.generator import Generator, SamplingParams, vllm_generator
 from rl.mismatch import mismatch_stats
 from rl.policy import forward_logits, full_state_dict, token_logprobs
-from tests.helpers.tiny_llama import tiny_llama
+from tests.helpers.tiny_llama import tiny_llama, tiny_qwen3
 
 PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13]]
 
@@ -136,3 +137,102 @@ def test_teacher_forced_score_equals_sampling_logprobs(model):
         for a, b in zip(s.logprobs, sc, strict=True)
     )
     assert worst < 1e-5, worst
+
+
+def _worst_gap(model, samples, prompts, temperature=1.0):
+    worst = 0.0
+    for s in samples:
+        ref = full_forward_logprobs(model, prompts[s.prompt_index], s.tokens, temperature)
+        worst = max(worst, max(abs(a - b) for a, b in zip(ref, s.logprobs, strict=True)))
+    return worst
+
+
+def test_qwen3_qk_norm_path_matches_full_forward():
+    model = tiny_qwen3()
+    with torch.no_grad():  # non-trivial q/k norm weights: skipping them would show
+        for layer in model.layers.values():
+            layer.attention.q_norm.weight.uniform_(0.5, 1.5)
+            layer.attention.k_norm.weight.uniform_(0.5, 1.5)
+    gen = Generator.from_model(model)
+    samples = gen.generate(PROMPTS, SamplingParams(max_tokens=10, n=2, temperature=0.9, seed=2))
+    assert _worst_gap(model, samples, PROMPTS, 0.9) < 1e-5
+
+
+def test_each_prompt_is_prefilled_once_for_all_its_samples(model):
+    """4 samples of 3 prompts, decoded in batches of 3 rows: the embedding sees the prompts'
+    prefill once (3 rows), never 12, and every sample is still the model's own forward."""
+    prompts = [[5, 17, 99, 3], [42, 8], [7, 8, 9, 10, 11, 12, 13]]  # decode steps are 1 wide
+    gen = Generator.from_model(model, max_batch=3)
+    prefill_rows = []
+    hook = gen.model.tok_embeddings.register_forward_hook(
+        lambda m, args, out: prefill_rows.append(args[0].shape[0]) if args[0].shape[1] > 1 else None
+    )
+    try:
+        samples = gen.generate(prompts, SamplingParams(max_tokens=6, n=4, seed=4))
+        wide = Generator.from_model(model, max_batch=12)
+        wide.model.tok_embeddings.register_forward_hook(
+            lambda m, args, out: (
+                prefill_rows.append(args[0].shape[0]) if args[0].shape[1] > 1 else None
+            )
+        )
+        wide.generate(prompts, SamplingParams(max_tokens=6, n=4, seed=4))
+    finally:
+        hook.remove()
+    # max_batch 3 < n 4: one prompt per prefill, its 4 samples in batches of 3 and 1;
+    # max_batch 12: the three prompts in one prefill of 3 rows, then 12 sample rows.
+    assert prefill_rows == [1, 1, 1, 3]
+    assert [s.prompt_index for s in samples] == [i for i in range(3) for _ in range(4)]
+    assert _worst_gap(model, samples, prompts) < 1e-5
+    assert len({tuple(s.tokens) for s in samples[:4]}) > 1  # sampled, not copied
+
+
+def test_sampling_leaves_the_global_rng_alone(model):
+    gen = Generator.from_model(model)
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    a = gen.generate(PROMPTS[:1], SamplingParams(max_tokens=8, n=4))
+    b = gen.generate(PROMPTS[:1], SamplingParams(max_tokens=8, n=4))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert [s.tokens for s in a] != [s.tokens for s in b]  # unseeded: fresh draws each time
+
+
+def test_top_k_keeps_only_the_k_most_likely_tokens(model):
+    gen = Generator.from_model(model)
+    greedy = gen.generate(PROMPTS[:1], SamplingParams(max_tokens=6, top_k=1, seed=9))[0]
+    toks = torch.tensor([PROMPTS[0] + greedy.tokens])
+    with torch.no_grad():
+        logits = forward_logits(model, toks)[0, len(PROMPTS[0]) - 1 : -1]
+    assert greedy.tokens == logits.argmax(-1).tolist()
+    k = 3
+    samples = gen.generate(PROMPTS, SamplingParams(max_tokens=6, n=4, top_k=k, seed=10))
+    for s in samples:
+        p = PROMPTS[s.prompt_index]
+        with torch.no_grad():
+            lg = forward_logits(model, torch.tensor([p + s.tokens]))[0, len(p) - 1 : -1]
+        top = lg.topk(k, dim=-1).indices
+        assert all(t in top[i].tolist() for i, t in enumerate(s.tokens))
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=0)
+
+
+def test_stop_strings_end_on_the_token_that_completes_them(model):
+    """A toy decoder (token id -> one letter): the stop string is matched on the decoded
+    completion, across token boundaries, and the sample keeps the completing token."""
+
+    def decode(ids):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+    gen = Generator.from_model(model, decode=decode)
+    free = gen.generate(PROMPTS[:1], SamplingParams(max_tokens=12, top_k=1, seed=1))[0]
+    text = decode(free.tokens)
+    stop = text[4:6]  # two letters spanning tokens 4 and 5 of the greedy completion
+    first = text.index(stop)
+    s = gen.generate(
+        PROMPTS[:1], SamplingParams(max_tokens=12, top_k=1, seed=1, stop_strings=(stop,))
+    )[0]
+    assert s.finish_reason == "stop" and s.tokens == free.tokens[: first + 2]
+    assert decode(s.tokens).endswith(stop) and stop not in decode(s.tokens[:-1])
+    with pytest.raises(ValueError, match="decode"):
+        Generator.from_model(model).generate(
+            PROMPTS[:1], SamplingParams(max_tokens=2, stop_strings=("x",))
+        )

@@ -187,3 +187,45 @@ def test_outside_gradients_equal_builtin_gradient():
     np.testing.assert_array_equal(lp.grad.numpy(), grad)
     with pytest.raises(ValueError, match="shape"):
         backward_from_logprob_grads(lp * 1.0, client_lp.grad[:, :2])
+
+
+def test_dro():
+    # Tinker's docs: loss = -sum(lp * A - beta/2 (lp - q)^2), per token.
+    adv = rng.normal(size=(B, T))
+    beta = 0.3
+    b = torch_batch(advantages=adv, sampling_logprobs=MU)
+    loss, grad = run("dro", LossConfig(beta=beta), b)
+    per_tok = -(LP * adv - 0.5 * beta * (LP - MU) ** 2)
+    assert loss == pytest.approx(np_token_mean(per_tok), rel=1e-12)
+    np.testing.assert_allclose(grad, -(adv - beta * (LP - MU)) * MASK / MASK.sum(), rtol=1e-10)
+
+
+def test_gspo_sequence_ratio_over_its_mask():
+    # Tinker's GSPO-token: s = exp(mean_{t in M} log p/q) per sequence; every token carries s's
+    # value and d(ratio)/d(lp_t) = s; PPO's min/clip on it. M differs from the loss mask here.
+    adv = rng.normal(size=(B, T))
+    rmask = MASK.copy()
+    rmask[:, 1] = 0.0
+    lo, hi = 0.1, 0.1
+    b = torch_batch(advantages=adv, sampling_logprobs=MU, ratio_mask=rmask)
+    loss, grad = run("gspo", LossConfig(clip_low=lo, clip_high=hi), b)
+    s = np.array([np.exp((LP[i] - MU[i])[rmask[i] != 0].mean()) for i in range(B)])[:, None]
+    s = np.broadcast_to(s, (B, T))
+    unclipped, clipped = s * adv, np.clip(s, 1 - lo, 1 + hi) * adv
+    assert 0 < np.mean(unclipped > clipped) < 1  # both branches occur: the test can fail
+    per_tok = -np.minimum(unclipped, clipped)
+    g = np.where(unclipped <= clipped, -s * adv, 0.0)
+    assert loss == pytest.approx(np_token_mean(per_tok), rel=1e-12)
+    np.testing.assert_allclose(grad, g * MASK / MASK.sum(), rtol=1e-10, atol=1e-15)
+
+
+def test_stable_reinforce_masks_tokens_outside_the_ratio_band():
+    adv = rng.normal(size=(B, T))
+    lo, hi = 0.2, 0.25
+    b = torch_batch(advantages=adv, sampling_logprobs=MU)
+    loss, grad = run("stable_reinforce", LossConfig(clip_low=lo, clip_high=hi), b)
+    r = np.exp(LP - MU)
+    keep = ((r >= 1 - lo) & (r <= 1 + hi)).astype(np.float64)
+    assert 0 < (keep * MASK).sum() < MASK.sum()  # some tokens masked, some kept
+    assert loss == pytest.approx(np_token_mean(-keep * r * adv * LP), rel=1e-12)
+    np.testing.assert_allclose(grad, -keep * r * adv * MASK / MASK.sum(), rtol=1e-10, atol=1e-15)

@@ -1,5 +1,5 @@
-"""The service's pure layers: the hand-written protobuf codec against the SDK's own encoder and
-decoder, checkpoint names against path escapes, and the scheduler's ordering, de-duplication
+"""The service's pure layers: the protobuf codec (the SDK's vendored schema) against the SDK's
+own encoder and decoder, checkpoint names against path escapes, and the scheduler's ordering, de-duplication
 and fairness (with a recording fake backend, no HTTP)."""
 
 from __future__ import annotations
@@ -84,6 +84,52 @@ def test_encode_is_read_back_by_the_sdk_decoder():
     assert [s.tokens for s in sr.sequences] == [[4, 5], [9]]
     assert [s.stop_reason for s in sr.sequences] == ["stop", "length"]
     assert sr.sequences[0].logprobs == [-0.5, -0.25] and sr.prompt_logprobs == [None, -2.0]
+
+
+def test_vendored_descriptor_is_the_installed_sdks():
+    """service/tinker_proto/tinker_public.desc must be the SDK's schema: an SDK upgrade that
+    changes it fails here (re-vendor: service/tinker_proto/__init__.py says how)."""
+    from tinker.proto import tinker_public_pb2
+
+    from service import tinker_proto
+
+    assert tinker_public_pb2.DESCRIPTOR.serialized_pb == tinker_proto.DESCRIPTOR_BYTES
+
+
+def test_provenance_spans_and_topk_prompt_logprobs_round_trip_with_the_sdk():
+    d = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
+        loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "advantages": [0.0, 0.0, 1.0, 1.0]},
+    ).with_provenance(
+        model_input=[
+            types.PromptProvenanceSpan(sequence_id="s:a:0", length=3),
+            types.SampledProvenanceSpan(sequence_id="s:a:0", length=1),
+        ],
+        loss_fn_inputs=[
+            types.PromptProvenanceSpan(sequence_id="s:a:0", offset=1, length=2),
+            types.SampledProvenanceSpan(sequence_id="s:a:0", length=2),
+        ],
+    )
+    req = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[d], loss_fn="stable_reinforce"),
+        model_id="s-1:train:0",
+        seq_id=1,
+    )
+    got = proto.decode_forward_backward_request(
+        forward_backward_request_to_proto(req).SerializeToString()
+    )
+    assert got.spans == [
+        [proto.Span("prompt", "s:a:0", 1, 2), proto.Span("sampled", "s:a:0", 0, 2)]
+    ]
+    ids = np.int32([[0, 0], [7, 3], [9, 1]])
+    lps = np.float32([[proto.TOPK_EMPTY_LOGPROB] * 2, [-0.25, -2.5], [-0.5, -1.0]])
+    sr = deserialize_sample_response(
+        proto.encode_sample_response(
+            [(np.int32([4]), np.float32([-0.5]), "stop")], None, (ids, lps)
+        )
+    )
+    assert sr.topk_prompt_logprobs == [None, [(7, -0.25), (3, -2.5)], [(9, -0.5), (1, -1.0)]]
+    assert sr.prompt_logprobs is None
 
 
 @pytest.mark.parametrize("raw", [b"\xff\xff", b"\x1a\x05\x0a", b"\x0a\x80", b"\x0f"])
