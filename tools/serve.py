@@ -27,7 +27,7 @@ import asyncio
 import logging
 import os
 
-from core.errors import ConfigError
+from core.errors import ConfigError, held_stderr
 from tools.cli import (
     ArgumentParser,
     add_override_arg,
@@ -118,6 +118,15 @@ def check_args(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # Library warnings from the imports below (torch, torchao) are held back until the input
+    # is known good: a refused argument leaves exactly one line on stderr.
+    with held_stderr():
+        recipe, opts, keys, served, sock = _prepare(args)
+    _serve(args, recipe, opts, keys, served, sock)
+
+
+def _prepare(args: argparse.Namespace):
+    """Every check that can refuse the command, ending with the bound port."""
     check_args(args)
     from recipe.loader import load_recipe
 
@@ -173,6 +182,10 @@ def main(argv: list[str] | None = None) -> None:
             )
     # The port before the model: "in use" is one line now, not after a minute of loading.
     sock = bind(opts.host, opts.port)
+    return recipe, opts, keys, served, sock
+
+
+def _serve(args: argparse.Namespace, recipe, opts, keys, served, sock) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     from dataclasses import replace
 
