@@ -206,13 +206,17 @@ def _mcore(
         virtual_stages=vp if vp > 1 else 0,
         ac="none",
         linear=linear,
+        # Transformer Engine gathers the sequence-parallel inputs of its FP8 GEMMs in FP8.
+        fp8_tp_all_gather=linear == "fp8_tensorwise",
         compile=True,
         cp_rotate="alltoall",
         stack="megatron_te",
     )
 
 
-FP8_TW = dict(linear="fp8_tensorwise", fp8_all_gather=True)
+# torchtitan's Float8 of 2024-2025: tensorwise with FP8 all-gathers in FSDP and in TP (its
+# float8 TP styles, since removed).
+FP8_TW = dict(linear="fp8_tensorwise", fp8_all_gather=True, fp8_tp_all_gather=True)
 GT, H100, H200, B200, GB200 = (
     "grand_teton_h100",
     "hgx_h100_ib",
