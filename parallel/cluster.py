@@ -231,13 +231,15 @@ class Cluster:
                 )
         if self.nvlink_domain_gpus == 0:
             self.nvlink_domain_gpus = self.gpus_per_node
+        # A domain past one host is NVLink switch hardware this GPU must ship with (NVL72 racks
+        # for GB200/GB300; none for HGX B200/B300, H800 or the PCIe cards). Inside one host the
+        # profile's link speed says what connects the GPUs (PCIe for the PCIe cards).
         most = GPUS[self.gpu].max_nvlink_domain
-        if most and self.nvlink_domain_gpus > most:
+        if most and self.nvlink_domain_gpus > max(most, self.gpus_per_node):
             raise ConfigError(
                 f"{self.nvlink_domain_gpus} GPUs in one NVLink domain, but {self.gpu} ships in "
-                f"domains of at most {most} (core.hardware.GPUS: {self.gpu}.max_nvlink_domain)",
-                key="nvlink_domain_gpus" if self.nvlink_domain_gpus != self.gpus_per_node
-                else "gpus_per_node",
+                f"domains of at most {most} (core.hardware.GPUS: max_nvlink_domain)",
+                key="nvlink_domain_gpus",
             )
         if self.nvlink_domain_gpus % self.gpus_per_node:
             raise ConfigError(

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from core.errors import ConfigError
+from core.hardware import GPUS, PROFILE_KINDS
 from parallel.cluster import Cluster, TopologySection, load_cluster
 from parallel.placement import planned_rank_order
 from parallel.planner import apply_plan, best_plan, plan, search
@@ -93,12 +94,13 @@ clusters = st.builds(
             gpu=gpu,
             nodes=nodes,
             gpus_per_node=gpn,
-            nvlink_domain_gpus=gpn * dom_mult,
+            # A multi-host domain only where the GPU ships in one (GB200/GB300 NVL72, H100/H200).
+            nvlink_domain_gpus=gpn * (dom_mult if GPUS[gpu].max_nvlink_domain > gpn else 1),
             topology=TopologySection(nodes_per_leaf=npl),
         ),
         seed,
     ),
-    gpu=st.sampled_from(["H100", "H200", "B200", "GB200"]),
+    gpu=st.sampled_from([k for k in PROFILE_KINDS if k != "cpu"]),
     gpn=st.sampled_from([1, 2, 4, 8]),
     dom_mult=st.sampled_from([1, 1, 2]),
     nodes=st.integers(1, 24),
