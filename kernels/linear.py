@@ -40,8 +40,9 @@ import dataclasses
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchao.float8 import Float8LinearConfig as TorchAOFloat8LinearConfig
@@ -82,13 +83,14 @@ if Float8Linear is not None:
 
         def __init__(self, config: Config):
             super().__init__(config)
+            weight = cast(torch.Tensor, self._parameters["weight"])
             self.weight = nn.Parameter(
                 WeightWithDynamicFloat8CastTensor(
-                    self.weight,
+                    weight,
                     self.linear_mm_config,
                     self.config.cast_config_weight.target_dtype,
                 ),
-                requires_grad=self.weight.requires_grad,
+                requires_grad=weight.requires_grad,
             )
             self.register_state_dict_post_hook(_plain_weight_in_state_dict)
 
@@ -103,7 +105,9 @@ if Float8Linear is not None:
         """
         key = prefix + "weight"
         t = state_dict.get(key)
-        if isinstance(t, DTensor) and isinstance(t._local_tensor, WeightWithDynamicFloat8CastTensor):
+        if isinstance(t, DTensor) and isinstance(
+            t._local_tensor, WeightWithDynamicFloat8CastTensor
+        ):
             state_dict[key] = DTensor.from_local(
                 t._local_tensor._tensor,
                 t.device_mesh,

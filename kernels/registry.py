@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 
@@ -105,7 +105,7 @@ ATTENTION_SPEED_ORDER = ("varlen", "flex", "dense")
 
 
 # kernels.linear -> torchao's Float8LinearRecipeName.
-FLOAT8_RECIPES = {
+FLOAT8_RECIPES: dict[str, Literal["rowwise", "rowwise_with_gw_hp", "tensorwise"]] = {
     "fp8_rowwise": "rowwise",
     "fp8_rowwise_gw_hp": "rowwise_with_gw_hp",
     "fp8_tensorwise": "tensorwise",

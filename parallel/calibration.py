@@ -515,7 +515,9 @@ def kinds_of(generation: str) -> tuple[str, ...]:
 
 def _set_generation(m: dict[str, Stack], generation: str, v: float) -> dict[str, Stack]:
     kinds = kinds_of(generation)
-    return {k: replace(st, gpu_eff={**st.gpu_eff, **dict.fromkeys(kinds, v)}) for k, st in m.items()}
+    return {
+        k: replace(st, gpu_eff={**st.gpu_eff, **dict.fromkeys(kinds, v)}) for k, st in m.items()
+    }
 
 
 def _generation_param(generation: str, name: str) -> FitParam:

@@ -625,9 +625,7 @@ class _Shape(NamedTuple):
 
     def inner_ok(self, inner: int) -> bool:
         """Some tp x cp = inner split passes the head and sequence checks."""
-        return any(
-            self.tp_ok(tp) and self.seq_ok(tp, inner // tp) for tp in _divisors(inner)
-        )
+        return any(self.tp_ok(tp) and self.seq_ok(tp, inner // tp) for tp in _divisors(inner))
 
 
 def explain_infeasible(
@@ -663,6 +661,8 @@ def explain_infeasible(
     ]
     batch_key = "training.global_batch_size"
     domain = f"tp x cp <= {min(world, dom)} (one NVLink domain of {cluster.gpu})"
+    gib = cluster.hbm_bytes / 2**30
+    short = 1.0  # the smallest memory need over the GPU's memory, when memory binds
     kinds: list[str] = []
     if not by_batch:
         kinds.append("batch")
@@ -706,7 +706,7 @@ def explain_infeasible(
         if mem and len(mem) >= len(res.rejected) / 2:
             kinds.append("memory")
             least = min(mem, key=lambda r: _need(r.reason))
-            gib = cluster.hbm_bytes / 2**30
+            short = _need(least.reason) / gib
             constraint = (
                 f"out of memory in every layout: the smallest need is {_need(least.reason):.1f} "
                 f"GiB per GPU of {gib:.1f} ({least.layout.describe()}, activation checkpointing "
@@ -722,8 +722,13 @@ def explain_infeasible(
     if "batch" in kinds:
         s = _batch_suggestion(recipe, cluster, stack, world, gbs, shape, max_pp)
         suggestions += [s] if s else []
+    at_least = cluster.nodes + 1
+    if "memory" in kinds:
+        # Sharded states shrink as 1/nodes and the rest does not: fewer nodes than
+        # nodes x need / memory cannot fit, so the walk over larger counts starts there.
+        at_least = max(at_least, math.ceil(cluster.nodes * short))
     suggestions += _node_suggestions(
-        recipe, cluster, stack, gbs, derived, shape, pps_ok, only_more="memory" in kinds
+        recipe, cluster, stack, gbs, derived, shape, pps_ok, "memory" in kinds, at_least
     )
     return Infeasible(constraint, tuple(suggestions))
 
@@ -786,10 +791,12 @@ def _node_suggestions(
     shape: _Shape,
     pps_ok: list[int],
     only_more: bool,
+    at_least: int,
 ) -> list[Suggestion]:
     """The nearest node counts below and above the job's whose world some structurally valid
     layout fits with this batch (all degree tuples built from the batch's divisors, the
-    domain's and the valid pipeline degrees), each checked by a search."""
+    domain's and the valid pipeline degrees), each checked by a search. Larger counts start
+    at `at_least`."""
     gpn, dom, nodes = cluster.gpus_per_node, cluster.nvlink_domain_gpus, cluster.nodes
     per_domain = cluster.nodes_per_domain
     most = MAX_NODES
@@ -806,7 +813,7 @@ def _node_suggestions(
         if n != nodes and (n <= per_domain or n % per_domain == 0)
     )
     below = [n for n in reversed(counts) if n < nodes and not only_more]
-    above = [n for n in counts if n > nodes]
+    above = [n for n in counts if n >= at_least]
     out = []
     # Fewer nodes: the nearest few (each step down needs more memory per GPU, so a miss
     # rarely turns into a fit further down).

@@ -396,6 +396,8 @@ def test_nvfp4_plan_on_blackwell():
     # tp=4: wo's local input is 64, not a multiple of 128: skipped with the reason.
     plan4 = plan_linear_conversion(_debug_config(), align=128, tp=4, kernel="nvfp4")
     skipped = {d.fqn: d.reason for d in plan4 if not d.convert}
-    assert "in 64 per rank at tp=4 not a multiple of 128 (nvfp4)" in skipped["layers.0.attention.wo"]
+    assert (
+        "in 64 per rank at tp=4 not a multiple of 128 (nvfp4)" in skipped["layers.0.attention.wo"]
+    )
     with pytest.raises(ConfigError, match="multiple of 128"):
         sel(B300, linear="nvfp4", seq_len=192)

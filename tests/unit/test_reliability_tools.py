@@ -497,8 +497,22 @@ def test_files_that_are_not_files(tmp_path, capsys):
 # --- the cluster-file schema, fuzzed ----------------------------------------------------
 
 KEYS = {
-    "gpu": st.sampled_from(['"H100"', '"B200"', '"cpu"', '"H10"', '""', "8", "true", '"GB300"',
-                            '"B300"', '"H800"', '"H100_PCIE"', '"GB30"']),
+    "gpu": st.sampled_from(
+        [
+            '"H100"',
+            '"B200"',
+            '"cpu"',
+            '"H10"',
+            '""',
+            "8",
+            "true",
+            '"GB300"',
+            '"B300"',
+            '"H800"',
+            '"H100_PCIE"',
+            '"GB30"',
+        ]
+    ),
     "nodes": st.sampled_from(["1", "2", "0", "-1", str(2**62), "1.5", '"2"', "nan", "[1]"]),
     "gpus_per_node": st.sampled_from(["8", "4", "0", "73", "100000", "-8", '"8"', "inf"]),
     "nvlink_domain_gpus": st.sampled_from(["0", "8", "16", "12", "100000", "-1", "1e400"]),
