@@ -7,6 +7,9 @@ Tolerances (relative Frobenius error, ||out - ref|| / ||ref||):
   lower bound proves quantization happened). rowwise_with_gw_hp: weight grad <= 1e-5 (it is
   computed in high precision).
 - MXFP8 (e4m3 elements, power-of-2 scale per 32 values): same bounds as FP8.
+- FP8 tensorwise (one scale per tensor; torchao casts output gradients to e5m2: 2 mantissa
+  bits, rounding error up to 2^-3, ~5% RMS with the e4m3 operand): output as FP8; input and
+  weight gradients <= 0.08 (measured 5.8-5.9% at these seeds).
 - attention (dense, compiled flex forward) with packed-document masks vs an explicit fp32
   softmax reference: 1e-5 forward; dense backward (it trains on CPU): 1e-5.
 """
@@ -63,17 +66,18 @@ def linear_case(backend: str, caps: DeviceCaps, dtype=torch.float32, device="cpu
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("backend", ["fp8_rowwise", "fp8_rowwise_gw_hp", "mxfp8"])
+@pytest.mark.parametrize("backend", ["fp8_rowwise", "fp8_rowwise_gw_hp", "mxfp8", "fp8_tensorwise"])
 def test_quantized_linear_emulated(backend, seed):
     got, ref, choice = linear_case(backend, DeviceCaps.cpu(), seed=seed)
     assert choice.emulated
     e_out, e_dx, e_dw = (rel(a, b) for a, b in zip(got, ref, strict=True))
+    grad_bound = 0.08 if backend == "fp8_tensorwise" else 0.05  # e5m2 gradients
     assert 0.01 <= e_out <= 0.05
-    assert 0.01 <= e_dx <= 0.05
+    assert 0.01 <= e_dx <= grad_bound
     if backend == "fp8_rowwise_gw_hp":
         assert e_dw <= 1e-5
     else:
-        assert 0.01 <= e_dw <= 0.05
+        assert 0.01 <= e_dw <= grad_bound
 
 
 def test_bf16_linear():
