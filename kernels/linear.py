@@ -123,6 +123,31 @@ else:  # torchao without Float8: the registry reports the FP8 backends as unavai
     Float8AllGatherLinear = None  # type: ignore[assignment,misc]
 
 
+def _linear_fields(cfg) -> dict:
+    return {
+        "in_features": cfg.in_features,
+        "out_features": cfg.out_features,
+        "bias": cfg.bias,
+        "param_init": cfg.param_init,
+    }
+
+
+def _swap_linears(model_config, keep, make):
+    """torchtitan's converter loop: every Linear.Config `keep(cfg, fqn)` selects is replaced by
+    `make(cfg)` in its parent (or becomes the root)."""
+    for fqn, cfg, parent, attr in model_config.traverse(Linear.Config):
+        if not keep(cfg, fqn):
+            continue
+        new = make(cfg)
+        if parent is None:
+            model_config = new
+        elif isinstance(parent, list):
+            parent[attr] = new
+        else:
+            setattr(parent, attr, new)
+    return model_config
+
+
 class Float8Converter(Float8LinearConverter):
     """torchtitan's Float8LinearConverter, plus torchao's tensorwise recipe (with FP8
     all-gather under FSDP); under emulation the recipe's scaling is kept."""
@@ -157,23 +182,13 @@ class Float8Converter(Float8LinearConverter):
         if not (self.enabled and self.config.fsdp_float8_all_gather):
             return super().convert(model_config)
         # torchtitan's own loop, building the FP8-all-gather subclass's config instead.
-        for fqn, cfg, parent, attr in model_config.traverse(Linear.Config):
-            if not self.filter_fn(cfg, fqn):
-                continue
-            new = Float8AllGatherLinear.Config(
-                in_features=cfg.in_features,
-                out_features=cfg.out_features,
-                bias=cfg.bias,
-                param_init=cfg.param_init,
-                _torchao_config=self.torchao_config,
-            )
-            if parent is None:
-                model_config = new
-            elif isinstance(parent, list):
-                parent[attr] = new
-            else:
-                setattr(parent, attr, new)
-        return model_config
+        return _swap_linears(
+            model_config,
+            self.filter_fn,
+            lambda cfg: Float8AllGatherLinear.Config(
+                **_linear_fields(cfg), _torchao_config=self.torchao_config
+            ),
+        )
 
 
 if MXFP8Linear is not None:
@@ -213,22 +228,11 @@ class MXFP8Converter(MXFP8LinearConverter):
         if not self.config.emulate:
             return super().convert(model_config)
         fqns = self.config.fqns
-        for fqn, cfg, parent, attr in model_config.traverse(Linear.Config):
-            if fqns and not any(t in fqn for t in fqns):
-                continue
-            new = EmulatedMXFP8Linear.Config(
-                in_features=cfg.in_features,
-                out_features=cfg.out_features,
-                bias=cfg.bias,
-                param_init=cfg.param_init,
-            )
-            if parent is None:
-                model_config = new
-            elif isinstance(parent, list):
-                parent[attr] = new
-            else:
-                setattr(parent, attr, new)
-        return model_config
+        return _swap_linears(
+            model_config,
+            lambda _cfg, fqn: not fqns or any(t in fqn for t in fqns),
+            lambda cfg: EmulatedMXFP8Linear.Config(**_linear_fields(cfg)),
+        )
 
 
 # torchtitan's NVFP4 converter as it ships (SM100+ check, Triton kernels); named here so the
