@@ -151,10 +151,6 @@ def bench_linear(
     x = torch.randn(shape.m, shape.k, generator=g)
     go = torch.randn(shape.m, shape.n, generator=g)
     mod = mod.to(device=device, dtype=dtype)
-    if precision == "nvfp4":
-        # NVFP4Linear's stochastic-rounding seed and Hadamard signs are buffers torchtitan
-        # materialises in init_states (its meta-init protocol); the weight is set below.
-        mod.init_states(buffer_device=device)
     with torch.no_grad():
         mod.weight.copy_(w)
     x, go = x.to(device, dtype).requires_grad_(), go.to(device, dtype)

@@ -418,4 +418,9 @@ def build_linear(choice: KernelChoice, in_features: int, out_features: int, *, b
         # fqn "" is the root of this one-node config tree: the plan converts it.
         for c in choice._converters([LinearDecision("", in_features, out_features, True)]):
             cfg = c.build().convert(cfg)
-    return cfg.build()
+    mod = cfg.build()
+    if be.precision == "nvfp4":
+        # NVFP4Linear's stochastic-rounding seed and Hadamard signs are buffers torchtitan
+        # materialises in init_states (its meta-init protocol); callers set the weight after.
+        mod.init_states()
+    return mod

@@ -222,7 +222,9 @@ def test_attention_on_gpu(backend):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("backend", ["fp8_rowwise", "fp8_rowwise_gw_hp", "mxfp8"])
+@pytest.mark.parametrize(
+    "backend", ["fp8_rowwise", "fp8_rowwise_gw_hp", "mxfp8", "fp8_tensorwise", "nvfp4"]
+)
 def test_quantized_linear_on_gpu(backend):
     from kernels.registry import linear_problem
 
@@ -231,4 +233,7 @@ def test_quantized_linear_on_gpu(backend):
     got, ref, choice = linear_case(backend, CUDA, dtype=torch.bfloat16, device="cuda")
     assert not choice.emulated
     errs = [rel(a, b) for a, b in zip(got, ref, strict=True)]
-    assert errs[0] <= 0.06 and errs[1] <= 0.06, errs
+    # e2m1 keeps one mantissa bit (rounding error up to 2^-2 per value): NVFP4 lands near
+    # 10-15% for a product of two operands, FP8 near 4% (e5m2 gradients: 6%).
+    bound = {"nvfp4": 0.2, "fp8_tensorwise": 0.08}.get(backend, 0.06)
+    assert errs[0] <= bound and errs[1] <= bound, errs
