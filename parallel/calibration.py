@@ -630,7 +630,7 @@ def donor_generation(held: str, present: set[str]) -> str | None:
 
 
 def leave_one_generation_out(
-    rs: list[Row] | None = None,
+    rs: list[Row] | None = None, only: str | None = None
 ) -> dict[str, tuple[str | None, list[tuple[Row, float]], list[Row]]]:
     """For each GPU generation: fit on the other generations' rows, price the held-out
     generation with the factor of its donor (`donor_generation`; its own factor has no row
@@ -639,12 +639,13 @@ def leave_one_generation_out(
     Returns generation -> (donor, [(row, signed error %)], rows not cross-validated). A row
     whose stack has no row in any other generation cannot be held out honestly (every
     constant of that stack would keep the profile's value, fitted on that very row): it is
-    returned in the third list instead of being scored.
+    returned in the third list instead of being scored. `only`: hold out that generation
+    alone.
     """
     rs = rs or rows()
     gens = [generation_of(r) for r in rs]
     out: dict[str, tuple[str | None, list[tuple[Row, float]], list[Row]]] = {}
-    for gen in [g for g in GENERATIONS if g in set(gens)]:
+    for gen in [g for g in GENERATIONS if g in set(gens) and only in (None, g)]:
         train = [r for r, g in zip(rs, gens, strict=True) if g != gen]
         held = [r for r, g in zip(rs, gens, strict=True) if g == gen]
         stacks_left = {r.workload.stack for r in train}

@@ -106,8 +106,8 @@ def test_leave_one_generation_out_does_not_see_the_held_out_rows():
     rs = [r for r in rows() if r.source == "mb2602"]
     moved = [replace(r, tokens_per_sec_per_gpu=r.tokens_per_sec_per_gpu * 3)
              if generation_of(r) == "Blackwell Ultra" else r for r in rs]  # fmt: skip
-    a = leave_one_generation_out(rs)["Blackwell Ultra"][1]
-    b = leave_one_generation_out(moved)["Blackwell Ultra"][1]
+    a = leave_one_generation_out(rs, only="Blackwell Ultra")["Blackwell Ultra"][1]
+    b = leave_one_generation_out(moved, only="Blackwell Ultra")["Blackwell Ultra"][1]
     pa = [row.tokens_per_sec_per_gpu * (1 + e / 100) for row, e in a]
     pb = [row.tokens_per_sec_per_gpu * (1 + e / 100) for row, e in b]
     assert len(pa) >= 4 and pa == pytest.approx(pb)
