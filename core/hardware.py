@@ -1,10 +1,13 @@
-"""GPU facts in one place: dense peak FLOP/s per precision, memory, bandwidths.
+"""GPU facts in one place: dense peak FLOP/s per precision, memory, bandwidths, compute
+capability, generation and the largest NVLink domain each part ships in.
 
 Everything that reports MFU (runtime metrics, the performance model, tools.reproduce)
-imports `peak_flops` from here, so one table decides what "100% of peak" means.
+imports `peak_flops` from here, so one table decides what "100% of peak" means; cluster
+profiles (`parallel.cluster`) accept exactly the kinds in `GPUS`, and the kernels registry
+(`kernels.caps`) takes each kind's compute capability from here.
 
-Peaks are the vendor's dense (non-sparse) tensor-core figures for the SXM parts, in
-FLOP/s. A CPU has no tensor-core peak: `peak_flops("cpu", ...)` is None and MFU is "n/a".
+Peaks are the vendor's dense (non-sparse) tensor-core figures, in FLOP/s. A CPU has no
+tensor-core peak: `peak_flops("cpu", ...)` is None and MFU is "n/a".
 """
 
 from __future__ import annotations
@@ -13,10 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 # Precisions the peak table knows. Linear-backend names map onto these (`precision_of`).
-PRECISIONS = ("bf16", "fp8", "tf32")
-
-# GPU kinds a cluster profile may name (issue 3's contract) ...
-PROFILE_KINDS = ("H100", "H200", "B200", "GB200", "cpu")
+PRECISIONS = ("bf16", "fp8", "fp4", "tf32")
 
 # Sizes past which a cluster profile, a --nodes argument or a declared world size is a typo,
 # not a machine; refused with one line, because the planner's search and the fabric grow
@@ -43,52 +43,108 @@ class GpuSpec:
     hbm_tbps: float  # HBM bandwidth, TB/s
     nvlink_gbps: float  # NVLink, gigabits/s per GPU per direction (0 = none)
     tdp_w: float  # board power the peak is quoted at
-    mxfp8: bool = False  # block-scaled FP8 tensor cores (SM100)
+    mxfp8: bool = False  # block-scaled FP8 tensor cores (SM100 and later)
+    capability: tuple[int, int] | None = None  # CUDA compute capability (None: no CUDA)
+    generation: str = ""  # architecture generation (leave-one-generation-out calibration)
+    max_nvlink_domain: int = 0  # most GPUs one NVLink domain of this part holds (0 = no bound)
+
+    @property
+    def nvfp4(self) -> bool:
+        """NVFP4 tensor cores (Blackwell and later): the table has an FP4 peak."""
+        return "fp4" in self.peak_tflops
 
 
-# Sources: NVIDIA H100/H200/B200/GB200 datasheets (dense figures = half the "with
-# sparsity" ones); torchtitan's get_peak_flops uses the same BF16 values. H100 and H200
-# share the compute die; H200 differs in memory (141 GB HBM3e, 4.8 TB/s). GB200's BF16
-# is quoted as 2.45-2.5 PFLOP/s depending on the document; we take 2.5 like torchtitan.
-# hbm_gib: torch's total_memory (80 GB -> 79.2 GiB; 141 GB -> 139.8 GiB; B200 "180 GB"
-# -> 178.4 GiB; GB200 186 GB -> 184 GiB, unverified on hardware). nvlink_gbps: NVLink 4
-# 450 GB/s and NVLink 5 900 GB/s per direction; H100 PCIe has only PCIe Gen5 x16 (~64 GB/s).
+# Sources, per column:
+# - peaks: NVIDIA H100/H200/B200/GB200 datasheets (dense figures = half the "with sparsity"
+#   ones); torchtitan's get_peak_flops uses the same BF16 values. H100 and H200 share the
+#   compute die; H200 differs in memory (141 GB HBM3e, 4.8 TB/s). GB200's BF16 is quoted as
+#   2.45-2.5 PFLOP/s depending on the document; we take 2.5 like torchtitan.
+# - fp4 (dense NVFP4): NVIDIA dgxc-benchmarking README, "Peak Theoretical Throughput"
+#   (non-sparse, the table NVIDIA's own training recipes compute MFU with): B200 9,000,
+#   GB200 9,800, B300 13,500, GB300 14,700 TFLOP/s; "NVFP4 precision is not supported on
+#   Hopper" (https://github.com/NVIDIA/dgxc-benchmarking, README.md).
+# - hbm_gib: torch's total_memory (80 GB -> 79.2 GiB; 141 GB -> 139.8 GiB; B200 "180 GB"
+#   -> 178.4 GiB; GB200 186 GB -> 184 GiB, unverified on hardware).
+# - nvlink_gbps: NVLink 4 450 GB/s and NVLink 5 900 GB/s per direction; H100 PCIe has only
+#   PCIe Gen5 x16 (~64 GB/s).
+# - capability: NVIDIA "CUDA GPU Compute Capability" (developer.nvidia.com/cuda-gpus): 10.3
+#   GB300/B300, 10.0 GB200/B200, 9.0 H200/H100 (H800 and the PCIe/NVL cards are the same
+#   dies), 8.0 A100.
+# - max_nvlink_domain: A100 16 (HGX A100 16-GPU, NVSwitch gen 2); H100/H200 SXM 256 (H100
+#   datasheet: "NVLink Switch System ... up to 256 H100 GPUs"); H800 8 (HGX H800, NVLink cut
+#   to 400 GB/s, no NVLink switch system offered); H100 PCIe and H100 NVL 2 (two-way NVLink
+#   bridge, H100 PCIe / NVL product briefs); H200 NVL 4 ("2- or 4-way NVLink bridge", H200
+#   datasheet); B200 and B300 8 (HGX B200 / HGX B300: eight GPUs on one NVSwitch tray);
+#   GB200 and GB300 72 (the NVL72 rack: "72 Blackwell GPUs in one NVLink domain", GB200 /
+#   GB300 NVL72 pages).
 GPUS: dict[str, GpuSpec] = {
-    "H100": GpuSpec("H100", {"bf16": 989, "fp8": 1979, "tf32": 494.5}, 79.2, 3.35, 3600, 700),
-    "H100_PCIE": GpuSpec("H100_PCIE", {"bf16": 756, "fp8": 1513, "tf32": 378}, 79.2, 2.0, 512, 350),
-    "H100_NVL": GpuSpec("H100_NVL", {"bf16": 835, "fp8": 1671, "tf32": 418}, 87.5, 3.9, 4800, 400),
-    "H200": GpuSpec("H200", {"bf16": 989, "fp8": 1979, "tf32": 494.5}, 139.8, 4.8, 3600, 700),
+    "H100": GpuSpec(
+        "H100", {"bf16": 989, "fp8": 1979, "tf32": 494.5}, 79.2, 3.35, 3600, 700,
+        capability=(9, 0), generation="Hopper", max_nvlink_domain=256,
+    ),
+    "H100_PCIE": GpuSpec(
+        "H100_PCIE", {"bf16": 756, "fp8": 1513, "tf32": 378}, 79.2, 2.0, 512, 350,
+        capability=(9, 0), generation="Hopper", max_nvlink_domain=2,
+    ),
+    "H100_NVL": GpuSpec(
+        "H100_NVL", {"bf16": 835, "fp8": 1671, "tf32": 418}, 87.5, 3.9, 4800, 400,
+        capability=(9, 0), generation="Hopper", max_nvlink_domain=2,
+    ),
+    "H200": GpuSpec(
+        "H200", {"bf16": 989, "fp8": 1979, "tf32": 494.5}, 139.8, 4.8, 3600, 700,
+        capability=(9, 0), generation="Hopper", max_nvlink_domain=256,
+    ),
     "B200": GpuSpec(
-        "B200", {"bf16": 2250, "fp8": 4500, "tf32": 1100}, 178.4, 8.0, 7200, 1000, mxfp8=True
+        "B200", {"bf16": 2250, "fp8": 4500, "fp4": 9000, "tf32": 1100}, 178.4, 8.0, 7200, 1000,
+        mxfp8=True, capability=(10, 0), generation="Blackwell", max_nvlink_domain=8,
     ),
     "GB200": GpuSpec(
-        "GB200", {"bf16": 2500, "fp8": 4900, "tf32": 1250}, 184.0, 8.0, 7200, 1200, mxfp8=True
+        "GB200", {"bf16": 2500, "fp8": 4900, "fp4": 9800, "tf32": 1250}, 184.0, 8.0, 7200, 1200,
+        mxfp8=True, capability=(10, 0), generation="Blackwell", max_nvlink_domain=72,
     ),
     # H200 NVL (PCIe card, 2-/4-way NVLink bridge 900 GB/s bidirectional, up to 600 W): NVIDIA
     # H200 datasheet, "H200 NVL" column: BF16 1,671 / FP8 3,341 / TF32 835 TFLOPS with
     # sparsity -> halved. Same 141 GB HBM3e at 4.8 TB/s as the SXM part.
     "H200_NVL": GpuSpec(
-        "H200_NVL", {"bf16": 835.5, "fp8": 1670.5, "tf32": 417.5}, 139.8, 4.8, 3600, 600
+        "H200_NVL", {"bf16": 835.5, "fp8": 1670.5, "tf32": 417.5}, 139.8, 4.8, 3600, 600,
+        capability=(9, 0), generation="Hopper", max_nvlink_domain=4,
     ),
     # H800 SXM5: NVIDIA H800 datasheet, the same tensor-core figures as H100 SXM (BF16 1,979 /
     # FP8 3,958 TFLOPS with sparsity), 80 GB HBM3 3.35 TB/s, NVLink cut to 400 GB/s
     # bidirectional (200 GB/s = 1,600 Gb/s per direction), 700 W.
-    "H800": GpuSpec("H800", {"bf16": 989, "fp8": 1979, "tf32": 494.5}, 79.2, 3.35, 1600, 700),
+    "H800": GpuSpec(
+        "H800", {"bf16": 989, "fp8": 1979, "tf32": 494.5}, 79.2, 3.35, 1600, 700,
+        capability=(9, 0), generation="Hopper", max_nvlink_domain=8,
+    ),
     # Blackwell Ultra. HGX B300: NVIDIA HGX B300 datasheet, 8 GPUs "FP8 72 PFLOPS, BF16 36
     # PFLOPS" with sparsity -> 4.5 / 2.25 PFLOP/s dense per GPU (TF32 1.1); GB300 NVL72: NVIDIA
     # GB300 NVL72 page, 360 PFLOPS FP8 dense per 72 GPUs -> 5 PFLOP/s FP8, 2.5 BF16, 1.25
     # TF32 per GPU. Per-GPU dense tables: verda.com/blog/gb300-nvl72-architecture and
     # glennklockwood.com/garden/processors/B300 (agree). Memory "270 GB" / "279 GB" HBM3e
     # (251.5 / 259.8 GiB as torch would report; unverified on hardware), 8 TB/s, NVLink 5.
+    # Dense FP4 from dgxc-benchmarking (above).
     "B300": GpuSpec(
-        "B300", {"bf16": 2250, "fp8": 4500, "tf32": 1100}, 251.5, 8.0, 7200, 1100, mxfp8=True
+        "B300", {"bf16": 2250, "fp8": 4500, "fp4": 13500, "tf32": 1100}, 251.5, 8.0, 7200, 1100,
+        mxfp8=True, capability=(10, 3), generation="Blackwell Ultra", max_nvlink_domain=8,
     ),
     "GB300": GpuSpec(
-        "GB300", {"bf16": 2500, "fp8": 5000, "tf32": 1250}, 259.8, 8.0, 7200, 1400, mxfp8=True
+        "GB300", {"bf16": 2500, "fp8": 5000, "fp4": 14700, "tf32": 1250}, 259.8, 8.0, 7200, 1400,
+        mxfp8=True, capability=(10, 3), generation="Blackwell Ultra", max_nvlink_domain=72,
     ),
-    "A100": GpuSpec("A100", {"bf16": 312, "tf32": 156}, 79.2, 2.0, 2400, 400),
+    "A100": GpuSpec(
+        "A100", {"bf16": 312, "tf32": 156}, 79.2, 2.0, 2400, 400,
+        capability=(8, 0), generation="Ampere", max_nvlink_domain=16,
+    ),
     "cpu": GpuSpec("cpu", {}, 0.0, 0.05, 0, 0),
-}
+}  # fmt: skip
+
+# GPU kinds a cluster profile may name: every kind in the table (issue 29; a profile of a
+# GPU without numbers here could be planned but not priced).
+PROFILE_KINDS: tuple[str, ...] = tuple(GPUS)
+
+# Generations in release order (leave-one-generation-out calibration holds one out and
+# prices it with the constants of the nearest other).
+GENERATIONS: tuple[str, ...] = ("Ampere", "Hopper", "Blackwell", "Blackwell Ultra")
 
 
 @lru_cache(maxsize=256)
@@ -134,6 +190,8 @@ def precision_of(linear: str) -> str:
         return "bf16"
     if p.startswith("fp8") or p.startswith("float8") or p == "mxfp8":
         return "fp8"
+    if p in ("fp4", "nvfp4"):
+        return "fp4"
     if p in ("fp32", "float32", "tf32"):
         return "tf32"
     raise ValueError(f"unknown precision {linear!r}; known: {', '.join(PRECISIONS)}")
@@ -143,8 +201,9 @@ def precision_of(linear: str) -> str:
 def peak_flops(gpu_name_or_kind: str, precision: str = "bf16") -> float | None:
     """Dense peak FLOP/s of one GPU at `precision`, or None (CPU, unknown GPU, unsupported).
 
-    `precision` is "bf16", "fp8", "tf32" or a linear-backend name ("fp8_rowwise",
-    "mxfp8", "float32" -> tf32). MXFP8 needs block-scaled tensor cores (Blackwell).
+    `precision` is "bf16", "fp8", "fp4", "tf32" or a linear-backend name ("fp8_rowwise",
+    "mxfp8", "nvfp4", "float32" -> tf32). MXFP8 needs block-scaled tensor cores
+    (Blackwell); NVFP4 an FP4 peak in the table (Blackwell too).
     """
     kind = gpu_kind(gpu_name_or_kind)
     if kind is None:

@@ -9,7 +9,8 @@ sees it); attention forward + backward with the causal FLOP count (4*D per atten
 
 Every row also carries the relative error of the forward output against an fp32 reference
 on the same data, so a CPU run checks each backend end to end. On CPU the figures are
-correctness-only: FP8/MX run emulated and nothing is tuned. On CUDA: warmup, CUDA events,
+correctness-only: FP8/MX run emulated (NVFP4 has no emulation: its rows say why) and nothing
+is tuned. On CUDA: warmup, CUDA events,
 median of `iters`, optional torch.compile of each linear (torchao's FP8/MX casts need it for
 speed).
 """
@@ -382,8 +383,10 @@ def markdown(result: dict, command: str = "") -> str:
         lines += [
             "",
             "**CPU run: correctness only.** FP8/MXFP8 are emulated (fp32 matmuls of "
-            "dequantized values) and the timings say nothing about GPU throughput; "
-            "`rel err` is the forward output against an fp32 reference on the same data.",
+            "dequantized values; fp8_tensorwise with its FP8-all-gather weight) and the "
+            "timings say nothing about GPU throughput; NVFP4 has no CPU emulation (its rows "
+            "say why); `rel err` is the forward output against an fp32 reference on the same "
+            "data.",
         ]
     lines += [
         "",

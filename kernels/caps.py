@@ -11,19 +11,35 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field
 
+from core.hardware import GPUS
 from core.launch_env import launch_env
 from core.linear_backends import LINEAR_BACKENDS, LinearBackend, ranked, requirement_problem
 
-# Compute capability of the GPUs titanscale's users run (and of the ones the registry's
-# error messages name). Keys are matched as substrings of torch's device name.
+# torch.cuda.get_device_name()-style names of the GPU kinds, for simulated devices and the
+# registry's error messages. Compute capabilities come from the hardware table (one home:
+# core.hardware.GPUS); L40S (Ada, SM89) is listed for the FP8-without-MX case and has no
+# training numbers there.
+DEVICE_NAMES: dict[str, str] = {
+    "A100": "NVIDIA A100-SXM4-80GB",
+    "H100": "NVIDIA H100 80GB HBM3",
+    "H100_PCIE": "NVIDIA H100 PCIe",
+    "H100_NVL": "NVIDIA H100 NVL",
+    "H200": "NVIDIA H200",
+    "H200_NVL": "NVIDIA H200 NVL",
+    "H800": "NVIDIA H800",
+    "B200": "NVIDIA B200",
+    "GB200": "NVIDIA GB200",
+    "B300": "NVIDIA B300 SXM6 AC",
+    "GB300": "NVIDIA GB300",
+}
 KNOWN_GPUS: dict[str, tuple[str, tuple[int, int]]] = {
     # kind: (torch.cuda.get_device_name()-style name, capability)
-    "A100": ("NVIDIA A100-SXM4-80GB", (8, 0)),
+    **{
+        kind: (DEVICE_NAMES[kind], spec.capability)
+        for kind, spec in GPUS.items()
+        if spec.capability is not None
+    },
     "L40S": ("NVIDIA L40S", (8, 9)),
-    "H100": ("NVIDIA H100 80GB HBM3", (9, 0)),
-    "H200": ("NVIDIA H200", (9, 0)),
-    "B200": ("NVIDIA B200", (10, 0)),
-    "GB200": ("NVIDIA GB200", (10, 0)),
 }
 
 # Optional kernel packages, by the feature name backends declare. torch's varlen attention
@@ -35,7 +51,14 @@ FEATURE_MODULES: dict[str, str] = {
     "fa3": "flash_attn_interface",
     "fa4": "flash_attn.cute.interface",
     "torchao": "torchao",
+    # torchao's NVFP4 training linear (Triton kernels; what torchtitan's NVFP4 converter builds).
+    "torchao_nvfp4": "torchao.prototype.moe_training.nvfp4_training",
 }
+
+
+# What a plain install of the pinned dependencies provides (torchao 0.18 ships the NVFP4
+# training prototype).
+PINNED_FEATURES = frozenset({"torchao", "torchao_nvfp4"})
 
 
 def _importable(module: str) -> bool:
@@ -101,22 +124,20 @@ class DeviceCaps:
 
     @staticmethod
     def cpu(features: frozenset[str] | None = None) -> DeviceCaps:
-        return DeviceCaps(
-            "cpu", "cpu", None, frozenset({"torchao"}) if features is None else features
-        )
+        return DeviceCaps("cpu", "cpu", None, PINNED_FEATURES if features is None else features)
 
     @staticmethod
     def gpu(kind: str, features: frozenset[str] | set[str] | None = None) -> DeviceCaps:
         """Simulated caps of a known GPU kind ("H100", "B200", ...).
 
-        `features` defaults to torchao only (no FlashAttention 3/4 packages), the state of a
-        plain `pip install` of the pinned dependencies.
+        `features` defaults to torchao with its NVFP4 prototype and no FlashAttention 3/4
+        packages: the state of a plain `pip install` of the pinned dependencies.
         """
-        key = kind.upper()
+        key = kind if kind in KNOWN_GPUS else kind.upper()
         if key not in KNOWN_GPUS:
             raise KeyError(f"unknown GPU kind {kind!r}; known: {', '.join(KNOWN_GPUS)}")
         name, cap = KNOWN_GPUS[key]
-        feats = frozenset({"torchao"}) if features is None else frozenset(features)
+        feats = PINNED_FEATURES if features is None else frozenset(features)
         return DeviceCaps("cuda", name, cap, feats)
 
 
@@ -141,4 +162,5 @@ def auto_linear(caps: DeviceCaps) -> LinearBackend:
 
 def simulated_caps(gpu_kind: str) -> DeviceCaps:
     """Caps of a cluster profile's GPU kind (with torchao); CPU for "cpu" or an unknown kind."""
-    return DeviceCaps.gpu(gpu_kind) if gpu_kind.upper() in KNOWN_GPUS else DeviceCaps.cpu()
+    known = gpu_kind in KNOWN_GPUS or gpu_kind.upper() in KNOWN_GPUS
+    return DeviceCaps.gpu(gpu_kind) if known else DeviceCaps.cpu()

@@ -1,14 +1,25 @@
 """Low-precision linear layers: torchtitan's converters, made exact under emulation, and a plan
 of which linears they convert.
 
-Two thin subclasses of torchtitan 0.3.0's converters (components/quantization):
+Two thin subclasses of torchtitan 0.3.0's converters (components/quantization), and its
+NVFP4 converter as it ships:
 
 - `Float8Converter` (Float8LinearConverter): with `emulate=True`, torchtitan replaces the
   recipe's torchao config by `Float8LinearConfig(emulate=True)`, i.e. *tensorwise* scaling
   (float8.py: "if cfg.emulate: self.torchao_config = TorchAOFloat8LinearConfig(emulate=True)"),
   so an emulated "rowwise" or "rowwise_with_gw_hp" run would test a recipe torchao no longer
-  ships. This subclass keeps the recipe and only turns emulation on. Hardware runs are
-  torchtitan's code unchanged.
+  ships. This subclass keeps the recipe and only turns emulation on. It also takes the
+  recipe torchtitan 0.3 dropped from its config (`recipe_name` "rowwise" or
+  "rowwise_with_gw_hp" only) but torchao 0.18 still ships: "tensorwise"
+  (`Float8LinearConfig.from_recipe_name("tensorwise")`, dynamic per-tensor scales, NVIDIA's
+  "FP8-CS"), with `enable_fsdp_float8_all_gather` so FSDP2 gathers the weights in FP8
+  (torchao's WeightWithDynamicFloat8CastTensor; only tensorwise weight scaling allows it).
+  Without torchtitan's old post-optimizer `precompute_float8_dynamic_scale_for_fsdp` hook each
+  weight's scale costs one small all-reduce of its amax before the gather (torchao's
+  fsdp_pre_all_gather, `reduce_amax=True`): a latency-bound call per linear, the same scale.
+  Rowwise hardware runs are torchtitan's code unchanged.
+- NVFP4 (`torchtitan.components.quantization.NVFP4LinearConverter`, unchanged): SM100+ and
+  Triton only, so no emulated mode (the registry refuses it on CPU with one line).
 - `MXFP8Converter` (MXFP8LinearConverter): torchtitan's converter refuses anything below
   SM100 and builds torchao's MXFP8Linear with kernel_preference AUTO (SM100 kernels). With
   `emulate=True` this subclass skips that check and builds the same layer with
@@ -18,7 +29,8 @@ Two thin subclasses of torchtitan 0.3.0's converters (components/quantization):
 `plan_linear_conversion` decides, per Linear in a model config, convert or skip with a
 reason: the output head stays in high precision (torchtitan's 405B float8 recipe filters
 "lm_head"; its NVFP4 recipes convert "layers" only), and a linear whose TP-local
-dimensions the kernel cannot take (multiples of 16 for FP8, 32 for MX blocks) is skipped.
+dimensions the kernel cannot take (multiples of 16 for FP8, 32 for MX blocks, 128 for
+torchao's NVFP4 kernels) is skipped.
 The converters are then given exactly that list, and `apply_linear_plan` checks the result.
 """
 
@@ -28,12 +40,21 @@ import dataclasses
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Literal, cast
 
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 from torchao.float8 import Float8LinearConfig as TorchAOFloat8LinearConfig
 from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
-from torchtitan.components.quantization import Float8LinearConverter, MXFP8LinearConverter
+from torchtitan.components.quantization import (
+    Float8LinearConverter,
+    MXFP8LinearConverter,
+    NVFP4LinearConverter,
+)
 from torchtitan.components.quantization.float8 import Float8Linear
 from torchtitan.components.quantization.mx import MXFP8Linear
+from torchtitan.components.quantization.nvfp4 import NVFP4Linear
 from torchtitan.models.common.linear import Linear
 
 # Names of Llama linears that tensor parallelism shards by their input dimension
@@ -42,20 +63,132 @@ ROWWISE_TP_NAMES = ("wo", "w2")
 OUTPUT_HEAD = "lm_head"
 
 
+if Float8Linear is not None:
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    class Float8AllGatherLinear(Float8Linear):
+        """torchtitan's Float8Linear whose weight FSDP2 all-gathers in FP8.
+
+        torchao wraps the weight in WeightWithDynamicFloat8CastTensor only in
+        `Float8Linear.from_float` (float8_linear.py: "If FSDP float8 all-gather is on, wrap the
+        weight in a float8-aware tensor subclass"); torchtitan builds the module from its
+        config through `__init__`, so the wrap is done here. FSDP2 then calls the subclass's
+        fsdp_pre_all_gather: the shard is cast with the tensor's global amax (one all-reduce)
+        and gathered as 1-byte data plus its scale; the matmul takes the gathered FP8 weight.
+        """
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(Float8Linear.Config):
+            pass
+
+        def __init__(self, config: Config):
+            super().__init__(config)
+            weight = cast(torch.Tensor, self._parameters["weight"])
+            self.weight = nn.Parameter(
+                WeightWithDynamicFloat8CastTensor(
+                    weight,
+                    self.linear_mm_config,
+                    self.config.cast_config_weight.target_dtype,
+                ),
+                requires_grad=weight.requires_grad,
+            )
+            self.register_state_dict_post_hook(_plain_weight_in_state_dict)
+
+    def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata) -> None:
+        """The checkpoint sees the weight's plain high-precision tensor (same storage).
+
+        torchtitan's checkpointer caches the state dict and compares storages
+        (checkpointer/base.py `_shares_storage`: `untyped_storage().data_ptr()`), which a
+        wrapper subclass has none of; a view of the wrapped tensor keeps the checkpoint
+        format that of a plain Float8Linear (loads in both directions) and DCP's in-place
+        load still writes the parameter.
+        """
+        key = prefix + "weight"
+        t = state_dict.get(key)
+        if isinstance(t, DTensor) and isinstance(
+            t._local_tensor, WeightWithDynamicFloat8CastTensor
+        ):
+            state_dict[key] = DTensor.from_local(
+                t._local_tensor._tensor,
+                t.device_mesh,
+                t.placements,
+                run_check=False,
+                shape=t.shape,
+                stride=t.stride(),
+            )
+        elif isinstance(t, WeightWithDynamicFloat8CastTensor):
+            state_dict[key] = t._tensor
+
+else:  # torchao without Float8: the registry reports the FP8 backends as unavailable.
+    Float8AllGatherLinear = None  # type: ignore[assignment,misc]
+
+
+def _linear_fields(cfg) -> dict:
+    return {
+        "in_features": cfg.in_features,
+        "out_features": cfg.out_features,
+        "bias": cfg.bias,
+        "param_init": cfg.param_init,
+    }
+
+
+def _swap_linears(model_config, keep, make):
+    """torchtitan's converter loop: every Linear.Config `keep(cfg, fqn)` selects is replaced by
+    `make(cfg)` in its parent (or becomes the root)."""
+    for fqn, cfg, parent, attr in model_config.traverse(Linear.Config):
+        if not keep(cfg, fqn):
+            continue
+        new = make(cfg)
+        if parent is None:
+            model_config = new
+        elif isinstance(parent, list):
+            parent[attr] = new
+        else:
+            setattr(parent, attr, new)
+    return model_config
+
+
 class Float8Converter(Float8LinearConverter):
-    """torchtitan's Float8LinearConverter; under emulation the recipe's scaling is kept."""
+    """torchtitan's Float8LinearConverter, plus torchao's tensorwise recipe (with FP8
+    all-gather under FSDP); under emulation the recipe's scaling is kept."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Float8LinearConverter.Config):
-        pass
+        recipe_name: Literal["rowwise", "rowwise_with_gw_hp", "tensorwise"] = "rowwise"  # type: ignore[assignment]
+        """torchao Float8 recipe: torchtitan's two, or torchao's tensorwise."""
+
+        fsdp_float8_all_gather: bool = False
+        """FSDP2 all-gathers the converted weights in FP8 (tensorwise only: torchao allows it
+        for tensorwise weight scaling alone)."""
 
     def __init__(self, config: Config):
+        if config.fsdp_float8_all_gather and config.recipe_name != "tensorwise":
+            raise ValueError(
+                f"FP8 all-gather needs tensorwise weight scaling, not {config.recipe_name!r}"
+            )
         super().__init__(config)
-        if config.emulate and self.enabled:
-            # Same casts, scale rounding and per-GEMM precision as on hardware; only the
-            # scaled matmul becomes an fp32 matmul of the dequantized operands.
+        if self.enabled and (config.emulate or config.recipe_name == "tensorwise"):
+            # Same casts, scale rounding and per-GEMM precision as on hardware; under
+            # emulation only the scaled matmul becomes an fp32 matmul of the dequantized
+            # operands.
             recipe = TorchAOFloat8LinearConfig.from_recipe_name(config.recipe_name)
-            self.torchao_config = dataclasses.replace(recipe, emulate=True)
+            self.torchao_config = dataclasses.replace(
+                recipe,
+                emulate=config.emulate,
+                enable_fsdp_float8_all_gather=config.fsdp_float8_all_gather,
+            )
+
+    def convert(self, model_config):
+        if not (self.enabled and self.config.fsdp_float8_all_gather):
+            return super().convert(model_config)
+        # torchtitan's own loop, building the FP8-all-gather subclass's config instead.
+        return _swap_linears(
+            model_config,
+            self.filter_fn,
+            lambda cfg: Float8AllGatherLinear.Config(
+                **_linear_fields(cfg), _torchao_config=self.torchao_config
+            ),
+        )
 
 
 if MXFP8Linear is not None:
@@ -95,27 +228,20 @@ class MXFP8Converter(MXFP8LinearConverter):
         if not self.config.emulate:
             return super().convert(model_config)
         fqns = self.config.fqns
-        for fqn, cfg, parent, attr in model_config.traverse(Linear.Config):
-            if fqns and not any(t in fqn for t in fqns):
-                continue
-            new = EmulatedMXFP8Linear.Config(
-                in_features=cfg.in_features,
-                out_features=cfg.out_features,
-                bias=cfg.bias,
-                param_init=cfg.param_init,
-            )
-            if parent is None:
-                model_config = new
-            elif isinstance(parent, list):
-                parent[attr] = new
-            else:
-                setattr(parent, attr, new)
-        return model_config
+        return _swap_linears(
+            model_config,
+            lambda _cfg, fqn: not fqns or any(t in fqn for t in fqns),
+            lambda cfg: EmulatedMXFP8Linear.Config(**_linear_fields(cfg)),
+        )
 
+
+# torchtitan's NVFP4 converter as it ships (SM100+ check, Triton kernels); named here so the
+# registry imports every converter from one module.
+NVFP4Converter = NVFP4LinearConverter
 
 # Config types that mean "this linear runs in low precision".
 QUANTIZED_LINEAR_CONFIGS: tuple[type, ...] = tuple(
-    c.Config for c in (Float8Linear, MXFP8Linear) if c is not None
+    c.Config for c in (Float8Linear, MXFP8Linear, NVFP4Linear) if c is not None
 )
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 
@@ -104,6 +104,14 @@ ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
 ATTENTION_SPEED_ORDER = ("varlen", "flex", "dense")
 
 
+# kernels.linear -> torchao's Float8LinearRecipeName.
+FLOAT8_RECIPES: dict[str, Literal["rowwise", "rowwise_with_gw_hp", "tensorwise"]] = {
+    "fp8_rowwise": "rowwise",
+    "fp8_rowwise_gw_hp": "rowwise_with_gw_hp",
+    "fp8_tensorwise": "tensorwise",
+}
+
+
 @dataclass
 class KernelChoice:
     """The resolved kernels: what the runtime builds, and what to tell the user first."""
@@ -123,7 +131,7 @@ class KernelChoice:
 
     @property
     def linear_precision(self) -> str:
-        """Key of the peak-FLOP/s table for MFU: "bf16", "fp8" or "mxfp8"."""
+        """Key of the peak-FLOP/s table for MFU: "bf16", "fp8", "mxfp8" or "nvfp4"."""
         return self.linear_backend.precision
 
     # The runtime's earlier name for the same thing.
@@ -137,7 +145,7 @@ class KernelChoice:
         return self._converters(None)
 
     def _converters(self, plan) -> list:
-        from kernels.linear import Float8Converter, MXFP8Converter
+        from kernels.linear import Float8Converter, MXFP8Converter, NVFP4Converter
 
         be = self.linear_backend
         if not be.quantized:
@@ -146,15 +154,20 @@ class KernelChoice:
             skip = ["lm_head"] if plan is None else [d.fqn for d in plan if not d.convert]
             return [
                 Float8Converter.Config(
-                    recipe_name="rowwise" if self.linear == "fp8_rowwise" else "rowwise_with_gw_hp",
+                    recipe_name=FLOAT8_RECIPES[self.linear],
+                    # Tensorwise weights gather in FP8 under FSDP2 (torchao's weight subclass);
+                    # without FSDP the subclass only casts, as a plain Float8Linear would.
+                    fsdp_float8_all_gather=self.linear == "fp8_tensorwise",
                     filter_fqns=skip,
                     emulate=self.emulated,
                     model_compile_enabled=self.compile,
                 )
             ]
         keep = ["layers"] if plan is None else [d.fqn for d in plan if d.convert]
-        if not keep:  # torchtitan's MXFP8 converter reads an empty list as "everything"
+        if not keep:  # torchtitan's MX/NVFP4 converters read an empty list as "everything"
             return []
+        if be.precision == "nvfp4":
+            return [NVFP4Converter.Config(fqns=keep, model_compile_enabled=self.compile)]
         return [
             MXFP8Converter.Config(
                 fqns=keep, emulate=self.emulated, model_compile_enabled=self.compile
@@ -255,6 +268,14 @@ def _select_linear(
     problem = linear_problem(requested, caps)
     if not problem:
         return requested, False
+    if caps.is_cpu and be.no_emulation:
+        raise _error(
+            f"linear backend '{requested}' cannot run on cpu: {be.no_emulation}; it needs "
+            f"an NVIDIA GPU with compute capability {sm(be.min_capability or (0, 0))}+ "
+            "(use mxfp8 or fp8_rowwise, emulated on CPU, or bf16)",
+            key,
+            file,
+        )
     if caps.is_cpu:
         notices.append(
             f"kernels.linear={requested}: no {be.precision.upper()} hardware on CPU; running "
@@ -397,4 +418,9 @@ def build_linear(choice: KernelChoice, in_features: int, out_features: int, *, b
         # fqn "" is the root of this one-node config tree: the plan converts it.
         for c in choice._converters([LinearDecision("", in_features, out_features, True)]):
             cfg = c.build().convert(cfg)
-    return cfg.build()
+    mod = cfg.build()
+    if be.precision == "nvfp4":
+        # NVFP4Linear's stochastic-rounding seed and Hadamard signs are buffers torchtitan
+        # materialises in init_states (its meta-init protocol); callers set the weight after.
+        mod.init_states()
+    return mod

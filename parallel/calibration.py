@@ -5,7 +5,8 @@ throughput; memory where stated), on a cluster profile for its platform, priced 
 software-stack profile of the run (`stacks/<name>.toml`). Where a source leaves a setting
 out, the row says what we assumed (`assumed`). No row has its own constant: the only
 fitted numbers are the stack profiles' (`FIT_PARAMS`), fitted by `fit()` over every row and
-cross-validated by leaving one source out (`leave_one_source_out`).
+cross-validated by leaving one source out (`leave_one_source_out`) and by leaving one GPU
+generation out (`leave_one_generation_out`: what a user of new hardware relies on).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from core.axes import Layout
+from core.hardware import GENERATIONS, GPUS
 from core.models import ModelShape, model_shape
 from parallel.cluster import Cluster, load_cluster
 from parallel.perf import Prediction, predict
@@ -206,23 +208,29 @@ def _mcore(
         virtual_stages=vp if vp > 1 else 0,
         ac="none",
         linear=linear,
+        # Transformer Engine gathers the sequence-parallel inputs of its FP8 GEMMs in FP8.
+        fp8_tp_all_gather=linear == "fp8_tensorwise",
         compile=True,
         cp_rotate="alltoall",
         stack="megatron_te",
     )
 
 
-FP8_TW = dict(linear="fp8_tensorwise", fp8_all_gather=True)
-GT, H100, H200, B200, GB200 = (
+# torchtitan's Float8 of 2024-2025: tensorwise with FP8 all-gathers in FSDP and in TP (its
+# float8 TP styles, since removed).
+FP8_TW = dict(linear="fp8_tensorwise", fp8_all_gather=True, fp8_tp_all_gather=True)
+GT, H100, H200, B200, GB200, GB300 = (
     "grand_teton_h100",
     "hgx_h100_ib",
     "hgx_h200_ib",
     "hgx_b200_ib",
     "gb200_nvl72",
+    "gb300_nvl72",
 )
 MCORE_ASSUMED = "no activation recompute (the tables list none)"
 FP8_CS = "FP8-CS = per-tensor current scaling (fp8_tensorwise GEMMs)"
 FP8_DELAYED = "FP8 = per-tensor delayed scaling (TE's default then; the table says FP8)"
+NVFP4_ALL = "NVFP4 in every block linear (the table does not say which layers stay BF16)"
 
 # NVIDIA's tables, row by row as published: (source, cluster, model, GPUs, GBS, MBS,
 # layout {tp, pp, cp, vp, fsdp, linear}, tokens/s/GPU). FP8 is per-tensor unless MXFP8.
@@ -251,6 +259,23 @@ MCORE_ROWS: tuple[tuple[str, str, str, int, int, int, dict[str, Any], float], ..
     ("mb2602", GB200, "70B", 64, 256, 1, dict(tp=2, pp=4, vp=5, linear="mxfp8"), 3613),
     ("mb2602", GB200, "405B", 256, 1536, 1, dict(tp=4, pp=16, vp=4), 793),
     ("mb2602", GB200, "405B", 256, 1536, 1, dict(tp=4, pp=16, vp=8, linear="mxfp8"), 786),
+    # Rows added with the Blackwell Ultra profiles (issue 29): GB300, the MXFP8 figures the
+    # 25.11 tables give in parentheses ("FP8-MX"), and NVFP4.
+    ("mb2511", GB300, "8B", 8, 128, 2, {}, 37556),
+    ("mb2511", GB300, "8B", 8, 128, 2, dict(linear="mxfp8"), 36108),
+    ("mb2511", GB300, "70B", 64, 256, 2, dict(fsdp=True), 4520),
+    ("mb2511", GB300, "405B", 256, 1536, 1, dict(tp=2, pp=8, cp=2, vp=4), 999),
+    ("mb2511", GB200, "8B", 8, 128, 2, dict(linear="mxfp8"), 29789),
+    ("mb2511", B200, "8B", 8, 128, 2, dict(linear="mxfp8"), 29521),
+    ("mb2511", B200, "405B", 128, 64, 1, dict(tp=4, pp=8, cp=2, vp=8, linear="mxfp8"), 624),
+    ("mb2602", GB300, "70B", 64, 256, 2, dict(fsdp=True), 5003),
+    ("mb2602", GB300, "70B", 64, 256, 1, dict(pp=4, vp=5, linear="mxfp8"), 4596),
+    ("mb2602", GB300, "70B", 64, 256, 1, dict(pp=4, vp=5, linear="nvfp4"), 6798),
+    ("mb2602", GB200, "70B", 64, 256, 1, dict(tp=2, pp=4, vp=5, linear="nvfp4"), 4458),
+    ("mb2602", GB300, "405B", 256, 1536, 1, dict(tp=4, pp=8, vp=4), 988),
+    ("mb2602", GB300, "405B", 256, 1536, 1, dict(tp=2, pp=8, cp=2, vp=4, linear="mxfp8"), 931),
+    ("mb2602", GB300, "405B", 256, 1536, 1, dict(tp=4, pp=8, vp=4, linear="nvfp4"), 1333),
+    ("mb2602", GB200, "405B", 256, 1536, 1, dict(tp=4, pp=16, vp=8, linear="nvfp4"), 1076),
 )
 # fmt: on
 
@@ -390,16 +415,18 @@ def rows() -> list[Row]:
                 assumed="llama3_8b.toml defaults: seq 8192, selective AC; float8 = tensorwise",
             )
         )
-    gpn = {H100: 8, H200: 8, B200: 8, GB200: 4}
-    gpu_of = {H100: "H100", B200: "B200", GB200: "GB200"}
+    gpn = {H100: 8, H200: 8, B200: 8, GB200: 4, GB300: 4}
+    gpu_of = {H100: "H100", B200: "B200", GB200: "GB200", GB300: "GB300"}
     for src, cl, flavor, gpus, gbs, mbs, kw, mc_tps in MCORE_ROWS:
         w = _mcore(flavor, gpus, gbs, mbs, **kw)
         lin = w.linear
-        prec = {"bf16": "BF16", "mxfp8": "MXFP8"}.get(lin, "FP8")
+        prec = {"bf16": "BF16", "mxfp8": "MXFP8", "nvfp4": "NVFP4"}.get(lin, "FP8")
         assumed = MCORE_ASSUMED
         if prec == "FP8":
             delayed = src in ("nemo2407", "nemo2502")
             assumed += "; " + (FP8_DELAYED if delayed else FP8_CS)
+        if prec == "NVFP4":
+            assumed += "; " + NVFP4_ALL
         out.append(
             Row(
                 f"{flavor} {_mcore_layout(w, kw)} {prec} {gpu_of[cl]} x{gpus}",
@@ -477,29 +504,35 @@ def _const(stack: str, name: str, lo: float, hi: float, affects: Callable[[Row],
     return FitParam(f"{stack}.{name}", get, set_, affects, lo, hi)
 
 
-BLACKWELL = ("B200", "GB200")
+def generation_of(r: Row) -> str:
+    """The GPU generation of a row's cluster (core.hardware: Hopper, Blackwell, ...)."""
+    return GPUS[r.load_cluster().gpu].generation
 
 
-def _blackwell() -> FitParam:
-    """Blackwell's efficiency relative to Hopper: one hardware factor shared by both
-    stacks and both Blackwell parts (only NVIDIA's tables have Blackwell rows)."""
+def kinds_of(generation: str) -> tuple[str, ...]:
+    return tuple(k for k, g in GPUS.items() if g.generation == generation)
+
+
+def _set_generation(m: dict[str, Stack], generation: str, v: float) -> dict[str, Stack]:
+    kinds = kinds_of(generation)
+    return {
+        k: replace(st, gpu_eff={**st.gpu_eff, **dict.fromkeys(kinds, v)}) for k, st in m.items()
+    }
+
+
+def _generation_param(generation: str, name: str) -> FitParam:
+    """A generation's efficiency relative to Hopper: one hardware factor shared by both
+    stacks and every part of the generation (only NVIDIA's tables have Blackwell rows)."""
+    ref = kinds_of(generation)[0]
 
     def get(m: dict[str, Stack]) -> float:
-        return m["megatron_te"].gpu_eff["B200"]
+        return m["megatron_te"].gpu_factor(ref)
 
     def set_(m: dict[str, Stack], v: float) -> dict[str, Stack]:
-        return {
-            k: replace(st, gpu_eff={**st.gpu_eff, **dict.fromkeys(BLACKWELL, v)})
-            for k, st in m.items()
-        }
+        return _set_generation(m, generation, v)
 
     return FitParam(
-        "gpu_eff.Blackwell",
-        get,
-        set_,
-        lambda r: r.cluster in ("hgx_b200_ib", "gb200_nvl72"),
-        0.4,
-        1.2,
+        f"gpu_eff.{name}", get, set_, lambda r: generation_of(r) == generation, 0.4, 1.2
     )
 
 
@@ -512,8 +545,10 @@ def fit_params() -> list[FitParam]:
         _const(tt, "tp_hidden", 0.0, 1.0, lambda r: r.workload.stack == tt and r.workload.async_tp),
         _mm(mc, "bf16"),
         _mm(mc, "fp8_tensorwise"),
-        _blackwell(),
+        _generation_param("Blackwell", "Blackwell"),
+        _generation_param("Blackwell Ultra", "BlackwellUltra"),
         _mm(mc, "mxfp8"),
+        _mm(mc, "nvfp4"),
     ]
 
 
@@ -577,4 +612,56 @@ def leave_one_source_out(rs: list[Row] | None = None) -> dict[str, list[tuple[Ro
             (r, 100 * (r.predict(m).tokens_per_sec_per_gpu / r.tokens_per_sec_per_gpu - 1))
             for r in held
         ]
+    return out
+
+
+def donor_generation(held: str, present: set[str]) -> str | None:
+    """The generation whose fitted factor prices a held-out one: the nearest earlier one
+    with rows (what is known when a new generation ships), else the nearest later one."""
+    order = list(GENERATIONS)
+    i = order.index(held)
+    for g in reversed(order[:i]):
+        if g in present:
+            return g
+    for g in order[i + 1 :]:
+        if g in present:
+            return g
+    return None
+
+
+def leave_one_generation_out(
+    rs: list[Row] | None = None, only: str | None = None
+) -> dict[str, tuple[str | None, list[tuple[Row, float]], list[Row]]]:
+    """For each GPU generation: fit on the other generations' rows, price the held-out
+    generation with the factor of its donor (`donor_generation`; its own factor has no row
+    left to inform it), predict its rows.
+
+    Returns generation -> (donor, [(row, signed error %)], rows not cross-validated). A row
+    whose stack has no row in any other generation cannot be held out honestly (every
+    constant of that stack would keep the profile's value, fitted on that very row): it is
+    returned in the third list instead of being scored. `only`: hold out that generation
+    alone.
+    """
+    rs = rs or rows()
+    gens = [generation_of(r) for r in rs]
+    out: dict[str, tuple[str | None, list[tuple[Row, float]], list[Row]]] = {}
+    for gen in [g for g in GENERATIONS if g in set(gens) and only in (None, g)]:
+        train = [r for r, g in zip(rs, gens, strict=True) if g != gen]
+        held = [r for r, g in zip(rs, gens, strict=True) if g == gen]
+        stacks_left = {r.workload.stack for r in train}
+        scored = [r for r in held if r.workload.stack in stacks_left]
+        skipped = [r for r in held if r.workload.stack not in stacks_left]
+        m = fit(train)
+        donor = donor_generation(gen, {g for g in gens if g != gen})
+        if donor is not None:
+            ref = kinds_of(donor)[0]
+            m = _set_generation(m, gen, m["megatron_te"].gpu_factor(ref))
+        out[gen] = (
+            donor,
+            [
+                (r, 100 * (r.predict(m).tokens_per_sec_per_gpu / r.tokens_per_sec_per_gpu - 1))
+                for r in scored
+            ],
+            skipped,
+        )
     return out

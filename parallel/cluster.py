@@ -24,6 +24,7 @@ from core.hardware import (
     MAX_NODES,
     MAX_NVLINK_DOMAIN_GPUS,
     MAX_WORLD_SIZE,
+    PROFILE_KINDS,
 )
 from core.safe_text import check_text
 from core.typed_toml import apply_override, build_dataclass, doc, read_with_bases, resolve_named
@@ -31,7 +32,8 @@ from parallel.fabric import Fabric, fabric_of
 
 CLUSTERS_DIR = Path(__file__).resolve().parent.parent / "clusters"
 
-GpuKind = Literal["H100", "H200", "B200", "GB200", "cpu"]
+# Every kind of the hardware table (core.hardware.GPUS), the one home of GPU names.
+GpuKind = Literal[PROFILE_KINDS]  # type: ignore[valid-type]  # built from the table
 Fabric_ = Literal["infiniband", "roce", "efa", "ethernet", "none"]
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -154,7 +156,13 @@ class Cluster:
 
     name: str = field(default="", metadata=doc("Profile name (defaults to the file stem)."))
     description: str = field(default="", metadata=doc("Free text."))
-    gpu: GpuKind = field(default="H100", metadata=doc("GPU kind: H100, H200, B200, GB200, cpu."))
+    gpu: GpuKind = field(
+        default="H100",
+        metadata=doc(
+            "GPU kind, a key of core.hardware.GPUS: " + ", ".join(PROFILE_KINDS) + " (B300/GB300"
+            " = Blackwell Ultra; _PCIE/_NVL = the PCIe cards; cpu = gloo ranks)."
+        ),
+    )
     nodes: int = field(default=1, metadata=doc("Hosts in the cluster (or in the job)."))
     gpus_per_node: int = field(default=8, metadata=doc("GPUs (ranks) per host."))
     nvlink_domain_gpus: int = field(
@@ -223,6 +231,16 @@ class Cluster:
                 )
         if self.nvlink_domain_gpus == 0:
             self.nvlink_domain_gpus = self.gpus_per_node
+        # A domain past one host is NVLink switch hardware this GPU must ship with (NVL72 racks
+        # for GB200/GB300; none for HGX B200/B300, H800 or the PCIe cards). Inside one host the
+        # profile's link speed says what connects the GPUs (PCIe for the PCIe cards).
+        most = GPUS[self.gpu].max_nvlink_domain
+        if most and self.nvlink_domain_gpus > max(most, self.gpus_per_node):
+            raise ConfigError(
+                f"{self.nvlink_domain_gpus} GPUs in one NVLink domain, but {self.gpu} ships in "
+                f"domains of at most {most} (core.hardware.GPUS: max_nvlink_domain)",
+                key="nvlink_domain_gpus",
+            )
         if self.nvlink_domain_gpus % self.gpus_per_node:
             raise ConfigError(
                 f"an NVLink domain of {self.nvlink_domain_gpus} GPUs must hold whole hosts of "

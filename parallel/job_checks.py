@@ -23,7 +23,7 @@ def planning_caps(gpu_kind: str) -> DeviceCaps:
     packages (FlashAttention 3/4, torchao) count as installed: what a login node has says
     nothing about the nodes, and training checks them on the node before its process group.
     The GPU's compute capability is what a profile knows, and it is checked here."""
-    if gpu_kind.upper() not in KNOWN_GPUS:  # "cpu"
+    if gpu_kind not in KNOWN_GPUS and gpu_kind.upper() not in KNOWN_GPUS:  # "cpu"
         return DeviceCaps.cpu()
     return DeviceCaps.gpu(gpu_kind, features=frozenset(FEATURE_MODULES))
 

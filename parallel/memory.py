@@ -308,6 +308,8 @@ def _memory_for_rank(w: Workload, rank: int, st: Stack) -> MemoryEstimate:
     if fp8:
         copies = 1 if w.linear == "fp8_tensorwise" else 2  # rowwise: both orientations
         fp8_bytes = unit * copies + tokens * (2 * s.dim + s.ffn_hidden / t) * copies
+        if w.linear == "nvfp4":  # 4-bit codes + an e4m3 scale per 16 elements: 0.5625 B
+            fp8_bytes *= 0.5625
     return MemoryEstimate(
         states=states,
         unsharded=unsharded,

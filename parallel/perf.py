@@ -112,7 +112,7 @@ def gemm_eff(st: Stack, linear: str, x: float, gpu: str = "H100") -> float:
     """Fraction of the precision's peak a GEMM whose smaller weight dimension is x
     sustains on this stack and GPU: the large-GEMM asymptote times x / (x + half_dim)
     (narrow GEMMs fill fewer tiles per wave and spend more time in epilogues)."""
-    return st.matmul_eff[linear] * st.gpu_factor(gpu) * x / (x + st.gemm_half_dim)
+    return st.matmul(linear) * st.gpu_factor(gpu) * x / (x + st.gemm_half_dim)
 
 
 def stack_of(w: Workload, stack: Stack | None = None) -> Stack:
@@ -123,9 +123,14 @@ def _linear_kind(w: Workload) -> tuple[str, str]:
     """(forward/dgrad kind, wgrad kind) of the transformer-block linears."""
     if w.linear == "fp8_rowwise_gw_hp":
         return "fp8_rowwise", "bf16"
-    if w.linear in ("fp8_tensorwise", "fp8_rowwise", "mxfp8"):
+    if w.linear in ("fp8_tensorwise", "fp8_rowwise", "mxfp8", "nvfp4"):
         return w.linear, w.linear
     return "bf16", "bf16"
+
+
+def fp8_tp_gather(w: Workload) -> bool:
+    """Sequence-parallel all-gathers move FP8 (1 byte) instead of bf16."""
+    return w.fp8_tp_all_gather and w.linear == "fp8_tensorwise"
 
 
 def block_gemms(w: Workload) -> list[tuple[int, int]]:
@@ -198,6 +203,9 @@ def fp8_cast_bytes(w: Workload) -> float:
     amax (fused by compile). Activation-side operands: forward inputs, backward output
     gradients, and for the weight gradient their transposed casts (tensorwise transposes
     the fp8 copy, 2 B; row-wise scaling must requantize along the other axis, 3 B).
+    NVFP4 (torchao's Triton path): an amax pass with the Hadamard transform (reads 2 B), then
+    one fused transform-and-quantize that reads 2 B and writes both orientations of 4-bit
+    codes with an e4m3 scale per 16 (2 x 0.5625 B): about 5.1 B per operand element.
     """
     if w.linear == "bf16":
         return 0.0
@@ -207,6 +215,8 @@ def fp8_cast_bytes(w: Workload) -> float:
     outs = (qd + 2 * kv) / t + d + 2 * f / t + d  # output gradients
     if w.linear == "fp8_tensorwise":
         return (ins + outs) * (3 + 2)
+    if w.linear == "nvfp4":
+        return (ins + outs) * (2 + 2 + 2 * 0.5625)
     if w.linear == "fp8_rowwise_gw_hp":
         return (ins + outs) * 3
     return (ins + outs) * (3 + 3)
@@ -322,7 +332,10 @@ def _peak(kind: str, w: Workload, links: Links) -> float:
         if w.dtype == "float32":
             return (peak_flops(links.gpu, "tf32") or bf16) * links.clock
         return bf16
-    return (peak_flops(links.gpu, "fp8") or bf16) * links.clock
+    fp8 = peak_flops(links.gpu, "fp8")
+    fp4 = peak_flops(links.gpu, "fp4") if kind == "nvfp4" else None
+    peak = fp4 or fp8
+    return peak * links.clock if peak else bf16
 
 
 def layer_costs(
@@ -374,7 +387,7 @@ def layer_costs(
     act = tok * s.dim  # elements of one full-sequence (SP-gathered) activation
     tp_total = 0.0
     if t > 1:
-        ag = 1 if w.linear == "fp8_tensorwise" else elt
+        ag = 1 if fp8_tp_gather(w) else elt
         n_ag, n_rs = sp_collectives_per_layer(w.ac)
         tp_total = n_ag * coll_time("all_gather", act * ag, span_tp, links)
         tp_total += n_rs * coll_time("reduce_scatter", act * elt, span_tp, links)
@@ -626,7 +639,7 @@ def _collectives(w: Workload, layers_rank: int) -> list[Collective]:
     stage_params = s.total_params / (t * p)
     if t > 1:
         act = tok * s.dim
-        ag = 1 if w.linear == "fp8_tensorwise" else elt
+        ag = 1 if fp8_tp_gather(w) else elt
         n_ag, n_rs = sp_collectives_per_layer(w.ac)
         out.append(Collective("tp", "all_gather", act * ag, n_ag * layers_rank * micro, "SP"))
         out.append(Collective("tp", "reduce_scatter", act * elt, n_rs * layers_rank * micro, "SP"))

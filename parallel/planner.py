@@ -30,8 +30,8 @@ from typing import Any, NamedTuple, cast
 
 from core.axes import Layout
 from core.errors import ConfigError
-from core.hardware import MAX_WORLD_SIZE
-from core.models import PP_SCHEDULES
+from core.hardware import MAX_NODES, MAX_WORLD_SIZE
+from core.models import PP_SCHEDULES, pp_layer_weights, stages_per_rank
 from parallel.cluster import Cluster
 from parallel.job_checks import check_before_search, check_kernels_on
 from parallel.memory import MemoryProfile, memory_profile, runtime_overhead_gib
@@ -248,15 +248,8 @@ def search(
             (p.layout.pp, p.layout.dp_replicate, p.layout.tp, p.layout.cp),
         )
     )
+    # Without any candidate, `explain_infeasible` says why (tools.plan, best_plan).
     warnings = [warning] if warning else []
-    if not run.candidates:
-        dom = min(world, cluster.nvlink_domain_gpus)
-        warnings.append(
-            f"no layout for {world:,} GPUs: the data-parallel degree (the world over tp x cp "
-            f"<= {dom}, one NVLink domain, and pp <= {max_pp}, the layers + 2) must divide the "
-            f"global batch of {gbs:,} sequences (so at most {gbs * dom * max_pp:,} GPUs); use "
-            "fewer nodes or another training.global_batch_size"
-        )
     return SearchResult(
         plans=run.plans,
         rejected=run.rejected,
@@ -470,19 +463,16 @@ def plan(
 def best_plan(
     recipe: Recipe, cluster: Cluster, nodes: int | None = None, stack: str = "torchtitan"
 ) -> Plan:
-    """The best plan; ConfigError naming the closest misses when nothing fits. The batch
-    warning (`planned_global_batch`) goes to the log."""
+    """The best plan; when nothing fits, ConfigError naming the binding constraint and the
+    nearest changes that fit (`explain_infeasible`). The batch warning
+    (`planned_global_batch`) goes to the log."""
     res = search(recipe, cluster, nodes, stack)
     if not res.plans:  # the warnings go into the one line, not before it
-        mem = [r for r in res.rejected if r.reason.startswith("memory")]
-        hint = ""
-        if mem:
-            hint = "; smallest need: " + min(mem, key=lambda r: _need(r.reason)).reason
-        if not res.candidates and res.warnings:
-            hint = "; " + res.warnings[-1]
+        why = explain_infeasible(recipe, cluster, nodes, stack, res)
         raise ConfigError(
-            f"no parallel plan for {recipe.model.flavor} fits {res.world_size} GPUs of "
-            f"{cluster.gpu} ({len(res.rejected)} candidates rejected: {res.reasons()}){hint}",
+            f"no parallel plan for {recipe.model.flavor} fits {res.world_size:,} GPUs of "
+            f"{cluster.gpu} ({len(res.rejected)} candidates rejected: {res.reasons()}): "
+            + why.one_line(),
             file=recipe.source,
             key="parallel.auto",
         )
@@ -529,3 +519,328 @@ def apply_plan(recipe: Recipe, plan: Plan) -> Recipe:
     )
     r.source = recipe.source
     return r
+
+
+# ----------------------------------------------------------------------------------------
+# When nothing fits: the binding constraint, with numbers, and the nearest changes that fit
+
+
+# Searches an explanation may run to check its suggestions (each is one `search`, tens of ms
+# once warm): the nearest candidates of each kind are tried in order until one fits.
+MAX_CHECKS_PER_SUGGESTION = 4
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """A change that fits, checked by running the search with it."""
+
+    key: str  # "training.global_batch_size" or "nodes"
+    value: int
+    plans: int  # fitting plans the search found
+    best: str  # the best plan's layout (its pipeline degree included)
+    tokens_per_sec_per_gpu: float
+
+    def describe(self) -> str:
+        what = (
+            f"{self.value:,} nodes (--nodes {self.value})"
+            if self.key == "nodes"
+            else f"{self.key} = {self.value}"
+        )
+        return (
+            f"{what}: {self.plans} plans fit, best {self.best} at "
+            f"{self.tokens_per_sec_per_gpu:,.0f} tokens/s/GPU"
+        )
+
+
+@dataclass(frozen=True)
+class Infeasible:
+    """Why no candidate fits (one sentence with the numbers) and what would."""
+
+    constraint: str
+    suggestions: tuple[Suggestion, ...] = ()
+
+    def lines(self) -> list[str]:
+        out = [f"nothing fits: {self.constraint}"]
+        if self.suggestions:
+            out.append("nearest changes that fit (each checked by running the search with it):")
+            out += [f"  {s.describe()}" for s in self.suggestions]
+        else:
+            out.append("no nearby global batch size or node count fits either")
+        return out
+
+    def one_line(self) -> str:
+        if not self.suggestions:
+            return self.constraint
+        alts = " or ".join(
+            f"{s.value:,} nodes" if s.key == "nodes" else f"{s.key} = {s.value}"
+            for s in self.suggestions
+        )
+        return f"{self.constraint}; nearest that fit: {alts}"
+
+
+def _factors(n: int) -> str:
+    """36864 -> '2^12 x 3^2' (the prime factorisation, for the batch-vs-degree story)."""
+    out, p = [], 2
+    while p * p <= n:
+        k = 0
+        while n % p == 0:
+            n, k = n // p, k + 1
+        if k:
+            out.append(f"{p}^{k}" if k > 1 else str(p))
+        p += 1
+    if n > 1:
+        out.append(str(n))
+    return " x ".join(out) or "1"
+
+
+def _brief(values: list[int], most: int = 8) -> str:
+    vals = sorted(set(values))
+    head = ", ".join(f"{v:,}" for v in vals[:most])
+    return head + (f", ... ({len(vals)} values)" if len(vals) > most else "")
+
+
+class _Shape(NamedTuple):
+    """What decides whether degrees can hold the model at all (no memory, no batch)."""
+
+    n_heads: int
+    n_kv_heads: int
+    n_layers: int
+    seq_len: int
+
+    def tp_ok(self, tp: int) -> bool:
+        return self.n_heads % tp == 0 and self.n_kv_heads % tp == 0
+
+    def pp_ok(self, pp: int) -> bool:
+        """Some schedule splits the layers evenly over pp ranks (check_layout's rule)."""
+        if pp == 1:
+            return True
+        return any(
+            pp_layer_weights(self.n_layers, pp * stages_per_rank(s)) is not None
+            for s in PP_SCHEDULES
+        )
+
+    def seq_ok(self, tp: int, cp: int) -> bool:
+        div = (tp if tp > 1 else 1) * (2 * cp if cp > 1 else 1)
+        return self.seq_len % div == 0
+
+    def inner_ok(self, inner: int) -> bool:
+        """Some tp x cp = inner split passes the head and sequence checks."""
+        return any(self.tp_ok(tp) and self.seq_ok(tp, inner // tp) for tp in _divisors(inner))
+
+
+def explain_infeasible(
+    recipe: Recipe,
+    cluster: Cluster,
+    nodes: int | None = None,
+    stack: str = "torchtitan",
+    res: SearchResult | None = None,
+) -> Infeasible:
+    """Name the constraint that leaves no plan, with its numbers, and the nearest global batch
+    size and node counts that do fit, each checked by running `search` with it.
+
+    Pure; costs the analysis (divisor enumeration over the batch, the NVLink domain and the
+    pipeline degrees) plus at most a few searches per kind of suggestion."""
+    cluster, world = world_for(recipe, cluster, nodes)
+    res = res or search(recipe, cluster, nodes=cluster.nodes, stack=stack)
+    tr = recipe.training
+    es = effective_shape(recipe)
+    shape = _Shape(es.n_heads, es.n_kv_heads, es.n_layers, tr.seq_len)
+    gbs, _ = planned_global_batch(recipe, world)
+    derived = tr.global_batch_size == -1
+    dom = cluster.nvlink_domain_gpus
+    max_pp = es.n_layers + 2
+    pps_ok = [pp for pp in range(1, max_pp + 1) if shape.pp_ok(pp)]
+
+    def batch_ok(dp: int) -> bool:
+        return dp <= gbs and (derived or gbs % dp == 0)
+
+    tuples = list(_degrees(world, dom, max_pp))
+    by_batch = [t for t in tuples if batch_ok(t[3])]
+    structural = [
+        t for t in by_batch if shape.tp_ok(t[0]) and shape.pp_ok(t[2]) and shape.seq_ok(t[0], t[1])
+    ]
+    batch_key = "training.global_batch_size"
+    domain = f"tp x cp <= {min(world, dom)} (one NVLink domain of {cluster.gpu})"
+    gib = cluster.hbm_bytes / 2**30
+    short = 1.0  # the smallest memory need over the GPU's memory, when memory binds
+    kinds: list[str] = []
+    if not by_batch:
+        kinds.append("batch")
+        dps = sorted({t[3] for t in tuples})
+        least = dps[0] if dps else world
+        constraint = (
+            f"no layout for {world:,} GPUs: the data-parallel degree (the world over "
+            f"{domain} and pp <= {max_pp}, the layers + 2) is at least {least:,}, and every "
+            f"such degree ({_brief(dps)}) must divide the global batch of {gbs:,} sequences "
+            f"({batch_key}{', derived' if derived else ''}; {world:,} = {_factors(world)}, "
+            f"{gbs:,} = {_factors(gbs)})"
+        )
+    elif not structural:
+        kinds.append("batch")
+        need_pp = sorted({t[2] for t in by_batch if not shape.pp_ok(t[2])})
+        need_tp = sorted({t[0] for t in by_batch if not shape.tp_ok(t[0])})
+        parts = []
+        if need_pp:
+            kinds.append("layers")
+            parts.append(
+                f"pp in {{{_brief(need_pp)}}}, but {shape.n_layers} layers split evenly only "
+                f"over pp in {{{_brief(pps_ok, 12)}}} (parallel.pp)"
+            )
+        if need_tp:
+            kinds.append("heads")
+            parts.append(
+                f"tp in {{{_brief(need_tp)}}}, but tp must divide the {shape.n_heads} query and "
+                f"{shape.n_kv_heads} key/value heads (parallel.tp)"
+            )
+        if not parts:
+            parts.append(
+                f"tp x 2cp dividing seq_len {shape.seq_len} (training.seq_len), which none does"
+            )
+        constraint = (
+            f"no layout for {world:,} GPUs ({_factors(world)}): a data-parallel degree that "
+            f"divides the global batch of {gbs:,} sequences ({batch_key}, {_factors(gbs)}) "
+            f"leaves the rest of each replica to {domain} and to " + "; and ".join(parts)
+        )
+    else:
+        mem = [r for r in res.rejected if r.reason.startswith("memory")]
+        if mem and len(mem) >= len(res.rejected) / 2:
+            kinds.append("memory")
+            least = min(mem, key=lambda r: _need(r.reason))
+            short = _need(least.reason) / gib
+            constraint = (
+                f"out of memory in every layout: the smallest need is {_need(least.reason):.1f} "
+                f"GiB per GPU of {gib:.1f} ({least.layout.describe()}, activation checkpointing "
+                f"{least.activation_checkpoint})"
+            )
+        else:
+            counts: dict[str, int] = {}
+            for r in res.rejected:
+                counts[r.reason] = counts.get(r.reason, 0) + 1
+            top = max(counts, key=lambda k: counts[k]) if counts else "no candidate"
+            constraint = f"every layout is refused; most often: {top}"
+    suggestions: list[Suggestion] = []
+    if "batch" in kinds:
+        s = _batch_suggestion(recipe, cluster, stack, world, gbs, shape, max_pp)
+        suggestions += [s] if s else []
+    at_least = cluster.nodes + 1
+    if "memory" in kinds:
+        # Sharded states shrink as 1/nodes and the rest does not: fewer nodes than
+        # nodes x need / memory cannot fit, so the walk over larger counts starts there.
+        at_least = max(at_least, math.ceil(cluster.nodes * short))
+    suggestions += _node_suggestions(
+        recipe, cluster, stack, gbs, derived, shape, pps_ok, "memory" in kinds, at_least
+    )
+    return Infeasible(constraint, tuple(suggestions))
+
+
+def _checked(recipe: Recipe, cluster: Cluster, stack: str, key: str, value: int):
+    """Run the search with one change; the Suggestion when something fits, else None."""
+    r = recipe
+    nodes = cluster.nodes
+    if key == "nodes":
+        nodes = value
+    else:
+        r = copy.copy(recipe)
+        r.training = dataclasses.replace(recipe.training, global_batch_size=value)
+        r.source = recipe.source
+    try:
+        res = search(r, cluster, nodes=nodes, stack=stack)
+    except ConfigError:
+        return None
+    if not res.plans:
+        return None
+    best = res.plans[0]
+    return Suggestion(key, value, len(res.plans), best.describe(), best.tokens_per_sec_per_gpu)
+
+
+def _batch_suggestion(
+    recipe: Recipe,
+    cluster: Cluster,
+    stack: str,
+    world: int,
+    gbs: int,
+    shape: _Shape,
+    max_pp: int,
+) -> Suggestion | None:
+    """The global batch nearest the recipe's that a structurally valid layout of this world
+    can split, checked by a search."""
+    dps = {
+        dp
+        for tp, cp, pp, dp in _degrees(world, cluster.nvlink_domain_gpus, max_pp)
+        if shape.tp_ok(tp) and shape.pp_ok(pp) and shape.seq_ok(tp, cp)
+    }
+    cap = MAX_TOKENS_PER_STEP // recipe.training.seq_len
+    options: set[int] = set()
+    for dp in dps:
+        lo, hi = (gbs // dp) * dp, -(-gbs // dp) * dp
+        options |= {g for g in (lo, hi) if 0 < g <= cap}
+    # Nearest first; at equal distance the larger batch (more sequences per replica).
+    for g in sorted(options - {gbs}, key=lambda g: (abs(g - gbs), -g))[:MAX_CHECKS_PER_SUGGESTION]:
+        found = _checked(recipe, cluster, stack, "training.global_batch_size", g)
+        if found:
+            return found
+    return None
+
+
+def _node_suggestions(
+    recipe: Recipe,
+    cluster: Cluster,
+    stack: str,
+    gbs: int,
+    derived: bool,
+    shape: _Shape,
+    pps_ok: list[int],
+    only_more: bool,
+    at_least: int,
+) -> list[Suggestion]:
+    """The nearest node counts below and above the job's whose world some structurally valid
+    layout fits with this batch (all degree tuples built from the batch's divisors, the
+    domain's and the valid pipeline degrees), each checked by a search. Larger counts start
+    at `at_least`."""
+    gpn, dom, nodes = cluster.gpus_per_node, cluster.nvlink_domain_gpus, cluster.nodes
+    per_domain = cluster.nodes_per_domain
+    most = MAX_NODES
+    if cluster.topology.switches:
+        most = len(cluster.fabric().hosts)
+    inners = [i for i in _divisors(dom) if shape.inner_ok(i)]
+    # With a derived batch any data-parallel degree up to it works; keep the search bounded.
+    dps = _divisors(gbs) if not derived else _divisors(gbs, MAX_NODES)
+    worlds = {inner * pp * dp for inner in inners for pp in pps_ok for dp in dps}
+    counts = sorted(
+        n
+        for n in {w // gpn for w in worlds if w % gpn == 0 and 0 < w // gpn <= most}
+        # Past one NVLink domain, whole domains (NVL72 racks) only: what one orders.
+        if n != nodes and (n <= per_domain or n % per_domain == 0)
+    )
+    below = [n for n in reversed(counts) if n < nodes and not only_more]
+    above = [n for n in counts if n >= at_least]
+    out = []
+    # Fewer nodes: the nearest few (each step down needs more memory per GPU, so a miss
+    # rarely turns into a fit further down).
+    for n in below[:MAX_CHECKS_PER_SUGGESTION]:
+        found = _checked(recipe, cluster, stack, "nodes", n)
+        if found:
+            out.append(found)
+            break
+    # More nodes: gallop (1st, 2nd, 4th, 8th ... candidate) to the first that fits, then
+    # bisect back to the nearest: memory per GPU falls as the world grows.
+    checks, lo, hi, hit = 0, -1, None, None
+    i = 0
+    while i < len(above) and checks < 4 * MAX_CHECKS_PER_SUGGESTION:
+        checks += 1
+        found = _checked(recipe, cluster, stack, "nodes", above[i])
+        if found:
+            hi, hit = i, found
+            break
+        lo, i = i, 2 * i + 1
+    while hi is not None and hi - lo > 1 and checks < 4 * MAX_CHECKS_PER_SUGGESTION:
+        mid = (lo + hi) // 2
+        checks += 1
+        found = _checked(recipe, cluster, stack, "nodes", above[mid])
+        if found:
+            hi, hit = mid, found
+        else:
+            lo = mid
+    if hit:
+        out.append(hit)
+    return out

@@ -19,13 +19,17 @@ from typing import Any
 import tomllib
 
 from core.errors import ConfigError, did_you_mean
+from core.hardware import GPUS, PROFILE_KINDS
 
 STACK_DIR = Path(__file__).resolve().parent.parent / "stacks"
 DEFAULT_STACK = "torchtitan"
 
 DATA_PARALLEL = ("fsdp", "distributed_optimizer")
 TP_OVERLAP = ("async_tp", "always")
-PRECISIONS = ("bf16", "fp8_tensorwise", "fp8_rowwise", "mxfp8")
+PRECISIONS = ("bf16", "fp8_tensorwise", "fp8_rowwise", "mxfp8", "nvfp4")
+# Precisions a profile may leave out: pricing one on that stack is then refused with one line
+# (a profile written before NVFP4 existed still loads).
+OPTIONAL_PRECISIONS = ("nvfp4",)
 
 
 @dataclass(frozen=True, eq=False)  # identity hash: refitted copies are distinct cache keys
@@ -73,7 +77,23 @@ class Stack:
     path: str = ""
 
     def gpu_factor(self, gpu: str) -> float:
-        return self.gpu_eff.get(gpu, 1.0)
+        """The GPU kind's factor; a kind the profile does not list takes its generation's
+        (H800 and the PCIe/NVL Hopper cards take H100's; B300 takes GB300's), else 1."""
+        if gpu in self.gpu_eff:
+            return self.gpu_eff[gpu]
+        return _generation_factor(self.gpu_eff, gpu)
+
+    def matmul(self, precision: str) -> float:
+        """`matmul_eff[precision]`; ConfigError (one line) for a precision this profile
+        does not price."""
+        if precision not in self.matmul_eff:
+            raise ConfigError(
+                f"stack {self.name!r} has no efficiency for {precision} (its profile has no "
+                f"matmul_eff.{precision})",
+                file=self.path or None,
+                key=f"matmul_eff.{precision}",
+            )
+        return self.matmul_eff[precision]
 
     def with_(self, **kw: Any) -> Stack:
         return replace(self, **kw)
@@ -117,6 +137,14 @@ _TOP = (
 )
 
 
+def _generation_factor(gpu_eff: dict[str, float], gpu: str) -> float:
+    spec = GPUS.get(gpu)
+    if spec is None or not spec.generation:
+        return 1.0
+    same = [v for k, v in gpu_eff.items() if k in GPUS and GPUS[k].generation == spec.generation]
+    return same[0] if same else 1.0
+
+
 def stack_names() -> list[str]:
     return sorted(p.stem for p in STACK_DIR.glob("*.toml"))
 
@@ -151,9 +179,12 @@ def parse_stack(data: dict[str, Any], file: str) -> Stack:
         _choice(k, PRECISIONS, file, f"matmul_eff.{k}")
         mm[k] = _num(v, file, f"matmul_eff.{k}", 0.01, 1.0)
     for p in PRECISIONS:
-        if p not in mm:
+        if p not in mm and p not in OPTIONAL_PRECISIONS:
             raise ConfigError("missing", file=file, key=f"matmul_eff.{p}")
-    gpu = {k: _num(v, file, f"gpu_eff.{k}", 0.1, 2.0) for k, v in data.get("gpu_eff", {}).items()}
+    gpu = {}
+    for k, v in data.get("gpu_eff", {}).items():
+        _choice(k, PROFILE_KINDS, file, f"gpu_eff.{k}")
+        gpu[k] = _num(v, file, f"gpu_eff.{k}", 0.1, 2.0)
     consts = data["constants"]
     for k in consts:
         if k not in _CONSTANTS:

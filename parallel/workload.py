@@ -3,7 +3,7 @@
 `Workload` is a recipe reduced to the numbers that cost memory and time (model shape,
 tokens per microbatch, degrees, schedule, checkpointing, linear precision, compile), plus
 the few software options published benchmarks vary that a recipe does not expose
-(FP8 tensorwise scaling, async TP, FP8 all-gather, CP rotation). `GroupSpan` says how a
+(FP8 all-gathers in TP, CP rotation). `GroupSpan` says how a
 parallel group lies on the hardware (NVLink domains, hosts, leaf switches): computed
 analytically for the planned placement (`planned_spans`) or measured from a concrete
 rank order (`parallel.placement.group_spans`).
@@ -32,12 +32,15 @@ class Workload:
     pp_schedule: str = "1F1B"
     pp_microbatches: int = 0  # 0 = one sequence per microbatch
     ac: str = "none"  # none | selective | full
-    linear: str = "bf16"  # a core.linear_backends name, or fp8_tensorwise (published runs)
+    linear: str = "bf16"  # a core.linear_backends name
     compile: bool = False
     dtype: str = "bfloat16"
     async_tp: bool = False
     cuda_graphs: bool = False  # forward+backward replayed from a CUDA graph (pp = 1 only)
     fp8_all_gather: bool = False  # FSDP all-gather in FP8 (tensorwise scaling only)
+    # Sequence-parallel TP all-gathers in FP8 (tensorwise only): torchtitan's 2024 float8 TP
+    # styles and Transformer Engine do it; torchtitan 0.3 gathers bf16 (kernels.linear).
+    fp8_tp_all_gather: bool = False
     cp_rotate: str = "allgather"  # torch CP: allgather (exposed) | alltoall (ring, overlapped)
     doc_len: int = 0  # mean document length under document masking; 0 = causal over seq
     virtual_stages: int = 0  # stages per pipeline rank; 0 = the schedule's default
@@ -120,6 +123,8 @@ def workload_from_recipe(
     accum = 1 if gbs == -1 else max(1, gbs // per_micro)
     gpu = cluster.gpu if cluster else "H100"
     linear = linear_for(recipe.kernels.linear, gpu)
+    # torchtitan's tensorwise converter gathers FSDP weights in FP8 (kernels.linear).
+    fp8_all_gather = linear == "fp8_tensorwise"
     if st.fp8_linear and linear.startswith("fp8"):
         linear = st.fp8_linear
     local = tr.local_batch_size
@@ -138,6 +143,8 @@ def workload_from_recipe(
         pp_microbatches=mbs,
         ac=tr.activation_checkpoint,
         linear=linear,
+        fp8_all_gather=fp8_all_gather,
+        fp8_tp_all_gather=bool(st.fp8_linear) and linear == st.fp8_linear == "fp8_tensorwise",
         compile=tr.compile,
         dtype=tr.dtype,
         async_tp=par.async_tp and layout.tp > 1,

@@ -277,8 +277,10 @@ class KernelsSection:
     linear: LinearChoice = field(
         default="bf16",
         metadata=doc(
-            "Linear backend: bf16 (plain), fp8_rowwise / fp8_rowwise_gw_hp (SM89+), mxfp8 "
-            "(SM100); emulated on CPU. auto = the fastest the hardware supports."
+            "Linear backend: bf16 (plain), fp8_rowwise / fp8_rowwise_gw_hp / fp8_tensorwise "
+            "(SM89+; tensorwise gathers FSDP weights in FP8), mxfp8 (SM100+); emulated on CPU. "
+            "nvfp4 (SM100+, no CPU emulation). auto = the fastest of torchtitan's default "
+            "recipes the hardware supports (never fp8_tensorwise or nvfp4)."
         ),
     )
 

@@ -224,9 +224,11 @@ def main(argv: list[str] | None = None) -> None:
         f"{res.candidates} candidates, {len(res.plans)} fit, rejected {res.reasons()}"
     )
     if not top:
-        mem = [r for r in res.rejected if r.reason.startswith("memory")]
-        if mem:
-            print("nothing fits; e.g. " + mem[0].reason)
+        # Why, with the numbers, and the nearest batch / node counts that fit (each searched).
+        from parallel.planner import explain_infeasible
+
+        for line in explain_infeasible(recipe, cluster, cluster.nodes, stack, res).lines():
+            print(line)
         return
     print(HEADER)
     for i, pl in enumerate(top, 1):

@@ -92,7 +92,13 @@ def _mean(xs: list[float]) -> float:
 
 def calibration_markdown() -> str:
     from parallel import memory, perf
-    from parallel.calibration import SOURCES, leave_one_source_out, rows
+    from parallel.calibration import (
+        SOURCES,
+        generation_of,
+        leave_one_generation_out,
+        leave_one_source_out,
+        rows,
+    )
     from parallel.stacks import load_stack
 
     rs = rows()
@@ -168,6 +174,8 @@ def calibration_markdown() -> str:
         f"**Leave-one-source-out: mean |error| {_mean(all_loso):.1f}%, max "
         f"{max(all_loso):.1f}% over {len(all_loso)} rows.**",
         "",
+        *_logo_section(rs, leave_one_generation_out(rs), generation_of),
+        "",
         "## Memory against every published memory figure",
         "",
         "| row | source | published GiB | predicted GiB (max reserved) | error |",
@@ -222,6 +230,47 @@ def calibration_markdown() -> str:
         lines.append(f"| {name} | `{val}` | {what} |")
     lines += ["", "Reasons for each constant: docs/perf_model.md and the profiles' [sources].", ""]
     return "\n".join(lines)
+
+
+def _logo_section(rs, logo, generation_of) -> list[str]:
+    """Leave-one-GPU-generation-out: how well the model prices a generation it was not
+    fitted on (the question a user of new hardware asks)."""
+    lines = [
+        "## Leave-one-GPU-generation-out cross-validation",
+        "",
+        "For each GPU generation (core.hardware.GPUS: Hopper, Blackwell, Blackwell Ultra): refit",
+        "the fitted constants on the rows of every other generation, price the held-out",
+        "generation with the efficiency factor of its donor (the nearest earlier generation with",
+        "rows, else the nearest later: its own factor has no row left to inform it), then predict",
+        "its rows. Rows whose stack has no row in another generation cannot be held out honestly",
+        "(every constant of that stack would keep the value fitted on them) and are counted apart.",
+        "",
+        "| held-out generation | GPUs | priced with | rows | mean abs error | max abs error "
+        "| not cross-validated |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    every: list[float] = []
+    for gen, (donor, res, skipped) in logo.items():
+        es = [abs(e) for _, e in res]
+        every += es
+        kinds = sorted({r.load_cluster().gpu for r in rs if generation_of(r) == gen})
+        mean = f"{_mean(es):.1f}%" if es else "-"
+        most = f"{max(es):.1f}%" if es else "-"
+        apart = (
+            f"{len(skipped)} ({', '.join(sorted({r.workload.stack for r in skipped}))} rows)"
+            if skipped
+            else "0"
+        )
+        lines.append(
+            f"| {gen} | {', '.join(kinds)} | {donor or '-'}'s factor | {len(es)} | {mean} | "
+            f"{most} | {apart} |"
+        )
+    lines += [
+        "",
+        f"**Leave-one-generation-out: mean |error| {_mean(every):.1f}%, max "
+        f"{max(every):.1f}% over {len(every)} rows.**",
+    ]
+    return lines
 
 
 def fit_report() -> str:

@@ -7,6 +7,9 @@ Tolerances (relative Frobenius error, ||out - ref|| / ||ref||):
   lower bound proves quantization happened). rowwise_with_gw_hp: weight grad <= 1e-5 (it is
   computed in high precision).
 - MXFP8 (e4m3 elements, power-of-2 scale per 32 values): same bounds as FP8.
+- FP8 tensorwise (one scale per tensor; torchao casts output gradients to e5m2: 2 mantissa
+  bits, rounding error up to 2^-3, ~5% RMS with the e4m3 operand): output as FP8; input and
+  weight gradients <= 0.08 (measured 5.8-5.9% at these seeds).
 - attention (dense, compiled flex forward) with packed-document masks vs an explicit fp32
   softmax reference: 1e-5 forward; dense backward (it trains on CPU): 1e-5.
 """
@@ -63,17 +66,18 @@ def linear_case(backend: str, caps: DeviceCaps, dtype=torch.float32, device="cpu
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("backend", ["fp8_rowwise", "fp8_rowwise_gw_hp", "mxfp8"])
+@pytest.mark.parametrize("backend", ["fp8_rowwise", "fp8_rowwise_gw_hp", "mxfp8", "fp8_tensorwise"])
 def test_quantized_linear_emulated(backend, seed):
     got, ref, choice = linear_case(backend, DeviceCaps.cpu(), seed=seed)
     assert choice.emulated
     e_out, e_dx, e_dw = (rel(a, b) for a, b in zip(got, ref, strict=True))
+    grad_bound = 0.08 if backend == "fp8_tensorwise" else 0.05  # e5m2 gradients
     assert 0.01 <= e_out <= 0.05
-    assert 0.01 <= e_dx <= 0.05
+    assert 0.01 <= e_dx <= grad_bound
     if backend == "fp8_rowwise_gw_hp":
         assert e_dw <= 1e-5
     else:
-        assert 0.01 <= e_dw <= 0.05
+        assert 0.01 <= e_dw <= grad_bound
 
 
 def test_bf16_linear():
@@ -218,7 +222,9 @@ def test_attention_on_gpu(backend):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("backend", ["fp8_rowwise", "fp8_rowwise_gw_hp", "mxfp8"])
+@pytest.mark.parametrize(
+    "backend", ["fp8_rowwise", "fp8_rowwise_gw_hp", "mxfp8", "fp8_tensorwise", "nvfp4"]
+)
 def test_quantized_linear_on_gpu(backend):
     from kernels.registry import linear_problem
 
@@ -227,4 +233,7 @@ def test_quantized_linear_on_gpu(backend):
     got, ref, choice = linear_case(backend, CUDA, dtype=torch.bfloat16, device="cuda")
     assert not choice.emulated
     errs = [rel(a, b) for a, b in zip(got, ref, strict=True)]
-    assert errs[0] <= 0.06 and errs[1] <= 0.06, errs
+    # e2m1 keeps one mantissa bit (rounding error up to 2^-2 per value): NVFP4 lands near
+    # 10-15% for a product of two operands, FP8 near 4% (e5m2 gradients: 6%).
+    bound = {"nvfp4": 0.2, "fp8_tensorwise": 0.08}.get(backend, 0.06)
+    assert errs[0] <= bound and errs[1] <= bound, errs

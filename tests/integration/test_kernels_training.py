@@ -36,7 +36,7 @@ def bf16_curve(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("linear", ["fp8_rowwise", "fp8_rowwise_gw_hp", "mxfp8"])
+@pytest.mark.parametrize("linear", ["fp8_rowwise", "fp8_rowwise_gw_hp", "mxfp8", "fp8_tensorwise"])
 def test_loss_curve_tracks_bf16(tmp_path_factory, bf16_curve, linear):
     losses, log = train(tmp_path_factory, linear)
     # The backend is reported before training starts, with the emulation notice.

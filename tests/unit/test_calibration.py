@@ -7,13 +7,20 @@ import re
 
 import pytest
 
-from parallel.calibration import SOURCES, leave_one_source_out, rows
+from parallel.calibration import (
+    SOURCES,
+    generation_of,
+    leave_one_generation_out,
+    leave_one_source_out,
+    rows,
+)
 from parallel.stacks import stack_names
 from tests.helpers.runs import ROOT
 
 DRIFT = 0.25  # no single row past this
 MEAN_BOUND = 8.0  # mean |error| over all rows, percent (issue 16)
 LOSO_BOUND = 15.0  # leave-one-source-out mean |error|, percent
+LOGO_BOUND = 15.0  # leave-one-GPU-generation-out mean |error|, percent (issue 29)
 
 
 @pytest.mark.parametrize("row", rows(), ids=lambda r: f"{r.source}:{r.name}")
@@ -70,11 +77,48 @@ def test_leave_one_source_out_does_not_see_the_held_out_rows():
     assert pa == pytest.approx(pb)  # same predictions for the held-out rows
 
 
-def test_calibration_table_is_current(loso, monkeypatch):
+@pytest.fixture(scope="module")
+def logo():
+    return leave_one_generation_out(rows())
+
+
+def test_leave_one_generation_out(logo):
+    """Every generation with rows is held out once; its rows are priced with another
+    generation's factor and stay within the bound; only rows of a stack that has no other
+    generation (torchtitan: Hopper only) are set apart, and they are named."""
+    rs = rows()
+    gens = {generation_of(r) for r in rs}
+    assert {"Hopper", "Blackwell", "Blackwell Ultra"} <= gens
+    assert set(logo) == gens
+    scored = [abs(e) for _, res, _ in logo.values() for _, e in res]
+    apart = [r for _, _, sk in logo.values() for r in sk]
+    assert len(scored) + len(apart) == len(rs)
+    assert {r.workload.stack for r in apart} <= {"torchtitan"}
+    assert all(generation_of(r) == "Hopper" for r in apart)
+    assert sum(scored) / len(scored) <= LOGO_BOUND
+    for gen, (donor, _, _) in logo.items():
+        assert donor is not None and donor != gen
+
+
+def test_leave_one_generation_out_does_not_see_the_held_out_rows():
+    from dataclasses import replace
+
+    rs = [r for r in rows() if r.source == "mb2602"]
+    moved = [replace(r, tokens_per_sec_per_gpu=r.tokens_per_sec_per_gpu * 3)
+             if generation_of(r) == "Blackwell Ultra" else r for r in rs]  # fmt: skip
+    a = leave_one_generation_out(rs, only="Blackwell Ultra")["Blackwell Ultra"][1]
+    b = leave_one_generation_out(moved, only="Blackwell Ultra")["Blackwell Ultra"][1]
+    pa = [row.tokens_per_sec_per_gpu * (1 + e / 100) for row, e in a]
+    pb = [row.tokens_per_sec_per_gpu * (1 + e / 100) for row, e in b]
+    assert len(pa) >= 4 and pa == pytest.approx(pb)
+
+
+def test_calibration_table_is_current(loso, logo, monkeypatch):
     import parallel.calibration as cal
     from tools.predict import calibration_markdown
 
     monkeypatch.setattr(cal, "leave_one_source_out", lambda rs=None: loso)
+    monkeypatch.setattr(cal, "leave_one_generation_out", lambda rs=None: logo)
     committed = (ROOT / "benchmarks" / "calibration.md").read_text()
     assert committed == calibration_markdown(), (
         "benchmarks/calibration.md is stale: python -m tools.predict --calibration "

@@ -10,14 +10,15 @@ from core.hostlist import expand_hostlist
 from launch.slurm import fabric_from_slurm, parse_scontrol_topology, parse_topology_addr
 from parallel.cluster import CLUSTERS_DIR, load_cluster
 
-SHIPPED = ["hgx_h100_ib", "hgx_h200_ib", "hgx_b200_ib", "gb200_nvl72", "local_cpu"]
+SHIPPED = ["hgx_h100_ib", "hgx_h200_ib", "hgx_b200_ib", "gb200_nvl72", "hgx_b300_ib",
+           "gb300_nvl72", "local_cpu"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_profiles_load_with_contract_fields(name):
     c = load_cluster(name)
     assert c.name == name
-    assert c.gpu in ("H100", "H200", "B200", "GB200", "cpu")
+    assert c.gpu in ("H100", "H200", "B200", "GB200", "B300", "GB300", "cpu")
     assert c.nvlink_domain_gpus % c.gpus_per_node == 0
     fab = c.fabric()
     assert len(fab.hosts) == c.nodes
@@ -34,6 +35,15 @@ def test_profile_specifics():
     assert (nvl.gpus_per_node, nvl.nvlink_domain_gpus, nvl.nodes_per_domain) == (4, 72, 18)
     assert load_cluster("hgx_h200_ib").hbm_bytes > load_cluster("hgx_h100_ib").hbm_bytes
     assert load_cluster("hgx_b200_ib").nvlink_bytes_per_s == 900e9
+    # GB300 NVL72 (issue 29's profile): 4 GPUs per compute tray, 72 per NVLink domain, one
+    # 800 Gb/s ConnectX-8 per GPU; HGX B300: 8 per host, 800 Gb/s per GPU.
+    gb300 = load_cluster("gb300_nvl72")
+    assert (gb300.gpu, gb300.gpus_per_node, gb300.nvlink_domain_gpus) == ("GB300", 4, 72)
+    assert gb300.nodes_per_domain == 18 and gb300.net_bytes_per_s == 100e9
+    b300 = load_cluster("hgx_b300_ib")
+    assert (b300.gpu, b300.gpus_per_node, b300.nvlink_domain_gpus) == ("B300", 8, 8)
+    # "288 GB" class parts: more memory than B200's 180 GB, as torch would report it.
+    assert 250 < b300.hbm_bytes / 2**30 < gb300.hbm_bytes / 2**30 < 268
     fab = load_cluster("hgx_h100_16n_4leaf").fabric()
     assert len({h.leaf for h in fab.hosts}) == 4 and len({h.spine for h in fab.hosts}) == 1
 
@@ -199,6 +209,60 @@ def test_peak_table():
     assert peak_flops("cpu") is None and peak_flops("Some Future GPU") is None
     assert gpu_kind("NVIDIA GB200") == "GB200" and gpu_kind("NVIDIA B200") == "B200"
     assert gpu_kind("NVIDIA H200") == "H200"
+
+
+def test_blackwell_nvfp4_peaks():
+    # Dense NVFP4, NVIDIA's dgxc-benchmarking "Peak Theoretical Throughput" table (TFLOPS).
+    for kind, tflops in (("B200", 9000), ("GB200", 9800), ("B300", 13500), ("GB300", 14700)):
+        assert peak_flops(kind, "nvfp4") == tflops * 1e12, kind
+    assert peak_flops("B300", "fp8") == 4500e12 and peak_flops("GB300", "bf16") == 2500e12
+    for hopper in ("H100", "H200", "H800", "H200_NVL"):
+        assert peak_flops(hopper, "nvfp4") is None and peak_flops(hopper, "mxfp8") is None
+    assert gpu_kind("NVIDIA B300 SXM6 AC") == "B300" and gpu_kind("NVIDIA GB300") == "GB300"
+    assert gpu_kind("NVIDIA H800") == "H800" and gpu_kind("NVIDIA H200 NVL") == "H200_NVL"
+
+
+def test_every_gpu_of_the_table_is_a_profile_kind(tmp_path):
+    """Each kind of core.hardware.GPUS loads as a profile and is priced (a peak for every GPU,
+    its memory as the fit bound)."""
+    from core.hardware import GPUS
+    from parallel.perf import predict
+    from parallel.workload import workload_from_recipe
+    from recipe.loader import check_recipe, load_recipe
+
+    recipe = load_recipe("llama3_8b", ["parallel.world_size=0", "parallel.dp_shard=-1"])
+    for kind, spec in GPUS.items():
+        if kind == "cpu":
+            continue
+        c = load_cluster(_write(tmp_path, f'gpu = "{kind}"\nnodes = 2\ngpus_per_node = 8\n'))
+        assert c.gpu == kind and c.hbm_bytes == spec.hbm_gib * 2**30
+        layout = check_recipe(recipe, c.world_size)
+        pred = predict(workload_from_recipe(recipe, layout, c), c)
+        assert pred.tokens_per_sec_per_gpu > 0 and pred.mfu_pct is not None, kind
+
+
+@pytest.mark.parametrize(
+    "gpu,gpn,domain,ok",
+    [
+        ("GB300", 4, 72, True),  # NVL72
+        ("GB300", 4, 144, False),  # two racks are two domains
+        ("B300", 8, 16, False),  # HGX B300: one 8-GPU NVSwitch tray
+        ("B300", 8, 8, True),
+        ("H100", 8, 256, True),  # H100 NVLink Switch System
+        ("H800", 8, 16, False),
+        ("H100_PCIE", 8, 8, True),  # a host of PCIe cards (the profile's link speed: PCIe)
+        ("H100_PCIE", 8, 16, False),
+    ],
+)
+def test_nvlink_domain_bound_per_gpu(tmp_path, gpu, gpn, domain, ok):
+    text = f'gpu = "{gpu}"\nnodes = 18\ngpus_per_node = {gpn}\nnvlink_domain_gpus = {domain}\n'
+    path = _write(tmp_path, text)
+    if ok:
+        assert load_cluster(path).nvlink_domain_gpus == domain
+    else:
+        with pytest.raises(ConfigError) as e:
+            load_cluster(path)
+        assert e.value.key == "nvlink_domain_gpus" and f"{gpu} ships in domains" in str(e.value)
 
 
 def test_every_profile_file_is_tested():

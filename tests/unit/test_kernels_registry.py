@@ -34,6 +34,9 @@ A100 = DeviceCaps.gpu("A100")
 L40S = DeviceCaps.gpu("L40S")
 H100 = DeviceCaps.gpu("H100")
 B200 = DeviceCaps.gpu("B200")
+H800 = DeviceCaps.gpu("H800")
+B300 = DeviceCaps.gpu("B300")
+GB300 = DeviceCaps.gpu("GB300")
 
 
 def sel(caps, linear="bf16", attention="auto", **kw):
@@ -68,6 +71,12 @@ LINEAR_OK = [
     (H100, "auto", "fp8_rowwise", False, "fp8"),
     (B200, "mxfp8", "mxfp8", False, "mxfp8"),
     (B200, "auto", "mxfp8", False, "mxfp8"),
+    (CPU, "fp8_tensorwise", "fp8_tensorwise", True, "fp8"),
+    (H800, "fp8_tensorwise", "fp8_tensorwise", False, "fp8"),
+    (H800, "auto", "fp8_rowwise", False, "fp8"),  # tensorwise is never auto's pick
+    (B300, "mxfp8", "mxfp8", False, "mxfp8"),
+    (B300, "nvfp4", "nvfp4", False, "nvfp4"),
+    (GB300, "auto", "mxfp8", False, "mxfp8"),  # NVFP4 is an explicit choice, never auto's
 ]
 
 
@@ -92,7 +101,12 @@ def test_linear_selection(caps, req, name, emulated, precision):
         (A100, "mxfp8", "SM100"),
         (A100, "fp8_rowwise", "SM89"),
         (A100, "fp8_rowwise_gw_hp", "SM89"),
+        (A100, "fp8_tensorwise", "SM89"),
+        (H100, "nvfp4", "SM100"),
+        (H800, "nvfp4", "SM100"),
         (DeviceCaps("rocm", "AMD Instinct MI300X"), "fp8_rowwise", "NVIDIA"),
+        # No CPU emulation for NVFP4: torchao's training linear is Triton-only.
+        (CPU, "nvfp4", "no CPU emulation"),
     ],
 )
 def test_linear_capability_errors(caps, req, needs):
@@ -309,3 +323,81 @@ def test_auto_linear_is_one_rule_for_validation_and_planning(gpu, want):
     assert sel(caps, linear="auto").linear == want
     assert linear_for("auto", gpu) == want
     assert linear_for("bf16", gpu) == "bf16"
+
+
+# Compute capability of each kind, from NVIDIA's "CUDA GPU Compute Capability" table
+# (developer.nvidia.com/cuda-gpus): an independent reference for core.hardware.GPUS.
+NVIDIA_CC = {"A100": (8, 0), "H100": (9, 0), "H200": (9, 0), "B200": (10, 0), "GB200": (10, 0),
+             "B300": (10, 3), "GB300": (10, 3)}  # fmt: skip
+
+
+def test_every_gpu_kind_has_caps_from_the_hardware_table():
+    from core.hardware import GPUS
+
+    for kind, cc in NVIDIA_CC.items():
+        assert DeviceCaps.gpu(kind).capability == cc, kind
+    for kind in GPUS:
+        if kind != "cpu":  # every profile kind is a simulated device for the checks
+            assert DeviceCaps.gpu(kind).is_cuda
+    assert B300.sm == "SM103" and B300.at_least(10, 0)
+
+
+def test_tensorwise_converter_gathers_fp8_and_matches_a_tensorwise_reference():
+    """fp8_tensorwise: torchao's tensorwise recipe (e4m3 forward, one dynamic scale per
+    tensor: 448 / amax) with the FP8-all-gather weight; the emulated forward equals the same
+    quantization computed here with torch's float8 cast and fp32 matmul."""
+    import math
+
+    import torch
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from kernels.registry import build_linear
+
+    choice = sel(CPU, linear="fp8_tensorwise")
+    (conv,) = choice.converters
+    assert conv.recipe_name == "tensorwise" and conv.fsdp_float8_all_gather and conv.emulate
+    assert sel(H100, linear="fp8_rowwise").converters[0].fsdp_float8_all_gather is False
+    mod = build_linear(choice, 256, 128)
+    assert isinstance(mod.weight, WeightWithDynamicFloat8CastTensor)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(128, 256, generator=g) / math.sqrt(256)
+    x = torch.randn(64, 256, generator=g)
+    x[3, 7] = 40.0  # one outlier sets the whole tensor's scale
+    with torch.no_grad():
+        mod.weight.copy_(w)
+        out = mod(x)
+
+    def q(t):  # per-tensor e4m3 with scale = max / amax, then back to fp32
+        scale = torch.finfo(torch.float8_e4m3fn).max / t.abs().max()
+        return (t * scale).to(torch.float8_e4m3fn).float() / scale
+
+    ref = q(x) @ q(w).t()
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5), (out - ref).abs().max()
+    assert (out - x @ w.t()).abs().max() > 1e-3  # quantization happened
+
+
+def test_nvfp4_plan_on_blackwell():
+    """NVFP4 converts with torchtitan's NVFP4LinearConverter: the block linears whose dims
+    are multiples of 128 (torchao's Triton kernels), never the output head."""
+    from torchtitan.components.quantization import NVFP4LinearConverter
+
+    from kernels.linear import plan_linear_conversion
+
+    choice = sel(B300, linear="nvfp4", attention="flex")
+    be = choice.linear_backend
+    assert (be.align, be.token_align, be.in_auto) == (128, 128, False)
+    plan = plan_linear_conversion(_debug_config(), align=be.align, tp=2, kernel=be.name)
+    (conv,) = choice._converters(plan)
+    assert isinstance(conv, NVFP4LinearConverter.Config)
+    # debugmodel: dim 256, ffn 768, 16 heads of 16: at tp=2 wo's local input is 128, w1's
+    # local output 384, w2's local input 384: all multiples of 128; lm_head is kept.
+    assert sorted(conv.fqns) == sorted(d.fqn for d in plan if d.convert)
+    assert "lm_head" not in conv.fqns and len(conv.fqns) == 30
+    # tp=4: wo's local input is 64, not a multiple of 128: skipped with the reason.
+    plan4 = plan_linear_conversion(_debug_config(), align=128, tp=4, kernel="nvfp4")
+    skipped = {d.fqn: d.reason for d in plan4 if not d.convert}
+    assert (
+        "in 64 per rank at tp=4 not a multiple of 128 (nvfp4)" in skipped["layers.0.attention.wo"]
+    )
+    with pytest.raises(ConfigError, match="multiple of 128"):
+        sel(B300, linear="nvfp4", seq_len=192)

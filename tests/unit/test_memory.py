@@ -70,3 +70,14 @@ def test_pipeline_schedules_hold_the_right_microbatches():
     # PP keeps the stage's weights and fp32 gradients unsharded (no reshard after forward).
     pp = estimate_memory(w)
     assert pp.unsharded > estimate_memory(w.with_(layout=Layout(dp_shard=8, tp=8))).unsharded
+
+
+def test_nvfp4_low_precision_copies_cost_its_format():
+    """NVFP4 keeps the same low-precision copies as MXFP8 (both orientations), at 4 bits per
+    element plus one 8-bit scale per 16 (0.5 + 1/16 bytes) instead of 1 byte."""
+    from parallel.memory import estimate_memory
+
+    w = Workload(model_shape("70B"), 8192, 1, layout=Layout(pp=4, dp_shard=8, tp=2), ac="full")
+    mx, nv = estimate_memory(w.with_(linear="mxfp8")), estimate_memory(w.with_(linear="nvfp4"))
+    assert nv.fp8 == pytest.approx(mx.fp8 * (0.5 + 1 / 16))
+    assert (nv.states, nv.activations) == (mx.states, mx.activations)

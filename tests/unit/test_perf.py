@@ -172,3 +172,50 @@ def test_directional_facts():
            for s in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")}  # fmt: skip
     assert bub["1F1B"] > bub["Interleaved1F1B"] > bub["ZBVZeroBubble"] > 0
     assert math.isfinite(predict(wp, c).step_time_s)
+
+
+def test_tensorwise_recipes_gather_fsdp_weights_in_fp8():
+    """A recipe's fp8_tensorwise (torchtitan's converter with FP8 all-gather) gathers FSDP
+    weights at 1 byte per parameter, half of bf16's; its TP all-gathers stay bf16 on torchtitan
+    (no float8 TP styles in 0.3) and are FP8 when the same recipe is priced as Megatron + TE."""
+    from parallel.perf import Collective
+    from parallel.workload import workload_from_recipe
+    from recipe.loader import check_recipe, load_recipe
+
+    c = load_cluster("hgx_h100_ib", nodes=1)
+    s = model_shape("8B")
+
+    def gathers(linear: str, stack: str, tp: int) -> dict[str, Collective]:
+        r = load_recipe("llama3_8b", [f"kernels.linear={linear}", f"parallel.tp={tp}",
+                                      "parallel.dp_shard=-1"])  # fmt: skip
+        w = workload_from_recipe(r, check_recipe(r, 8), c, stack)
+        p = predict(w, c)
+        return {x.axis: x for x in p.collectives if x.kind == "all_gather"}
+
+    tw, bf = gathers("fp8_tensorwise", "torchtitan", 1), gathers("bf16", "torchtitan", 1)
+    assert tw["fsdp"].nbytes == pytest.approx(s.total_params)  # 1 byte per parameter
+    assert bf["fsdp"].nbytes == pytest.approx(2 * s.total_params)
+    assert "tp" not in tw
+    assert gathers("fp8_rowwise", "torchtitan", 1)["fsdp"].nbytes == bf["fsdp"].nbytes
+    tt_tp, te_tp = (
+        gathers("fp8_tensorwise", "torchtitan", 8),
+        gathers("fp8_tensorwise", "megatron_te", 8),
+    )
+    assert tt_tp["tp"].nbytes == 2 * te_tp["tp"].nbytes  # bf16 vs FP8 sequence-parallel gathers
+
+
+def test_nvfp4_prices_the_block_gemms_at_the_fp4_peak():
+    """On B300 (dense FP8 4.5, NVFP4 13.5 PFLOP/s: NVIDIA's tables) the block GEMMs' time under
+    NVFP4 over MXFP8 is the ratio of peak x efficiency; on H100 NVFP4 has no peak."""
+    from core.hardware import peak_flops
+    from parallel.stacks import load_stack
+
+    assert peak_flops("B300", "nvfp4") == 3 * peak_flops("B300", "mxfp8")
+    assert peak_flops("H100", "nvfp4") is None
+    c = Cluster(gpu="B300", nodes=1, gpus_per_node=8)
+    w = Workload(model_shape("8B"), 8192, 1, layout=Layout(dp_shard=8), compile=True)
+    st = load_stack("torchtitan")
+    mx = predict(w.with_(linear="mxfp8"), c).breakdown["matmul_s"]
+    nv = predict(w.with_(linear="nvfp4"), c).breakdown["matmul_s"]
+    want = (4500 * st.matmul_eff["mxfp8"]) / (13500 * st.matmul_eff["nvfp4"])
+    assert nv / mx == pytest.approx(want, rel=1e-9)

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from core.errors import ConfigError
+from core.hardware import GPUS, PROFILE_KINDS
 from parallel.cluster import Cluster, TopologySection, load_cluster
 from parallel.placement import planned_rank_order
 from parallel.planner import apply_plan, best_plan, plan, search
@@ -93,12 +94,13 @@ clusters = st.builds(
             gpu=gpu,
             nodes=nodes,
             gpus_per_node=gpn,
-            nvlink_domain_gpus=gpn * dom_mult,
+            # A multi-host domain only where the GPU ships in one (GB200/GB300 NVL72, H100/H200).
+            nvlink_domain_gpus=gpn * (dom_mult if GPUS[gpu].max_nvlink_domain > gpn else 1),
             topology=TopologySection(nodes_per_leaf=npl),
         ),
         seed,
     ),
-    gpu=st.sampled_from(["H100", "H200", "B200", "GB200"]),
+    gpu=st.sampled_from([k for k in PROFILE_KINDS if k != "cpu"]),
     gpn=st.sampled_from([1, 2, 4, 8]),
     dom_mult=st.sampled_from([1, 1, 2]),
     nodes=st.integers(1, 24),
@@ -185,3 +187,63 @@ def test_shipped_recipes_fit_their_hardware(recipe, cluster):
     p = predict(workload_from_recipe(r, lay, c), c)
     assert p.memory.required_gib_on(c.gpu) <= c.hbm_bytes / 2**30, p.memory.breakdown_gib()
     assert p.tokens_per_sec_per_gpu > 0
+
+
+def _suggested(out: str, key: str) -> list[int]:
+    marker = "training.global_batch_size = " if key == "batch" else "(--nodes "
+    vals = []
+    for line in out.splitlines():
+        if marker in line:
+            vals.append(int(line.split(marker)[1].split(")")[0].split(":")[0].replace(",", "")))
+    return vals
+
+
+def test_infeasible_plan_names_the_binding_constraint_and_a_batch_that_fits(capsys):
+    """Issue 29: 70B (512 sequences per step, 80 layers) on 4,608 HGX H100 nodes: 36,864 =
+    2^12 x 3^2 GPUs, so a data-parallel degree dividing 512 leaves a factor 9 to pp, which 80
+    layers cannot take. The tool says so and names a global batch that fits; the search run
+    here with that value finds plans whose data-parallel degree divides it."""
+    from tools.plan import main
+
+    main(["--recipe", "recipes/llama3_70b.toml", "--cluster", "hgx_h100_ib", "--nodes", "4608"])
+    out = capsys.readouterr().out
+    assert " 0 fit" in out
+    why = next(line for line in out.splitlines() if line.startswith("nothing fits:"))
+    for needle in ("36,864", "3^2", "512 sequences", "training.global_batch_size", "80 layers",
+                   "pp in {9, 18, 36, 72}"):  # fmt: skip
+        assert needle in why, (needle, why)
+    (batch,) = _suggested(out, "batch")
+    assert batch != 512
+    res = search(_recipe("70b", f"training.global_batch_size={batch}"),
+                 load_cluster("hgx_h100_ib"), nodes=4608)  # fmt: skip
+    assert res.plans
+    for p in res.plans[:20]:
+        assert batch % (p.layout.dp_replicate * p.layout.dp_shard) == 0
+    # The node counts it names plan too (the nearest below and above 4,608).
+    nodes = _suggested(out, "nodes")
+    assert nodes and any(n < 4608 for n in nodes) and any(n > 4608 for n in nodes)
+    for n in nodes:
+        assert search(_recipe("70b"), load_cluster("hgx_h100_ib"), nodes=n).plans
+
+
+def test_out_of_memory_names_the_need_and_the_nodes_that_fit():
+    """405B on two HGX H100 nodes: memory binds; the explanation quotes the smallest need
+    (above the GPU's 79.2 GiB) and the nearest larger node count that fits, and the one
+    checked before it (if any) does not."""
+    from parallel.planner import explain_infeasible
+
+    r = load_recipe("recipes/llama3_405b.toml", ["parallel.world_size=0"])
+    c = load_cluster("hgx_h100_ib")
+    why = explain_infeasible(r, c, nodes=2)
+    assert why.constraint.startswith("out of memory in every layout")
+    need = float(why.constraint.split("smallest need is ")[1].split(" GiB")[0])
+    assert need > c.hbm_bytes / 2**30
+    (s,) = why.suggestions
+    assert s.key == "nodes" and s.value > 2
+    assert search(r, c, nodes=s.value).plans
+    # A ConfigError from parallel.auto carries the same story on one line.
+    with pytest.raises(ConfigError) as e:
+        best_plan(load_recipe("recipes/llama3_405b.toml", ["parallel.world_size=0",
+                                                           "parallel.auto=true"]), c, nodes=2)  # fmt: skip
+    assert "out of memory" in e.value.detail and f"{s.value:,} nodes" in e.value.detail
+    assert "\n" not in str(e.value)

@@ -144,11 +144,12 @@ def test_huge_global_batch_is_refused_before_the_divisor_search(capsys):
 
 def test_a_large_but_real_world_plans_within_seconds(capsys):
     """131,072 nodes of 8 H100 for an 8B recipe with a 16-sequence batch: no layout can use
-    them (dp would exceed the batch): exit 0 with a warning saying why, at once."""
+    them (dp would exceed the batch): exit 0 saying why, and what fits, within seconds."""
     code, out, err, secs = run_tool(
         "tools.plan", ["--recipe", "llama3_8b", "--cluster", "hgx_h100_ib", "--nodes",
                        str(MAX_NODES), "--set", "parallel.world_size=0"], capsys)  # fmt: skip
-    assert code == 0 and "no layout for 1,048,576 GPUs" in err and "0 fit" in out
+    assert code == 0 and "no layout for 1,048,576 GPUs" in out and "0 fit" in out
+    assert "training.global_batch_size = " in out and "nodes (--nodes " in out
     record_case("tools.plan", "hang (huge size)")
     # A world with many divisors (720,720 = 2^4 3^2 5 7 11 13 GPUs) and a derived batch.
     code, out, err, _ = run_tool(
@@ -261,9 +262,12 @@ def test_gpus_per_node_bound_is_the_hardware_table(capsys, tmp_path):
 # The compute capability each backend needs, from NVIDIA's architecture names (an independent
 # reference for the table in core.linear_backends): MXFP8 block scaling is Blackwell (SM100),
 # FP8 Ada/Hopper (SM89).
-SM = {"H100": (9, 0), "H200": (9, 0), "B200": (10, 0), "GB200": (10, 0)}
-NEEDS = {"mxfp8": (10, 0), "fp8_rowwise": (8, 9), "fp8_rowwise_gw_hp": (8, 9), "bf16": (0, 0)}
-PROFILES = {"H100": "hgx_h100_ib", "H200": "hgx_h200_ib", "B200": "hgx_b200_ib", "GB200": "gb200_nvl72"}  # fmt: skip
+SM = {"H100": (9, 0), "H200": (9, 0), "B200": (10, 0), "GB200": (10, 0), "B300": (10, 3),
+      "GB300": (10, 3)}  # fmt: skip
+NEEDS = {"mxfp8": (10, 0), "fp8_rowwise": (8, 9), "fp8_rowwise_gw_hp": (8, 9), "bf16": (0, 0),
+         "fp8_tensorwise": (8, 9), "nvfp4": (10, 0)}  # fmt: skip
+PROFILES = {"H100": "hgx_h100_ib", "H200": "hgx_h200_ib", "B200": "hgx_b200_ib", "GB200": "gb200_nvl72",
+            "B300": "hgx_b300_ib", "GB300": "gb300_nvl72"}  # fmt: skip
 
 
 @pytest.mark.parametrize("gpu", ["H100", "B200"])
@@ -287,6 +291,35 @@ def test_kernel_capability_in_every_planning_tool(gpu, linear, capsys):
         else:
             refused(entry, argv, capsys, "kernels.linear", f"'{linear}' cannot run on",
                     "SM90", kind="kernel capability")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "gpu,linear", [("H100", "nvfp4"), ("GB300", "nvfp4"), ("H100", "fp8_tensorwise"),
+                   ("cpu", "nvfp4"), ("cpu", "fp8_tensorwise")],
+)  # fmt: skip
+def test_new_precisions_in_every_planning_tool(gpu, linear, capsys):
+    """Issue 29's values keep the promise: NVFP4 below SM100 and on CPU (no emulation) is one
+    line naming kernels.linear, exit 2; FP8 tensorwise plans wherever FP8 runs (emulated on
+    CPU)."""
+    if gpu == "cpu":
+        base = ["--recipe", "debug", "--cluster", "local_cpu"]
+    else:
+        # 64 GPUs, the recipes' declared world size (8 HGX hosts, 16 NVL72 compute trays).
+        recipe, nodes = ("llama3_70b_h100", "8") if gpu == "H100" else ("llama3_70b_b200", "16")
+        base = ["--recipe", recipe, "--cluster", PROFILES[gpu], "--nodes", nodes]
+    cases = {"tools.plan": ["--top", "1"], "tools.predict": [], "tools.launch": ["--dry-run"]}
+    for entry, extra in cases.items():
+        if gpu == "cpu" and entry == "tools.launch":
+            continue  # a Slurm launch of a CPU profile is the slurmlab's case
+        argv = [*base, "--set", f"kernels.linear={linear}", *extra]
+        if gpu != "cpu" and SM[gpu] >= NEEDS[linear] or (gpu == "cpu" and linear != "nvfp4"):
+            code, out, err, _ = run_tool(entry, argv, capsys)
+            assert code == 0, err
+            record_case(entry, "kernel capability")
+        else:
+            need = "no CPU emulation" if gpu == "cpu" else "SM100"
+            refused(entry, argv, capsys, "kernels.linear", f"'{linear}' cannot run on", need,
+                    kind="kernel capability")  # fmt: skip
 
 
 def test_auto_linear_never_ranks_an_incapable_backend(capsys):
@@ -464,7 +497,22 @@ def test_files_that_are_not_files(tmp_path, capsys):
 # --- the cluster-file schema, fuzzed ----------------------------------------------------
 
 KEYS = {
-    "gpu": st.sampled_from(['"H100"', '"B200"', '"cpu"', '"H10"', '""', "8", "true"]),
+    "gpu": st.sampled_from(
+        [
+            '"H100"',
+            '"B200"',
+            '"cpu"',
+            '"H10"',
+            '""',
+            "8",
+            "true",
+            '"GB300"',
+            '"B300"',
+            '"H800"',
+            '"H100_PCIE"',
+            '"GB30"',
+        ]
+    ),
     "nodes": st.sampled_from(["1", "2", "0", "-1", str(2**62), "1.5", '"2"', "nan", "[1]"]),
     "gpus_per_node": st.sampled_from(["8", "4", "0", "73", "100000", "-8", '"8"', "inf"]),
     "nvlink_domain_gpus": st.sampled_from(["0", "8", "16", "12", "100000", "-1", "1e400"]),
@@ -537,6 +585,14 @@ def test_auto_with_no_usable_layout_is_one_line(capsys):
                                      "--nodes", "131072", "--set", "parallel.auto=true"], capsys,
                    "parallel.auto", kind="nonsense accepted")  # fmt: skip
     assert "no layout for 524,288 GPUs" in line
+    # ... and the nearest global batch that fits, which the planner accepts (issue 29).
+    assert "nearest that fit: training.global_batch_size = " in line
+    value = int(line.split("training.global_batch_size = ")[1].split()[0].rstrip(",;"))
+    code, out, err, _ = run_tool("tools.plan", ["--recipe", "llama3_70b", "--cluster",
+                                                "gb200_nvl72", "--nodes", "131072", "--set",
+                                                f"training.global_batch_size={value}", "--top",
+                                                "1"], capsys)  # fmt: skip
+    assert code == 0 and " 0 fit" not in out, out
 
 
 @pytest.mark.parametrize(
