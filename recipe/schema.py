@@ -620,8 +620,23 @@ class RLSection:
         ),
     )
     seed: int = field(default=0, metadata=doc("Seed for prompts and sampling."))
+    hook_timeout_s: float = field(
+        default=60.0,
+        metadata=doc(
+            "Seconds a user hook (the environment's tasks(), a reward) may take per call "
+            "before it fails like a hook that raised (rl.on_error applies); 0 = no limit "
+            "(rl/hooks.py)."
+        ),
+    )
 
     def __post_init__(self) -> None:
+        t = self.hook_timeout_s
+        if t != 0 and not 1e-3 <= t <= 1e6:  # nan fails both comparisons
+            # Below a millisecond the thread hand-off alone overruns it; above 1e6 s (11 days)
+            # it is no limit (and past ~1e9 s threading's wait overflows).
+            raise ConfigError(
+                f"expected 0 (no limit) or 0.001 to 1e6 seconds, got {t}", key="hook_timeout_s"
+            )
         for name in ("prompts_per_step", "group_size", "max_new_tokens", "eval_every"):
             _positive(name, getattr(self, name))
         _positive("eval_prompts", self.eval_prompts, allow_zero=True)
