@@ -27,7 +27,6 @@ fingerprint (source, packing, seq_len, window, vocab) that must match on resume.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -255,7 +254,7 @@ class PackedStream(IterableDataset, Stateful):
                 # Every usable record has weight 0: every label would be masked, and the run
                 # would train nothing and report success.
                 raise ConfigError(
-                    f"{self.source.description}: every usable record has \"weight\": 0 "
+                    f'{self.source.description}: every usable record has "weight": 0 '
                     f"({good_in_epoch} records): nothing would be trained",
                     key="data.source",
                 )

@@ -52,7 +52,10 @@ def resume_problem(
             f"{where} was trained with lora.rank = {old_rank}, the recipe has {new_rank}; "
             "keep the rank to resume, or train into a new job.output_dir"
         )
-    missing, extra = sorted(set(shapes) - set(saved_shapes)), sorted(set(saved_shapes) - set(shapes))
+    missing, extra = (
+        sorted(set(shapes) - set(saved_shapes)),
+        sorted(set(saved_shapes) - set(shapes)),
+    )
     if missing or extra:
         return "lora.target_modules", (
             f"{where} adapts other layers than the recipe ("

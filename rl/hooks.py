@@ -203,8 +203,7 @@ class GuardedEnv:
         fn = self._reward or self.env.reward
         key, spec = ("rl.reward", self.reward_spec) if self._reward else ("rl.env", self.spec)
         what = (
-            f"reward {shown(spec)} on {_task_name(task)} (completion "
-            f"{shown(str(completion), 40)})"
+            f"reward {shown(spec)} on {_task_name(task)} (completion {shown(str(completion), 40)})"
         )
         value = self.guard.call(lambda: fn(task, completion), key=key, what=what)
         return check_reward(value, key=key, what=what)
@@ -221,8 +220,10 @@ def make_guarded(
     """Call an environment factory behind the guard and wrap what it returns."""
     what = f"environment factory {shown(spec)}"
     env = Guard(timeout_s).call(factory, key="rl.env", what=what)
-    if env is None or isinstance(env, (str, bytes, numbers.Number, list, tuple, dict)) or not (
-        callable(getattr(env, "tasks", None))
+    if (
+        env is None
+        or isinstance(env, (str, bytes, numbers.Number, list, tuple, dict))
+        or not (callable(getattr(env, "tasks", None)))
     ):
         raise HookError(f"{what} returned {_what(env)}; expected {EXPECTED_ENV}", key="rl.env")
     return GuardedEnv(env, spec=spec, reward=reward, reward_spec=reward_spec, timeout_s=timeout_s)

@@ -30,6 +30,7 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -140,7 +141,7 @@ class _Tensor:
         self.file, self.dtype, self.shape, self.begin, self.end = file, dtype, shape, begin, end
 
 
-def _header(path: Path, fail: Any) -> dict[str, _Tensor]:
+def _header(path: Path, fail: Callable[[str], NoReturn]) -> dict[str, _Tensor]:
     """The tensors a safetensors file describes, each checked to lie inside the file."""
     try:
         size = path.stat().st_size
@@ -251,14 +252,14 @@ def verify_hf_folder(
         fail("holds no tensors in *.safetensors files")
     if expected is not None:
         for name, shape in expected.items():
-            t = tensors.get(name)
-            if t is None:
+            found = tensors.get(name)
+            if found is None:
                 fail(f"tensor {name} ({list(shape)}) is in no *.safetensors file")
-            if tuple(t.shape) != tuple(shape):
-                fail(f"{name} is {t.shape} in {t.file.name}; config.json and the model give "
-                     f"{list(shape)}")  # fmt: skip
-            if t.dtype not in FLOAT_DTYPES:
-                fail(f"{name} is {t.dtype} in {t.file.name}: quantized or integer weights would "
+            if tuple(found.shape) != tuple(shape):
+                fail(f"{name} is {found.shape} in {found.file.name}; config.json and the model "
+                     f"give {list(shape)}")  # fmt: skip
+            if found.dtype not in FLOAT_DTYPES:
+                fail(f"{name} is {found.dtype} in {found.file.name}: quantized or integer weights would "
                      f"be cast to floating point without their scales; give "
                      f"{'/'.join(FLOAT_DTYPES)} weights")  # fmt: skip
     loaded = sorted(expected) if expected is not None else sorted(tensors)

@@ -160,10 +160,13 @@ def test_garbage_after_the_check_is_caught_at_read(tmp_path, store_dir, tok_dir)
     record_case("token store", "garbage read after the check")
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
-    file=st.sampled_from(["manifest.json", "documents.npy", "shard-00000.arrow",
-                          "shard-00001.arrow"]),  # fmt: skip
+    file=st.sampled_from(
+        ["manifest.json", "documents.npy", "shard-00000.arrow", "shard-00001.arrow"]
+    ),  # fmt: skip
     how=st.sampled_from(["flip", "cut", "zero"]),
     at=st.floats(0.0, 0.999),
     n=st.integers(1, 64),
@@ -282,8 +285,15 @@ def _interrupted(tmp_path: Path, source_file: str, tok_dir: str, after: int) -> 
 
 @pytest.mark.parametrize(
     "damage",
-    ["progress.json garbage", "progress.json truncated", "progress.json empty",
-     "shard truncated", "shard missing", "shard garbage", "stray tmp file"],  # fmt: skip
+    [
+        "progress.json garbage",
+        "progress.json truncated",
+        "progress.json empty",
+        "shard truncated",
+        "shard missing",
+        "shard garbage",
+        "stray tmp file",
+    ],  # fmt: skip
 )
 def test_resume_after_damage_gives_the_uninterrupted_store(tmp_path, source_file, tok_dir,
                                                            expected, damage, capsys):  # fmt: skip

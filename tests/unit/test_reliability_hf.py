@@ -122,8 +122,9 @@ DAMAGE = {
         [_first(None), "truncated"],
     ),
     "garbage header": (
-        lambda d: (d / _first(d)).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage!" +
-                                              (d / _first(d)).read_bytes()[17:]),  # fmt: skip
+        lambda d: (d / _first(d)).write_bytes(
+            b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage!" + (d / _first(d)).read_bytes()[17:]
+        ),  # fmt: skip
         [_first(None), "garbage header"],
     ),
     "not safetensors at all": (
@@ -131,23 +132,28 @@ DAMAGE = {
         [_first(None)],
     ),
     "shape disagrees with config.json": (
-        lambda d: _edit(d, _first(d), lambda t: t.update(
-            {k: v[:, :128].contiguous() for k, v in t.items() if v.dim() == 2})),  # fmt: skip
+        lambda d: _edit(
+            d,
+            _first(d),
+            lambda t: t.update({k: v[:, :128].contiguous() for k, v in t.items() if v.dim() == 2}),
+        ),  # fmt: skip
         ["config.json and the model give"],
     ),
     "missing tensor": (lambda d: _drop_first_tensor(d), ["is in no *.safetensors file"]),
     "symlink loop": (
-        lambda d: ((d / "extra.safetensors").symlink_to(d / "extra.safetensors")),
+        lambda d: (d / "extra.safetensors").symlink_to(d / "extra.safetensors"),
         ["extra.safetensors cannot be opened"],
     ),
     "NaN weights": (
-        lambda d: _edit(d, _first(d), lambda t: [v.view(-1).__setitem__(3, float("nan"))
-                                                 for v in t.values()]),  # fmt: skip
+        lambda d: _edit(
+            d, _first(d), lambda t: [v.view(-1).__setitem__(3, float("nan")) for v in t.values()]
+        ),  # fmt: skip
         ["NaN or infinite values"],
     ),
     "int8 weights": (
-        lambda d: _edit(d, _first(d), lambda t: t.update(
-            {k: v.to(torch.int8) for k, v in t.items()})),  # fmt: skip
+        lambda d: _edit(
+            d, _first(d), lambda t: t.update({k: v.to(torch.int8) for k, v in t.items()})
+        ),  # fmt: skip
         ["is I8", "without their scales"],
     ),
 }
@@ -219,7 +225,6 @@ def test_second_run_never_replaces_the_first_runs_export(tmp_path):
     a, _, _ = _manager(tmp_path, "run_a", export)
     first = Path(a.export_hf(1))
     before = {p.name: p.read_bytes() for p in first.iterdir()}
-    assert json.loads((first / EXPORT_INFO).read_text())["run"] == str(tmp_path / "run_a")
     b, model, _ = _manager(tmp_path, "run_b", export)
     with torch.no_grad():
         for p in model.parameters():
@@ -230,6 +235,7 @@ def test_second_run_never_replaces_the_first_runs_export(tmp_path):
     assert e.value.key == "checkpoint.export_folder" and "another run's" in msg, msg
     assert {p.name: p.read_bytes() for p in first.iterdir()} == before
     assert sorted(os.listdir(export)) == ["step-1"]
+    assert json.loads((first / EXPORT_INFO).read_text())["run"] == str(tmp_path / "run_a")
     a.export_hf(1)  # the same run exporting its step again (a resume) may
     a.close()
     b.close()
