@@ -34,28 +34,9 @@ LAYERS = ["model.layers=1"]
 
 
 def _manager(tmp: Path, run: str, export: Path):
-    from recipe.loader import load_recipe
-    from runtime.build import recipe_model_spec
-    from runtime.checkpoint import AtomicCheckpointManager
-    from tests.helpers.checkpoints import Box
+    from tests.helpers.checkpoints import make_export_manager
 
-    spec = recipe_model_spec(load_recipe(None, LAYERS))
-    with torch.device("meta"):
-        model = spec.model.build()
-    model = model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(std=0.02)
-    mgr = AtomicCheckpointManager.Config(
-        enable=True, folder=str(tmp / run), interval=1, export_hf=True,
-        export_folder=str(export), export_dtype="float32",
-    ).build(
-        dataloader=Box(position="[]"), model_parts=[model], optimizers=Box(lr=0.1),
-        lr_schedulers=Box(last=0), states={"train_state": Box(step=0)},
-        sd_adapter=spec.state_dict_adapter(spec.model, None), base_folder="",
-    )  # fmt: skip
-    return mgr, model, spec
+    return make_export_manager(tmp / run, export, init_std=0.02)
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,7 @@ with a bad reward is skipped and counted, or stops the run under on_error = "fai
 
 from __future__ import annotations
 
-import signal
 import sys
-from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -24,25 +22,15 @@ from core.errors import ConfigError
 from recipe.loader import load_recipe
 from rl.envs import make_env
 from rl.hooks import HookError, find_hook_error, hook_errors_as_config_errors, load_loss
+from tests.helpers.guards import alarm_guard
 from tools.reliability_report import record_case
 
 H = "tests.helpers.rl_hooks"
 
 
-@contextmanager
 def hang_guard(seconds: float = 20.0):
     """The old code hangs on a hanging hook: fail instead of waiting forever."""
-
-    def boom(*_):
-        raise TimeoutError(f"no answer within {seconds} s (a hang)")
-
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+    return alarm_guard(seconds)
 
 
 def check(overrides: list[str]) -> None:
