@@ -132,7 +132,10 @@ def check_reward(value: Any, *, key: str, what: str) -> float:
     """A reward as a float: a real number, finite in float32, at most MAX_REWARD in size."""
     if not isinstance(value, numbers.Real):
         raise HookError(f"{what} returned {_what(value)}; expected a number", key=key)
-    r = float(value)
+    try:
+        r = float(value)
+    except OverflowError:  # an int past float64 (found by the fuzzer)
+        r = math.inf if value > 0 else -math.inf
     if not math.isfinite(r) or abs(r) > FLOAT32_MAX:
         why = "not finite" if not math.isfinite(r) else "infinite in float32"
         raise HookError(f"{what} returned {r!r} ({why}); expected a finite number", key=key)

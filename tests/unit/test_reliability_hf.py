@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from core.errors import ConfigError
@@ -234,3 +236,44 @@ def test_second_run_never_replaces_the_first_runs_export(tmp_path):
                                f"checkpoint.export_folder={export}",
                                f"job.output_dir={tmp_path / 'run_c'}"])  # fmt: skip
     record_case("HF export", "second run, same step (prepare)", n=2)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    how=st.sampled_from(["flip", "cut", "zero"]),
+    at=st.floats(0.0, 0.999),
+    n=st.integers(1, 64),
+)
+def test_fuzzed_damage_refused_or_loadable(tmp_path_factory, exported, how, at, n):
+    """Any byte damage to a shard: refused in one line, or the folder is one that loads
+    (reference: safetensors' own reader) with the model's shapes and finite values only.
+    Bit flips that keep values finite are not detectable: HF folders carry no checksums."""
+    from safetensors import safe_open
+
+    folder, expected = exported
+    d = tmp_path_factory.mktemp("fz") / "hf"
+    shutil.copytree(folder, d)
+    p = d / _first(d)
+    b = bytearray(p.read_bytes())
+    i = int(len(b) * at)
+    if how == "cut":
+        b = b[:i]
+    else:
+        for j in range(i, min(i + n, len(b))):
+            b[j] = 0 if how == "zero" else b[j] ^ 0xFF
+    p.write_bytes(bytes(b))
+    try:
+        verify_hf_folder(str(d), expected, file=None)
+    except ConfigError as e:
+        assert str(d) in str(e) and "\n" not in str(e), str(e)
+        record_case("HF load", "fuzzed damage (refused)")
+        return
+    for f in d.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as sf:
+            names = list(sf.keys())  # safe_open is not iterable
+            for k in names:
+                t = sf.get_tensor(k)
+                assert tuple(t.shape) == expected[k] and torch.isfinite(t).all(), k
+    record_case("HF load", "fuzzed damage (loadable)")

@@ -15,8 +15,11 @@ from __future__ import annotations
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from core.errors import ConfigError
 from recipe.loader import load_recipe
@@ -218,3 +221,42 @@ def test_custom_loss_guard(name, needle):
     good = load_loss(f"{__name__}:loss_ok")(logprobs, torch.ones(2, 3))
     good.backward()
     assert torch.equal(logprobs.grad, -torch.ones(2, 3))  # d/dx of -sum(x): the loss is intact
+
+
+# -- fuzzed reward values -------------------------------------------------------------------------
+REWARDS = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(min_value=-(2**1100), max_value=2**1100),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=4),
+    st.lists(st.floats(), max_size=2),
+    st.sampled_from([np.float32("nan"), np.float64(1e308), np.int64(7), np.float16(0.5)]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=REWARDS)
+def test_fuzzed_reward_values(value):
+    """Whatever a reward returns: a float equal to it (a real number, finite in float32, at
+    most 1e30 in size; reference: Python's own float and math.isfinite), or one HookError
+    line naming the reward."""
+    import math
+    import numbers
+
+    from rl.hooks import MAX_REWARD, check_reward
+
+    try:
+        got = check_reward(value, key="rl.reward", what="reward 'm:f' on task '1+1='")
+    except HookError as e:
+        assert e.key == "rl.reward" and "\n" not in str(e) and "reward 'm:f'" in str(e)
+        if isinstance(value, numbers.Real):
+            try:
+                f = float(value)
+            except OverflowError:
+                f = math.inf
+            assert not math.isfinite(f) or abs(f) > MAX_REWARD, value
+        record_case("RL hooks", "fuzzed reward value (refused)")
+        return
+    assert isinstance(value, numbers.Real) and got == float(value) and abs(got) <= MAX_REWARD
+    record_case("RL hooks", "fuzzed reward value")
