@@ -164,6 +164,13 @@ class TokenStore:
             )
         self._check_fields()
         m = self.manifest
+        # Sizes, then checksums, before any file is parsed: changed bytes are found by
+        # their CRC32 rather than by the Arrow reader meeting them.
+        for shard in m["shards"]:
+            self._check_size(shard["file"], "shard", shard.get("bytes"))
+        index = m.get("index") if isinstance(m.get("index"), dict) else {}
+        self._check_size(INDEX, "index", index.get("bytes"))
+        self._verify_checksums(checksums)
         self.vocab_size = int(m["tokenizer"].get("vocab_size") or 0) or None
         # One (first document, list offsets, flat values) per Arrow record batch.
         starts: list[int] = []
@@ -177,7 +184,6 @@ class TokenStore:
         self.offsets = self._open_index(bounds)
         self.n_docs = len(self.offsets) - 1
         self._chunk_starts = np.asarray(starts, dtype=np.int64)
-        self._verify_checksums(checksums)
 
     # -- verification (module docstring) ------------------------------------------------------
     def _damaged(self, problem: str) -> NoReturn:
@@ -234,30 +240,39 @@ class TokenStore:
             self._damaged(f"{what} {name} is not a regular file")
         return p
 
+    def _check_size(self, name: str, what: str, recorded: Any) -> None:
+        size = self._regular_file(name, what).stat().st_size
+        if isinstance(recorded, int) and size != recorded:
+            self._damaged(f"{name} is {size} bytes, the manifest records {recorded}")
+
     def _open_shard(self, shard: dict[str, Any], starts: list[int], first: int) -> tuple[int, int]:
         import pyarrow as pa
 
         name = shard["file"]
-        p = self._regular_file(name, "shard")
-        size = p.stat().st_size
-        if "bytes" in shard and size != shard["bytes"]:
-            self._damaged(f"shard {name} is {size} bytes, the manifest records {shard['bytes']}")
+        p = self.path / name
+        parts: list[tuple[np.ndarray, np.ndarray]] = []
         try:
             # As datasets.Dataset.from_file reads it: memory-mapped, zero-copy (the map
-            # stays open as long as the arrays do).
+            # stays open as long as the arrays do). validate(full=True) checks every buffer
+            # size and offset before one is used (a garbage offset would read out of bounds:
+            # O(documents), no token read).
             table = pa.ipc.open_stream(pa.memory_map(str(p))).read_all()
-            column = table.column("ids")
+            table.validate(full=True)
+            for chunk in table.column("ids").chunks:
+                if chunk.null_count or chunk.offset or chunk.values.null_count:
+                    raise ValueError("null or offset list entries (a store holds none)")
+                offs = chunk.offsets.to_numpy(zero_copy_only=True)
+                vals = chunk.values.to_numpy(zero_copy_only=True)
+                if len(offs) and (offs[0] != 0 or offs[-1] != len(vals)):
+                    raise ValueError("list offsets outside its values")
+                parts.append((offs, vals))
         except Exception as e:  # pyarrow raises ArrowInvalid, OSError, KeyError ...
             self._damaged(f"shard {name} is not a readable Arrow file ({_first_line(e)})")
         docs = tokens = 0
-        for chunk in column.chunks:
-            offs = chunk.offsets.to_numpy(zero_copy_only=True)
-            vals = chunk.values.to_numpy(zero_copy_only=True)
-            if len(offs) and (offs[0] != 0 or offs[-1] != len(vals)):
-                self._damaged(f"shard {name} has list offsets outside its values")
+        for offs, vals in parts:
             starts.append(first + docs)
             self._chunks.append((offs, vals))
-            docs += len(chunk)
+            docs += len(offs) - 1
             tokens += len(vals)
         if docs != shard["documents"] or tokens != shard["tokens"]:
             self._damaged(
@@ -268,12 +283,7 @@ class TokenStore:
 
     def _open_index(self, bounds: list[tuple[int, int]]) -> np.ndarray:
         m = self.manifest
-        p = self._regular_file(INDEX, "index")
-        rec = m.get("index", {})
-        if isinstance(rec, dict) and "bytes" in rec and p.stat().st_size != rec["bytes"]:
-            self._damaged(
-                f"{INDEX} is {p.stat().st_size} bytes, the manifest records {rec['bytes']}"
-            )
+        p = self.path / INDEX
         try:
             off = np.load(p, mmap_mode="r", allow_pickle=False)
         except Exception as e:  # a garbage header: ValueError, EOFError, tokenize errors ...
@@ -299,7 +309,8 @@ class TokenStore:
     def _verify_checksums(self, checksums: bool | None) -> None:
         m = self.manifest
         named = [(s["file"], s.get("crc32")) for s in m["shards"]]
-        named.append((INDEX, (m.get("index") or {}).get("crc32")))
+        index = m.get("index") if isinstance(m.get("index"), dict) else {}
+        named.append((INDEX, index.get("crc32")))
         files = [(n, c) for n, c in named if isinstance(c, int)]
         if not files:  # a store prepared before checksums were recorded
             return

@@ -161,7 +161,7 @@ def test_garbage_after_the_check_is_caught_at_read(tmp_path, store_dir, tok_dir)
 
 
 @settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
     file=st.sampled_from(
@@ -170,11 +170,16 @@ def test_garbage_after_the_check_is_caught_at_read(tmp_path, store_dir, tok_dir)
     how=st.sampled_from(["flip", "cut", "zero"]),
     at=st.floats(0.0, 0.999),
     n=st.integers(1, 64),
+    checksums=st.booleans(),
 )
 def test_fuzzed_damage_is_refused_or_harmless(tmp_path_factory, store_dir, expected, file, how,
-                                             at, n):  # fmt: skip
+                                             at, n, checksums):  # fmt: skip
     """Any byte damage to any file: refused in one line naming the store, or (a change the
-    manifest does not describe, e.g. its creation date) every document still reads exactly."""
+    manifest does not describe, e.g. its creation date) every document still reads exactly.
+    Without checksums (a store too large to checksum at open) the Arrow and index checks
+    and the per-document checks face the damage alone: one line or plain arrays, never
+    another exception (found: an ArrowInvalid traceback, and once a SIGSEGV in pyarrow's
+    reader, before shards were validated and checksummed ahead of parsing)."""
     d = tmp_path_factory.mktemp("fz") / "store"
     shutil.copytree(store_dir, d)
     p = d / file
@@ -188,11 +193,14 @@ def test_fuzzed_damage_is_refused_or_harmless(tmp_path_factory, store_dir, expec
         b[i : i + n] = bytes(len(b[i : i + n]))
         p.write_bytes(bytes(b))
     try:
-        store = _open(str(d))
+        store = _open(str(d)) if checksums else TokenStore(d, checksums=False)
         got = [store.doc_tokens(i) for i in range(store.n_docs)]
     except ConfigError as e:
         assert str(d) in str(e) and "\n" not in str(e), str(e)
         record_case("token store", "fuzzed damage (refused)")
+        return
+    if not checksums:  # undetectable without checksums: ids changed within the vocabulary
+        record_case("token store", "fuzzed damage (no checksums, read)")
         return
     assert len(got) == len(expected)
     assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
