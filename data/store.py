@@ -168,8 +168,7 @@ class TokenStore:
         # their CRC32 rather than by the Arrow reader meeting them.
         for shard in m["shards"]:
             self._check_size(shard["file"], "shard", shard.get("bytes"))
-        index = m.get("index") if isinstance(m.get("index"), dict) else {}
-        self._check_size(INDEX, "index", index.get("bytes"))
+        self._check_size(INDEX, "index", self._index_record().get("bytes"))
         self._verify_checksums(checksums)
         self.vocab_size = int(m["tokenizer"].get("vocab_size") or 0) or None
         # One (first document, list offsets, flat values) per Arrow record batch.
@@ -240,6 +239,10 @@ class TokenStore:
             self._damaged(f"{what} {name} is not a regular file")
         return p
 
+    def _index_record(self) -> dict[str, Any]:
+        rec = self.manifest.get("index")
+        return rec if isinstance(rec, dict) else {}  # stores before checksums: none
+
     def _check_size(self, name: str, what: str, recorded: Any) -> None:
         size = self._regular_file(name, what).stat().st_size
         if isinstance(recorded, int) and size != recorded:
@@ -309,8 +312,7 @@ class TokenStore:
     def _verify_checksums(self, checksums: bool | None) -> None:
         m = self.manifest
         named = [(s["file"], s.get("crc32")) for s in m["shards"]]
-        index = m.get("index") if isinstance(m.get("index"), dict) else {}
-        named.append((INDEX, index.get("crc32")))
+        named.append((INDEX, self._index_record().get("crc32")))
         files = [(n, c) for n, c in named if isinstance(c, int)]
         if not files:  # a store prepared before checksums were recorded
             return

@@ -135,7 +135,7 @@ def check_reward(value: Any, *, key: str, what: str) -> float:
     try:
         r = float(value)
     except OverflowError:  # an int past float64 (found by the fuzzer)
-        r = math.inf if value > 0 else -math.inf
+        r = math.inf if isinstance(value, int) and value > 0 else -math.inf
     if not math.isfinite(r) or abs(r) > FLOAT32_MAX:
         why = "not finite" if not math.isfinite(r) else "infinite in float32"
         raise HookError(f"{what} returned {r!r} ({why}); expected a finite number", key=key)
