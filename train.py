@@ -50,7 +50,12 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 jobs.check(job)
     if job.recipe.rl.enabled:  # [rl]: rollouts replace the data loader (rl/loop.py)
-        loop.run(job)
+        from rl.hooks import hook_errors_as_config_errors
+
+        # A user hook that fails the run (rl.on_error = "fail", tasks(), an evaluation
+        # reward) ends in its one line and exit 2, not in the loop's traceback.
+        with hook_errors_as_config_errors(job.recipe.source):
+            loop.run(job)
     else:
         jobs.run(job)
 

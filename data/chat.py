@@ -165,7 +165,11 @@ class ChatRenderer:
         bos: str = "",
         eos: str = "",
         hf_render: Callable[..., str] | None = None,
+        max_token_chars: int | None = None,
     ) -> None:
+        """`max_token_chars`: the most characters one token can cover (None = unknown): a
+        text of n characters then has at least n / max_token_chars tokens, which decides
+        "too long" without tokenizing a huge record (`render_line`)."""
         if template not in ("embedded", "hf"):
             raise ValueError(f"template must be 'embedded' or 'hf', got {template!r}")
         if template == "hf" and hf_render is None:
@@ -174,6 +178,7 @@ class ChatRenderer:
         self.template = template
         self.bos, self.eos = bos, eos
         self.hf_render = hf_render
+        self.max_token_chars = max_token_chars
 
     def segments(self, messages: Sequence[dict[str, str]]) -> Segments:
         if self.template == "hf":
@@ -182,9 +187,12 @@ class ChatRenderer:
         return embedded_segments(messages, bos=self.bos, eos=self.eos)
 
     def render(self, ex: Example) -> np.ndarray:
+        return self._encode_segments(self.segments(ex.messages))
+
+    def _encode_segments(self, segments: Segments) -> np.ndarray:
         ids: list[int] = []
         mask: list[bool] = []
-        for text, trained in self.segments(ex.messages):
+        for text, trained in segments:
             if not text:
                 continue
             t = self.encode(text)
@@ -218,7 +226,14 @@ class ChatRenderer:
         """
         try:
             ex = parse_record(json.loads(line))
-            arr = self.render(ex)
+            segs = self.segments(ex.messages)
+            cap = self.max_token_chars
+            # Each segment is tokenized on its own: at least ceil(chars / cap) tokens each.
+            if cap and sum(-(-len(t) // cap) for t, _ in segs) > max_tokens:
+                if not truncate:  # decided without tokenizing (a 48 MB record: 12 GiB)
+                    return None, 0.0, "too_long"
+                segs = cut_segments(segs, max_tokens * cap + CUT_SLACK_CHARS)
+            arr = self._encode_segments(segs)
         except BadChat as e:
             return None, 0.0, e.reason
         except ValueError:
@@ -230,6 +245,41 @@ class ChatRenderer:
             if not (arr[1:] >= 0).any():
                 return None, 0.0, "too_long"
         return arr, ex.weight, None
+
+
+# Characters kept past the cut when truncating a record too long to tokenize whole: the
+# first max_tokens tokens of the cut text equal the whole text's unless one pre-token (a
+# run of letters without a space) spans the cut.
+CUT_SLACK_CHARS = 4096
+
+
+def cut_segments(segments: Segments, chars: int) -> Segments:
+    """The first `chars` characters of the rendered segments (the last one cut)."""
+    out: Segments = []
+    for text, trained in segments:
+        if chars <= 0:
+            break
+        out.append((text[:chars], trained))
+        chars -= len(text)
+    return out
+
+
+def max_token_chars(tokenizer: Any) -> int | None:
+    """The most characters one token of a `tokenizers.Tokenizer` can cover, when that is a
+    bound: byte-level BPE (each vocabulary character is one byte, so a token covers at most
+    len(token) characters; special tokens included), with no normalizer or a Unicode
+    composition (NFC/NFKC, which join at most 4 characters into 1). None otherwise (other
+    pre-tokenizers drop or merge characters: no cheap bound)."""
+    pre = json.loads(tokenizer.to_str()).get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    if not any(p.get("type") == "ByteLevel" for p in parts if isinstance(p, dict)):
+        return None
+    norm = tokenizer.normalizer
+    factor = 1 if norm is None else 4 if type(norm).__name__ in ("NFC", "NFKC") else 0
+    if not factor:
+        return None
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    return factor * max((len(t) for t in vocab), default=1)
 
 
 def has_chat_template(folder: str | Path) -> bool:
@@ -269,7 +319,9 @@ def make_renderer(tokenizer_folder: str | Path, template: str = "auto") -> ChatR
         def hf_encode(text: str) -> list[int]:
             return list(hf(text, add_special_tokens=False)["input_ids"])
 
-        return ChatRenderer(hf_encode, template="hf", hf_render=hf_render)
+        backend = getattr(hf, "backend_tokenizer", None)  # a fast (tokenizers) tokenizer
+        cap = max_token_chars(backend) if backend is not None else None
+        return ChatRenderer(hf_encode, template="hf", hf_render=hf_render, max_token_chars=cap)
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     cfg = json.loads((folder / "tokenizer_config.json").read_text())
 
@@ -281,5 +333,9 @@ def make_renderer(tokenizer_folder: str | Path, template: str = "auto") -> ChatR
         return list(tok.encode(text, add_special_tokens=False).ids)
 
     return ChatRenderer(
-        encode, template="embedded", bos=special("bos_token"), eos=special("eos_token")
+        encode,
+        template="embedded",
+        bos=special("bos_token"),
+        eos=special("eos_token"),
+        max_token_chars=max_token_chars(tok),
     )

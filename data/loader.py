@@ -74,6 +74,16 @@ def _plain(obj: Any) -> Any:
 # pushed to the packer advance the saved position, so the chunk size never shows in state.
 _CHUNK = 64
 
+# SFT weights (data.chat "weight") whose first positive one lies in SCALE_FREE are used as
+# given; otherwise every weight is divided by that first one (PackedStream._relative_weight).
+SCALE_FREE = (2.0**-16, 2.0**16)
+# A weight relative to that scale may span this factor either way (2^32 = 4.3e9); beyond it
+# the record is bad ("weight"). Why: a
+# step's normalizer is the trained-token count + sum(w - 1) (runtime.trainer), which keeps
+# 21 of float64's 53 bits of a weight of 2^-32, and sum(w x CE) runs in float32 per token
+# (2^32 x CE x 2^31 tokens stays far below float32's 3.4e38).
+WEIGHT_RANGE = 2.0**32
+
 
 class BadRecordError(ConfigError):
     """A bad record under `[data] bad_records = "fail"`."""
@@ -185,12 +195,16 @@ class PackedStream(IterableDataset, Stateful):
         self._finished = False
         self._prune_at = 2 * self.window + 64
         self._small_warned = False
+        # SFT weights are relative (docs/sft.md): divided by this scale, fixed by the first
+        # record of positive weight (_relative_weight); None until that record is read.
+        self._weight_scale: float | None = None
 
     # -- the stream -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         dp = self.dp_world_size
         while not self._finished:
             good_in_epoch = 0
+            weighted_in_epoch = 0  # documents with a positive loss weight
             pass_start = self._next_record
             rows_before = len(self._queue) + self._rows_consumed
             tokens_in_epoch = 0
@@ -214,6 +228,9 @@ class PackedStream(IterableDataset, Stateful):
                         bad, ids = ids, None
                     elif isinstance(ids, tuple):  # an SFT record and its loss weight
                         ids, weight = ids
+                        if self.use_weights:
+                            weight, why = self._relative_weight(weight)
+                            bad = bad or why
                     if ids is not None and len(ids) < 2:
                         bad = "empty"  # no next-token pair (a tokenizer without BOS/EOS)
                     self._next_record = idx + 1
@@ -221,6 +238,7 @@ class PackedStream(IterableDataset, Stateful):
                         self._record_bad(idx, bad)
                         continue
                     good_in_epoch += 1
+                    weighted_in_epoch += weight > 0.0
                     assert ids is not None
                     tokens_in_epoch += len(ids) - 1
                     doc = self._doc_seq
@@ -232,6 +250,14 @@ class PackedStream(IterableDataset, Stateful):
                     while len(self._queue) >= dp:
                         yield self._take_group()
             # One pass over the source done.
+            if good_in_epoch and not weighted_in_epoch and pass_start == 0 and self.use_weights:
+                # Every usable record has weight 0: every label would be masked, and the run
+                # would train nothing and report success.
+                raise ConfigError(
+                    f'{self.source.description}: every usable record has "weight": 0 '
+                    f"({good_in_epoch} records): nothing would be trained",
+                    key="data.source",
+                )
             if good_in_epoch == 0 and pass_start == 0:
                 raise ConfigError(
                     f"{self.source.description}: no usable documents "
@@ -295,6 +321,24 @@ class PackedStream(IterableDataset, Stateful):
             )
             out.append((arr, w) if arr is not None else str(bad))
         return out
+
+    def _relative_weight(self, weight: float) -> tuple[float, str | None]:
+        """(the weight the loss uses, None), or (1, "weight") for a record more than
+        WEIGHT_RANGE from the stream's scale. Weights are relative (the loss divides by
+        their sum): the scale is 1 when the first record of positive weight lies within
+        SCALE_FREE (the weights are used as given), else that record's weight, so a dataset
+        whose weights were all multiplied past float32's range (1e39 overflows to inf,
+        1e-40 is subnormal, 1e-46 rounds to 0) trains as the same dataset unscaled, equal
+        weights giving exactly 1 (the unweighted loss, bit for bit)."""
+        if weight == 0.0:
+            return 0.0, None
+        if self._weight_scale is None:
+            lo, hi = SCALE_FREE
+            self._weight_scale = 1.0 if lo <= weight <= hi else weight
+        rel = weight / self._weight_scale
+        if not 1.0 / WEIGHT_RANGE <= rel <= WEIGHT_RANGE:
+            return 1.0, "weight"
+        return rel, None
 
     def _record_bad(self, idx: int, reason: str) -> None:
         if self.bad_records == "fail":
@@ -396,6 +440,7 @@ class PackedStream(IterableDataset, Stateful):
                 "split_documents": st.split_documents,
             },
             "bad": dict(self._bad),
+            **({"weight_scale": self._weight_scale} if self.renderer is not None else {}),
             "source_state": self.source.resume_state(self._next_record),
             # SFT: loss weights (not 1) of the referenced documents, as [doc, weight].
             **(
@@ -443,6 +488,8 @@ class PackedStream(IterableDataset, Stateful):
         self._rows_consumed = sd["rows_consumed"]
         self._finished = sd["finished"]
         self._bad = {**dict.fromkeys(self._bad_reasons(), 0), **sd["bad"]}
+        # A position saved before weights were relative: they were absolute (scale 1).
+        self._weight_scale = sd.get("weight_scale", 1.0 if sd["doc_seq"] else None)
         if self.use_weights:
             self._weights = {int(d): float(w) for d, w in sd.get("weights", [])}
         self.source.restore(self._next_record, sd.get("source_state"))

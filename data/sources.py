@@ -34,6 +34,7 @@ from core.errors import ConfigError
 BAD_REASONS = ("undecodable", "invalid_json", "missing_field", "not_text", "empty")
 KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "text"}
 STREAM_ABOVE_BYTES = 1 << 30
+BOM = b"\xef\xbb\xbf"  # UTF-8 byte-order mark: dropped at the start of a file
 _BATCH = 256
 
 Record = tuple[int, "str | None", "str | None"]
@@ -275,10 +276,12 @@ def scan_lines(files: list[Path], classify: Any, bad: dict[str, int], budget: li
     bytes are read without deciding); counts the bad reasons in `bad`."""
     for p in files:
         with open(p, "rb") as fh:
-            for raw in fh:
+            for n, raw in enumerate(fh):
                 budget[0] -= len(raw)
                 if budget[0] < 0:
                     return True  # not decided within the budget: the loader decides
+                if n == 0:
+                    raw = raw.removeprefix(BOM)  # as the loader reads it (utf-8-sig)
                 line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
                 if not line.strip():
                     continue  # blank lines are not records
@@ -342,7 +345,7 @@ def check_records(
             ok = False
             for p in files:
                 with open(p, "rb") as fh:
-                    text = fh.read(SCAN_BYTES).decode("utf-8", errors="replace")
+                    text = fh.read(SCAN_BYTES).removeprefix(BOM).decode("utf-8", errors="replace")
                 _t, reason = _classify_text(text, check_replacement=True)
                 if reason is None or p.stat().st_size > SCAN_BYTES:  # too big to decide here
                     ok = True
@@ -353,12 +356,13 @@ def check_records(
 
             def classify_chat(line: str) -> str | None:
                 try:
-                    parse_record(json.loads(line))
+                    ex = parse_record(json.loads(line))
                 except BadChat as e:
                     return e.reason
                 except ValueError:
                     return "invalid_json"
-                return None
+                # Weight 0 masks the whole example: a file of only those trains nothing.
+                return "weight 0" if ex.weight == 0 else None
 
             ok = scan_lines(files, classify_chat, bad, budget)
         else:
@@ -369,7 +373,7 @@ def check_records(
         if kind == "text":
             what = "documents (non-blank UTF-8 text)"
         elif sft:
-            what = "chat records with an assistant turn"
+            what = "chat records with an assistant turn and a positive weight"
         else:
             what = f"records with a string field {text_field!r}"
         found = ", ".join(f"{k} {v}" for k, v in sorted(bad.items()))
@@ -419,10 +423,12 @@ def check_source(spec: str, *, file: str | None = None, key: str = "data.source"
             key=key,
         )
     path = Path(spec)
-    from data.store import is_store
+    from data.store import TokenStore, is_store, looks_like_store
 
     if is_store(path):
         return "store"
+    if looks_like_store(path):
+        TokenStore(path, file=file, key=key)  # raises StoreDamaged: its manifest is missing
     if path.with_name(path.name + ".partial").exists() and not path.exists():
         raise ConfigError(
             f"{spec!r} is not prepared yet ({path.name}.partial holds an unfinished "
@@ -498,6 +504,9 @@ def open_source(
                     split="train",
                     streaming=stream,
                     sample_by="line" if kind == "jsonl" else "document",
+                    # A UTF-8 byte-order mark at the start of a file (Windows editors write
+                    # one) is not text: it would make the first JSON line invalid.
+                    encoding="utf-8-sig",
                     encoding_errors="replace",
                     keep_linebreaks=kind == "text",
                 )

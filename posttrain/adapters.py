@@ -46,6 +46,7 @@ from core.errors import ConfigError
 from data.chat import ChatRenderer, make_renderer
 from data.loader import _plain  # the loader's JSON encoding of its own state
 from data.packing import LOSS_WEIGHTS
+from posttrain.adapter_checks import resume_problem
 from posttrain.evaluate import exact_match, load_examples, model_logits
 from posttrain.lora import (
     adapter_state,
@@ -56,6 +57,7 @@ from posttrain.lora import (
     init_adapter,
     lora_modules,
 )
+from recipe.loader import blame
 from recipe.schema import AdapterSection, Recipe
 
 IGNORE_INDEX = -100
@@ -119,6 +121,24 @@ def _batches(stream: Any, batch_size: int) -> Iterator[tuple[torch.Tensor, ...]]
             torch.stack([r[0]["positions"] for r in rows]),
             torch.stack([r[1] for r in rows]),
         )
+
+
+def _load_adapter_checkpoint(path: str, file: str | None) -> dict[str, Any]:
+    """adapter.pt (plain tensors and JSON: weights_only); one line when it does not read."""
+    try:
+        st = torch.load(path, weights_only=True)
+        if not isinstance(st, dict) or not isinstance(st.get("params"), dict):
+            raise ValueError("no adapter tensors in it")
+        json.loads(st["data"])
+        return st
+    except Exception as e:  # truncated, not a torch file, fields missing
+        raise ConfigError(
+            f"adapter checkpoint {path} is not readable ({type(e).__name__}: "
+            f"{str(e).splitlines()[0].split('. ')[0][:160] if str(e) else ''}); move it away "
+            "to start over",
+            file=file,
+            key="checkpoint.resume",
+        ) from None
 
 
 def load_base(model: nn.Module, path: str, *, file: str | None = None) -> None:
@@ -388,7 +408,20 @@ class AdapterJob:
         )
         if not steps:
             return False
-        st = torch.load(os.path.join(root, f"step-{steps[-1]}", "adapter.pt"), weights_only=True)
+        path = os.path.join(root, f"step-{steps[-1]}", "adapter.pt")
+        st = _load_adapter_checkpoint(path, self.recipe.source)
+        problem = resume_problem(
+            adapter=a.spec.name,
+            index=self.recipe.adapters.index(a.spec),
+            checkpoint=os.path.dirname(path),
+            saved_shapes={k: tuple(v.shape) for k, v in st["params"].items()},
+            shapes={k: tuple(v.shape) for k, v in a.params.items()},
+            saved_data=json.loads(st["data"]).get("fingerprint", {}),
+            data=a.stream.fingerprint,
+        )
+        if problem:  # addressed to where the changed value came from (a --set, a base)
+            raise blame(ConfigError(problem[1], file=self.recipe.source, key=problem[0]),
+                        self.recipe)  # fmt: skip
         with torch.no_grad():
             for k, v in st["params"].items():
                 a.params[k].copy_(v)

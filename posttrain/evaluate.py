@@ -23,7 +23,7 @@ from data.chat import BadChat, ChatRenderer, Example, decode_masked, parse_recor
 def load_examples(path: str | Path) -> list[Example]:
     """The usable examples of a JSON Lines file (bad lines are left out)."""
     out = []
-    for line in Path(path).read_text().splitlines():
+    for line in Path(path).read_text(encoding="utf-8-sig").splitlines():  # a BOM is not JSON
         if not line.strip():
             continue
         try:

@@ -109,6 +109,8 @@ def check_model(recipe: Recipe) -> None:
     shape = effective_shape(recipe)
     check_model_dims(recipe, shape)
     check_seq_len(recipe, shape)
+    if recipe.finetune.mode == "lora":
+        check_lora_targets(recipe)
     rl = recipe.rl
     if rl.enabled and shape.max_seq_len and rl.max_new_tokens >= shape.max_seq_len:
         raise ConfigError(
@@ -116,6 +118,37 @@ def check_model(recipe: Recipe) -> None:
             f"sequence length {shape.max_seq_len} (the RoPE table of {_where(recipe)})",
             file=recipe.source,
             key="rl.max_new_tokens",
+        )
+
+
+def model_linear_names(family: str, flavor: str) -> set[str]:
+    """Last names of the Linear layers in torchtitan's config tree of the model (what its
+    LoRA converter matches `lora.target_modules` against)."""
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.protocols.module import Module
+
+    from core.models import model_config
+
+    cfg = model_config(flavor, family)
+    return {
+        fqn.rsplit(".", 1)[-1]
+        for fqn, c, _parent, _attr in cfg.traverse(Module.Config, recurse=True)
+        if isinstance(c, Linear.Config)
+    }
+
+
+def check_lora_targets(recipe: Recipe) -> None:
+    """At least one `lora.target_modules` entry is a Linear layer of the model: with none,
+    torchtitan's converter only warns, nothing is trainable and the optimizer fails on an
+    empty parameter list after the process group started."""
+    names = model_linear_names(recipe.model.family, recipe.model.flavor)
+    targets = recipe.lora.target_modules
+    if not set(targets) & names:
+        raise ConfigError(
+            f"{targets} name no Linear layer of {_where(recipe)} (its layers: "
+            f"{', '.join(sorted(names))}): nothing would be trained",
+            file=recipe.source,
+            key="lora.target_modules",
         )
 
 

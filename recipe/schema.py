@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from core.errors import ConfigError
+from core.errors import ConfigError, did_you_mean, shown
 from core.linear_backends import LinearChoice
 from core.models import FAMILIES, check_flavor
 from core.safe_text import check_name, check_path, check_text
@@ -637,8 +637,23 @@ class RLSection:
         ),
     )
     seed: int = field(default=0, metadata=doc("Seed for prompts and sampling."))
+    hook_timeout_s: float = field(
+        default=60.0,
+        metadata=doc(
+            "Seconds a user hook (the environment's tasks(), a reward) may take per call "
+            "before it fails like a hook that raised (rl.on_error applies); 0 = no limit "
+            "(rl/hooks.py)."
+        ),
+    )
 
     def __post_init__(self) -> None:
+        t = self.hook_timeout_s
+        if t != 0 and not 1e-3 <= t <= 1e6:  # nan fails both comparisons
+            # Below a millisecond the thread hand-off alone overruns it; above 1e6 s (11 days)
+            # it is no limit (and past ~1e9 s threading's wait overflows).
+            raise ConfigError(
+                f"expected 0 (no limit) or 0.001 to 1e6 seconds, got {t}", key="hook_timeout_s"
+            )
         for name in ("prompts_per_step", "group_size", "max_new_tokens", "eval_every"):
             _positive(name, getattr(self, name))
         _positive("eval_prompts", self.eval_prompts, allow_zero=True)
@@ -696,6 +711,13 @@ class FinetuneSection:
         check_text(self.export_dir, key="export_dir", what="a path")  # a folder we create
 
 
+# Last names of the Linear layers in torchtitan's llama3 and qwen3 decoders (fused or
+# separate attention projections); tests/unit/test_reliability_adapters.py checks them
+# against the models' config trees.
+LORA_TARGETS = ("wqkv", "wq", "wkv", "wk", "wv", "wo", "w1", "w2", "w3", "lm_head")
+MAX_ADAPTER_NAME = 128
+
+
 @dataclass
 class LoraSection:
     rank: int = field(default=8, metadata=doc("Rank r of the adapter matrices A (r x in), B."))
@@ -711,7 +733,8 @@ class LoraSection:
         default_factory=lambda: ["wqkv", "wq", "wkv", "wk", "wv", "wo", "w1", "w2", "w3"],
         metadata=doc(
             "Linear layers to adapt, by the last name in torchtitan's module path (attention "
-            "wqkv/wq/wkv/wo, MLP w1/w2/w3, lm_head); names absent from the model are ignored."
+            "wqkv/wq/wkv/wk/wv/wo, MLP w1/w2/w3, lm_head); other names are refused, names "
+            "absent from the model are ignored, and at least one must be in it."
         ),
     )
 
@@ -725,6 +748,15 @@ class LoraSection:
             )
         if not self.target_modules:
             raise ConfigError("expected at least one module name", key="target_modules")
+        for name in self.target_modules:
+            # torchtitan's LoRA converter only warns for a name it does not find; with no
+            # match at all the optimizer later fails on an empty parameter list.
+            if name not in LORA_TARGETS:
+                raise ConfigError(
+                    f"unknown module {name!r}{did_you_mean(name, LORA_TARGETS)}; known: "
+                    f"{', '.join(LORA_TARGETS)}",
+                    key="target_modules",
+                )
 
 
 @dataclass
@@ -741,9 +773,19 @@ class AdapterSection:
     seed: int = field(default=0, metadata=doc("Adapter initialisation seed."))
 
     def __post_init__(self) -> None:
-        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+        # A folder name under <output_dir>/adapters and an export folder: ASCII (a letter
+        # may take 4 bytes in UTF-8) and at most MAX_ADAPTER_NAME characters (file names
+        # end at 255 bytes: 300 characters was "OSError: File name too long").
+        plain = self.name.replace("_", "").replace("-", "")
+        if not plain or not plain.isascii() or not plain.isalnum():
             raise ConfigError(
-                f"expected a name of letters, digits, _ or -, got {self.name!r}", key="name"
+                f"expected a name of ASCII letters, digits, _ or -, got {shown(self.name)}",
+                key="name",
+            )
+        if len(self.name) > MAX_ADAPTER_NAME:
+            raise ConfigError(
+                f"expected at most {MAX_ADAPTER_NAME} characters, got {len(self.name)}",
+                key="name",
             )
         if not self.source:
             raise ConfigError("expected a data source", key="source")
@@ -751,6 +793,11 @@ class AdapterSection:
         _positive("steps", self.steps)
         _positive("warmup_steps", self.warmup_steps, allow_zero=True)
         _positive("local_batch_size", self.local_batch_size, allow_zero=True)
+        if self.warmup_steps > self.steps:  # as [training] refuses it
+            raise ConfigError(
+                f"warmup_steps ({self.warmup_steps}) exceeds steps ({self.steps})",
+                key="warmup_steps",
+            )
 
 
 @dataclass

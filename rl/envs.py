@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from rl.hooks import DEFAULT_TIMEOUT_S, GuardedEnv, HookError, make_guarded
+
 HELD_OUT_EVERY = 8  # one prompt in 8 is held out for evaluation
 
 
@@ -120,7 +122,8 @@ BUILTIN_ENVS: dict[str, Callable[[], Environment]] = {
 
 
 def load_callable(spec: str) -> Callable[..., Any]:
-    """'package.module:function' -> the function (ValueError with the reason otherwise)."""
+    """'package.module:function' -> the function (ValueError with the reason otherwise: a
+    module that does not import, for any reason, is one line, not its traceback)."""
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
         raise ValueError(f"expected 'module:function', got {spec!r}")
@@ -128,27 +131,37 @@ def load_callable(spec: str) -> Callable[..., Any]:
         mod = importlib.import_module(mod_name)
     except ImportError as e:
         raise ValueError(f"cannot import {mod_name!r}: {e}") from None
+    except SyntaxError as e:  # where in the file: the line the user must fix
+        raise ValueError(
+            f"cannot import {mod_name!r}: SyntaxError: {e.msg} ({e.filename}, line {e.lineno})"
+        ) from None
+    except (Exception, SystemExit) as e:  # the module's own code failed while importing
+        raise ValueError(f"cannot import {mod_name!r}: {type(e).__name__}: {e}") from None
     fn = getattr(mod, attr, None)
     if not callable(fn):
         raise ValueError(f"{mod_name!r} has no callable {attr!r}")
     return fn
 
 
-class _WithReward:
-    def __init__(self, env: Environment, reward: Callable[[Task, str], float]) -> None:
-        self.env, self._reward = env, reward
-        self.name = f"{env.name}+{getattr(reward, '__name__', 'reward')}"
-
-    def tasks(self, split: str, n: int, seed: int) -> list[Task]:
-        return self.env.tasks(split, n, seed)
-
-    def reward(self, task: Task, completion: str) -> float:
-        return float(self._reward(task, completion))
-
-
-def make_env(env: str, reward: str = "") -> Environment:
-    """A built-in name or 'module:factory', optionally with a 'module:function' reward."""
-    e: Environment = BUILTIN_ENVS[env]() if env in BUILTIN_ENVS else load_callable(env)()
+def make_env(env: str, reward: str = "", *, timeout_s: float = DEFAULT_TIMEOUT_S) -> GuardedEnv:
+    """A built-in name or 'module:factory', optionally with a 'module:function' reward; its
+    tasks() and reward() run behind rl.hooks' guard (HookError: one line naming the key)."""
+    if env in BUILTIN_ENVS:
+        factory: Callable[[], Any] = BUILTIN_ENVS[env]
+    elif ":" in env:
+        try:
+            factory = load_callable(env)
+        except ValueError as e:
+            raise HookError(str(e), key="rl.env") from None
+    else:
+        raise HookError(
+            f"unknown environment {env!r}: expected arithmetic, letter_sort or 'module:factory'",
+            key="rl.env",
+        )
+    fn = None
     if reward:
-        e = _WithReward(e, load_callable(reward))
-    return e
+        try:
+            fn = load_callable(reward)
+        except ValueError as e:
+            raise HookError(str(e), key="rl.reward") from None
+    return make_guarded(factory, env, reward=fn, reward_spec=reward, timeout_s=timeout_s)

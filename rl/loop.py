@@ -31,6 +31,7 @@ import torch
 from core.errors import ConfigError
 from rl.envs import Environment, Task, load_callable, make_env
 from rl.generator import Generator, SamplingParams, vllm_generator
+from rl.hooks import check_env, load_loss
 from rl.losses import BUILTIN_LOSSES, LossConfig, LossFn, get_loss, group_advantages
 from rl.mismatch import mismatch_stats
 from rl.policy import full_state_dict
@@ -49,14 +50,8 @@ def check(job: Any) -> None:
                 load_callable(spec)
             except ValueError as e:
                 raise ConfigError(str(e), file=f, key=f"rl.{key}") from None
-    try:
-        make_env(rl.env, rl.reward)
-    except (KeyError, ValueError):
-        raise ConfigError(
-            f"unknown environment {rl.env!r}: expected arithmetic, letter_sort or 'module:factory'",
-            file=f,
-            key="rl.env",
-        ) from None
+    # The factory, tasks() and one reward, behind the hook guard (rl.hooks): one line.
+    check_env(rl, file=f)
     if rl.generator == "vllm":
         try:
             vllm_generator()
@@ -85,7 +80,9 @@ class RLRun:
         self.steps = job.recipe.training.steps
         self.tok = trainer.tokenizer
         self.eos = self.tok.eos_id
-        self.env: Environment = make_env(self.rl.env, self.rl.reward)
+        self.env: Environment = make_env(
+            self.rl.env, self.rl.reward, timeout_s=self.rl.hook_timeout_s
+        )
         model = trainer.model_parts[0]
         dist = torch.distributed
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -95,7 +92,7 @@ class RLRun:
             clip_low=rl.clip_low, clip_high=rl.clip_high, kl_coef=rl.kl_coef, tis_cap=rl.tis_cap
         )
         self.loss_fn: LossFn = (
-            load_callable(rl.custom_loss)
+            load_loss(rl.custom_loss)  # behind the hook guard: one line naming it
             if rl.loss == "custom"
             else get_loss(rl.loss, self.loss_cfg)
         )

@@ -640,6 +640,12 @@ class AtomicCheckpointManager(CheckpointManager):
         assert self.sd_adapter is not None, "this model family has no Hugging Face adapter"
         final = os.path.join(cfg.export_folder, f"step-{step}")
         tmp = final + PARTIAL
+        from runtime.hf import check_export_target, export_run_id
+
+        # Never over another run's export of this step (checked at prepare too; again here:
+        # another job may have exported since).
+        check_export_target(cfg.export_folder, [step], export_run_id(self.folder),
+                            file=cfg.recipe_file)  # fmt: skip
         rank, _ = _rank_world()
         begin = time.monotonic()
         if rank == 0:
@@ -681,7 +687,7 @@ class AtomicCheckpointManager(CheckpointManager):
         return final
 
     def _finish_export(self, tmp: str, final: str, step: int, begin: float) -> None:
-        from runtime.hf import finish_export, hf_config, special_token_ids
+        from runtime.hf import export_run_id, finish_export, hf_config, special_token_ids
 
         cfg = self.xconfig
         assert self.sd_adapter is not None
@@ -698,7 +704,7 @@ class AtomicCheckpointManager(CheckpointManager):
             base=base,
             token_ids=special_token_ids(cfg.tokenizer_dir),
         )
-        finish_export(tmp, config, cfg.tokenizer_dir, step=step)
+        finish_export(tmp, config, cfg.tokenizer_dir, step=step, run=export_run_id(self.folder))
         self._commit(tmp, final, step, self._all_crcs(tmp), dcp=False)
         logger.info(
             f"Hugging Face export ({dtype}) written to {final} in {time.monotonic() - begin:.1f} s"

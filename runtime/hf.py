@@ -8,6 +8,16 @@ The weights never pass through code of ours: loading is torchtitan's
 - `check_load_hf`: before any process group, the folder's config.json is compared with the
   recipe's model (family, layers, widths, heads, vocabulary): a mismatch is one line naming
   both shapes (exit 2), not a tensor-size error from inside DCP an hour into a queue wait.
+- `verify_hf_folder` (also before any process group, when the folder will be loaded): every
+  *.safetensors file (torch's reader reads them all) opens, its header parses and describes
+  tensors that lie inside the file; every shard `model.safetensors.index.json` names exists
+  and holds the tensors it is named for; every tensor the model loads is present, of the
+  shape the model (hence config.json) gives, and floating point (int8 or fp8 weights would
+  be cast silently, without their scales); and the values are finite (NaN or inf weights
+  are refused naming the tensor). The value scan reads each tensor once, each rank a
+  1/world share (tensors i with i % world == rank), at numpy speed (about 1-2 GB/s).
+- `check_export_target`: an export never replaces another run's export of the same step
+  (section "Exports" below).
 - `hf_config`: the config.json of an exported folder. When the run started from a Hugging
   Face folder its config.json is kept (dtype updated), so fields we do not model
   (token ids, chat template settings) survive; otherwise it is written from torchtitan's
@@ -17,10 +27,12 @@ The weights never pass through code of ours: loading is torchtitan's
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from core.errors import ConfigError
 from core.models import HF_MODEL_TYPE, ModelShape
@@ -107,6 +119,171 @@ def shape_mismatch(shape: ModelShape, cfg: dict[str, Any]) -> str | None:
         f"the Hugging Face model is ({_fmt(theirs)}) but the recipe's {shape.family} "
         f"{shape.flavor} is ({_fmt(ours)}); differing: {', '.join(differ)}"
     )
+
+
+# safetensors dtypes: element bytes, and which are floating point (loadable as weights).
+SAFETENSORS_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+                      "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2,
+                      "U8": 1, "BOOL": 1}  # fmt: skip
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+# (unsigned view, exponent mask): a value is NaN or inf when all its exponent bits are set.
+_EXPONENT = {"F64": ("<u8", 0x7FF0000000000000), "F32": ("<u4", 0x7F800000),
+             "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80)}  # fmt: skip
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+INDEX_FILE = "model.safetensors.index.json"
+_SCAN_ELEMENTS = 1 << 24  # elements per step of the value scan (bounded temporaries)
+
+
+class _Tensor:
+    __slots__ = ("file", "dtype", "shape", "begin", "end")
+
+    def __init__(self, file: Path, dtype: str, shape: list[int], begin: int, end: int) -> None:
+        self.file, self.dtype, self.shape, self.begin, self.end = file, dtype, shape, begin, end
+
+
+def _header(path: Path, fail: Callable[[str], NoReturn]) -> dict[str, _Tensor]:
+    """The tensors a safetensors file describes, each checked to lie inside the file."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+            text = f.read(n) if 0 < n <= min(MAX_HEADER_BYTES, size - 8) else None
+    except OSError as e:
+        fail(f"{path.name} cannot be read ({e.strerror or e})")
+    if text is None:
+        fail(f"{path.name} is not a safetensors file (header length {n}, file {size} bytes)")
+    try:
+        head = json.loads(text)
+    except ValueError as e:
+        fail(f"{path.name} has a garbage header ({str(e).splitlines()[0][:100]})")
+    if not isinstance(head, dict):
+        fail(f"{path.name} has a garbage header (not a JSON object)")
+    data = size - 8 - n
+    out: dict[str, _Tensor] = {}
+    for name, t in head.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = t["dtype"], list(t["shape"]), t["data_offsets"]
+            ok = dtype in SAFETENSORS_DTYPES and all(isinstance(d, int) and d >= 0 for d in shape)
+            ok = ok and isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end
+        except (TypeError, ValueError, KeyError):  # not a dict, no shape list, 3 offsets ...
+            ok = False
+        if not ok:
+            fail(f"{path.name}: the header entry of {name!r} is not a tensor description")
+        need = math.prod(shape) * SAFETENSORS_DTYPES[dtype]
+        if end - begin != need:
+            fail(f"{path.name}: {name} {dtype} {shape} needs {need} bytes, the header gives "
+                 f"{end - begin}")  # fmt: skip
+        if end > data:
+            fail(f"{path.name} is truncated: {name} ends at byte {8 + n + end}, the file has "
+                 f"{size}")  # fmt: skip
+        out[name] = _Tensor(path, dtype, shape, 8 + n + begin, 8 + n + end)
+    return out
+
+
+def _non_finite(t: _Tensor) -> int:
+    """How many of a floating tensor's values are NaN or inf (read in bounded steps)."""
+    import numpy as np
+
+    view, mask = _EXPONENT[t.dtype]
+    count = (t.end - t.begin) // np.dtype(view).itemsize
+    if not count:
+        return 0
+    arr = np.memmap(t.file, dtype=view, mode="r", offset=t.begin, shape=(count,))
+    bad = 0
+    for i in range(0, count, _SCAN_ELEMENTS):
+        part = arr[i : i + _SCAN_ELEMENTS]
+        bad += int(np.count_nonzero((part & mask) == mask))
+    return bad
+
+
+def verify_hf_folder(
+    folder: str,
+    expected: dict[str, tuple[int, ...]] | None = None,
+    *,
+    file: str | None,
+    key: str = "checkpoint.load_hf",
+    rank: int = 0,
+    world: int = 1,
+) -> None:
+    """A Hugging Face folder holds what loading it needs (module docstring); ConfigError
+    naming the file and what was expected otherwise. `expected`: the Hugging Face names and
+    shapes the model loads (None: the files alone are checked)."""
+
+    def fail(problem: str) -> NoReturn:
+        raise ConfigError(f"Hugging Face folder {folder}: {problem}", file=file, key=key)
+
+    root = Path(folder)
+    try:
+        names = sorted(os.listdir(root))
+    except OSError as e:
+        fail(f"cannot be listed ({e.strerror})")
+    tensors: dict[str, _Tensor] = {}
+    for n in names:
+        if not n.endswith(".safetensors"):
+            continue
+        p = root / n
+        try:
+            p.resolve(strict=True)  # a dangling link or a symlink loop
+        except (OSError, RuntimeError) as e:
+            fail(f"{n} cannot be opened ({getattr(e, 'strerror', None) or e})")
+        if not p.is_file():
+            fail(f"{n} is not a regular file")
+        for name, t in _header(p, fail).items():
+            if name in tensors:
+                fail(f"{name} is in both {tensors[name].file.name} and {n}")
+            tensors[name] = t
+    index = root / INDEX_FILE
+    if index.exists():
+        try:
+            wmap = json.loads(index.read_bytes()).get("weight_map")
+            if not isinstance(wmap, dict):
+                raise ValueError("no weight_map")
+        except (OSError, ValueError, AttributeError) as e:
+            fail(f"{INDEX_FILE} is not readable ({str(e).splitlines()[0][:100]})")
+        for name, shard in sorted(wmap.items()):
+            if not isinstance(shard, str) or shard not in names:
+                fail(f"{INDEX_FILE} names shard {shard!r} (for {name}), which is absent")
+            if name not in tensors or tensors[name].file.name != shard:
+                fail(f"{INDEX_FILE} puts {name} in {shard}, which does not hold it")
+    if not tensors:
+        fail("holds no tensors in *.safetensors files")
+    if expected is not None:
+        for name, shape in expected.items():
+            found = tensors.get(name)
+            if found is None:
+                fail(f"tensor {name} ({list(shape)}) is in no *.safetensors file")
+            if tuple(found.shape) != tuple(shape):
+                fail(f"{name} is {found.shape} in {found.file.name}; config.json and the model "
+                     f"give {list(shape)}")  # fmt: skip
+            if found.dtype not in FLOAT_DTYPES:
+                fail(f"{name} is {found.dtype} in {found.file.name}: quantized or integer weights would "
+                     f"be cast to floating point without their scales; give "
+                     f"{'/'.join(FLOAT_DTYPES)} weights")  # fmt: skip
+    loaded = sorted(expected) if expected is not None else sorted(tensors)
+    for i, name in enumerate(loaded):
+        t = tensors[name]
+        if i % world == rank and t.dtype in _EXPONENT:
+            bad = _non_finite(t)
+            if bad:
+                fail(f"{name} in {t.file.name} holds {bad} NaN or infinite values")
+
+
+def hf_expected(model_spec: Any) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face tensor names and shapes a model loads: torchtitan's model built on
+    the meta device (converters applied, LoRA adapters left out: a base holds none), mapped
+    by the family's state-dict adapter (`to_hf`, as its HF load does)."""
+    import copy
+
+    import torch
+
+    with torch.device("meta"):
+        model = copy.deepcopy(model_spec.model).build()
+    sd = {k: v for k, v in model.state_dict().items() if ".lora_" not in k}
+    hf = model_spec.state_dict_adapter(model_spec.model, None).to_hf(sd)
+    return {k: tuple(v.shape) for k, v in hf.items()}
 
 
 def check_load_hf(folder: str, shape: ModelShape, *, file: str) -> None:
@@ -197,10 +374,61 @@ def special_token_ids(tokenizer_dir: str | None) -> dict[str, int]:
     return out
 
 
-def finish_export(
-    folder: str, config: dict[str, Any], tokenizer_dir: str | None, *, step: int
+# -- Exports: never over another run's --------------------------------------------------------
+# Each export folder `<export_folder>/step-N` carries EXPORT_INFO naming the run that wrote it:
+# the run's checkpoint folder (absolute), which is what a resume continues. A run exports a
+# step over an existing one only when that one is its own (a resumed run writing the same
+# weights again); another run's export of the same step (two jobs given one export_folder),
+# or a folder titanscale did not write, is refused before the run starts (prepare) and again
+# at export time, in one line naming checkpoint.export_folder. Refusing (rather than keeping
+# both under a run id) keeps `<export_folder>/step-N` the one place a step's weights are.
+EXPORT_INFO = "titanscale_export.json"
+
+
+def export_run_id(checkpoint_folder: str) -> str:
+    return os.path.abspath(checkpoint_folder)
+
+
+def export_steps(steps: int, interval: int, every_checkpoint: bool) -> list[int]:
+    """The steps a run exports: the last, and each interval checkpoint when asked."""
+    out = {steps}
+    if every_checkpoint and interval > 0:
+        out |= set(range(interval, steps + 1, interval))
+    return sorted(out)
+
+
+def check_export_target(
+    export_folder: str, steps: list[int], run: str, *, file: str | None
 ) -> None:
-    """Write config.json and copy the tokenizer files into an exported weights folder."""
+    """ConfigError when `<export_folder>/step-N` (N in `steps`) exists and is not `run`'s."""
+    for step in steps:
+        target = Path(export_folder) / f"step-{step}"
+        if not target.exists():
+            continue
+        try:
+            owner = json.loads((target / EXPORT_INFO).read_bytes()).get("run")
+        except (OSError, ValueError, AttributeError):
+            owner = None
+        if owner == run:
+            continue
+        who = (
+            f"another run's (checkpoint folder {owner})"
+            if isinstance(owner, str)
+            else f"not a titanscale export of this run (no readable {EXPORT_INFO})"
+        )
+        raise ConfigError(
+            f"{target} is {who}; this run would replace it with its own step {step}: point "
+            "checkpoint.export_folder at a folder of its own (default <job.output_dir>/hf)",
+            file=file,
+            key="checkpoint.export_folder",
+        )
+
+
+def finish_export(
+    folder: str, config: dict[str, Any], tokenizer_dir: str | None, *, step: int, run: str = ""
+) -> None:
+    """Write config.json and copy the tokenizer files into an exported weights folder;
+    EXPORT_INFO records the step, dtype and the run that wrote it."""
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     if tokenizer_dir and os.path.isdir(tokenizer_dir):
@@ -208,5 +436,5 @@ def finish_export(
             src = os.path.join(tokenizer_dir, name)
             if os.path.isfile(src):
                 shutil.copyfile(src, os.path.join(folder, name))
-    with open(os.path.join(folder, "titanscale_export.json"), "w") as f:
-        json.dump({"step": step, "dtype": config.get("torch_dtype")}, f)
+    with open(os.path.join(folder, EXPORT_INFO), "w") as f:
+        json.dump({"step": step, "dtype": config.get("torch_dtype"), "run": run}, f)

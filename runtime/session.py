@@ -118,6 +118,11 @@ def check_environment(recipe: Recipe) -> None:
         )
     if recipe.checkpoint.export_hf:
         _probe_writable(Path(recipe.export_dir), file=f, key="checkpoint.export_folder")
+        from runtime.hf import check_export_target, export_run_id, export_steps
+
+        ck = recipe.checkpoint
+        steps = export_steps(recipe.training.steps, ck.interval, ck.export_hf_every_checkpoint)
+        check_export_target(recipe.export_dir, steps, export_run_id(recipe.checkpoint_dir), file=f)
     if recipe.checkpoint.load_hf:
         from recipe.loader import effective_shape
         from runtime.hf import check_load_hf
@@ -164,6 +169,12 @@ def check_checkpoint_fit(recipe: Recipe, config: Trainer.Config) -> None:
         damaged[s] = "; ".join(problems)
     if not path and damaged:
         raise ConfigError(no_loadable_message(folder, damaged), file=f, key="checkpoint.folder")
+    if not path and recipe.checkpoint.load_hf:  # this run starts from the HF folder
+        from runtime.hf import hf_expected, verify_hf_folder
+
+        env = launch_env()  # each rank scans its share of the values
+        verify_hf_folder(recipe.checkpoint.load_hf, hf_expected(config.model_spec), file=f,
+                         rank=env.rank, world=env.world_size)  # fmt: skip
     if not path and recipe.checkpoint.load_from:
         path, key = recipe.checkpoint.load_from, "checkpoint.load_from"  # verified above
     if not path:

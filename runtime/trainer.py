@@ -162,7 +162,9 @@ class TitanscaleTrainer(StopOnRequest, Trainer):
             # rank = the global trained-token count (already all-reduced by torchtitan)
             # + the step's weight delta (the same on every rank).
             self._check_weighted()
-            gvt = gvt.to(torch.float32) + self._weight_delta
+            # In float64: sum(w - 1) cancels most of the count when weights are small, and a
+            # float32 sum would keep too few bits of what is left (data.loader.WEIGHT_RANGE).
+            gvt = (gvt.to(torch.float64) + self._weight_delta).to(torch.float32)
         # A step without a trained token (an SFT step of weight-0 / prompt-only examples)
         # divides its zero loss by 1, not 0 (torchtitan would stop on the NaN); any count
         # >= 1 is unchanged, so the unweighted loss stays bit-identical.

@@ -12,7 +12,12 @@ again), and publishes `<out>` atomically with a manifest (source fingerprint, to
 hash, documents, tokens). `--plan bfd:SEQ_LEN[:WINDOW]` also caches the bfd packing plan
 for that seq_len (concat and none need none). An existing store for the same source and
 tokenizer is left as is (exit 0); anything else at `--out` is refused. Bad input: one line,
-exit 2.
+exit 2 (a missing or wrong argument too, not a usage block).
+
+    python -m tools.prepare_data --verify stores/c4     # every recorded checksum, one pass
+
+A resume starts after the last shard that is intact on disk (size and CRC32 as written); an
+unreadable progress.json starts over. Both are said in one line on stderr.
 """
 
 from __future__ import annotations
@@ -24,22 +29,33 @@ import time
 from pathlib import Path
 
 from core.errors import ConfigError, exit_on_config_error
-from tools.cli import run
+from tools.cli import ArgumentParser, positive_arg, run
+
+# The embedded byte-level BPE holds the 256 byte symbols and 3 special tokens at least.
+MIN_EMBEDDED_VOCAB = 259
+INT_LIMIT = 2**31 - 1  # recipe.limits.INT_LIMIT: token ids and counts are int32 in places
+# Arrow list offsets are int32: a shard closes after the record that reaches --shard-tokens,
+# so the bound leaves room for one more document of up to 2^30 tokens.
+MAX_SHARD_TOKENS = 1 << 30
+MAX_PROCS = 1024
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--source", required=True, help="stdlib, a local file/folder, or a hub name")
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--verify", metavar="STORE",
+                   help="check every recorded checksum of a prepared store, then exit")  # fmt: skip
+    # Required unless --verify (checked below, with argparse's own wording).
+    p.add_argument("--source", help="stdlib, a local file/folder, or a hub name (required)")
     p.add_argument("--subset", default="", help="hub dataset configuration (e.g. en for C4)")
     p.add_argument("--split", default="train", help="hub dataset split (default train)")
     p.add_argument("--data-files", dest="data_files", action="append", default=[],
                    help="hub data files (globs; repeatable)")  # fmt: skip
     p.add_argument("--text-field", dest="text_field", default="text")
     p.add_argument("--streaming", default="auto", help="local files: auto | always | never")
-    p.add_argument("--tokenizer", required=True, help="tokenizer folder, or 'embedded'")
+    p.add_argument("--tokenizer", help="tokenizer folder, or 'embedded' (required)")
     p.add_argument("--vocab-size", dest="vocab_size", type=int, default=2048,
                    help="embedded tokenizer only: its vocabulary (the debug model's: 2048)")  # fmt: skip
-    p.add_argument("--out", required=True, help="store folder to create")
+    p.add_argument("--out", help="store folder to create (required)")
     p.add_argument("--num-proc", dest="num_proc", type=int, default=1,
                    help="tokenizer processes")  # fmt: skip
     p.add_argument("--shard-tokens", dest="shard_tokens", type=int, default=1 << 27,
@@ -50,7 +66,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="only the first N records (tests, benchmarks)")  # fmt: skip
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--json", action="store_true", help="print the manifest as one JSON object")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    missing = [f"--{k.replace('_', '-')}" for k in ("source", "tokenizer", "out")
+               if getattr(args, k) is None]  # fmt: skip
+    if args.verify is None and missing:
+        p.error(f"the following arguments are required: {', '.join(missing)}")
+    return args
 
 
 def _fingerprint(args: argparse.Namespace, source) -> str:
@@ -92,12 +113,53 @@ def parse_plan(spec: str) -> tuple[int, int]:
     return seq_len, window
 
 
+def check_sizes(args: argparse.Namespace) -> None:
+    """Counts and sizes: positive and bounded (one line naming the argument)."""
+    positive_arg(args.num_proc, "--num-proc", MAX_PROCS)
+    positive_arg(args.shard_tokens, "--shard-tokens", MAX_SHARD_TOKENS)
+    if args.max_records is not None:
+        positive_arg(args.max_records, "--max-records", INT_LIMIT)
+    if args.tokenizer == "embedded":
+        positive_arg(args.vocab_size, "--vocab-size", INT_LIMIT)
+        if args.vocab_size < MIN_EMBEDDED_VOCAB:
+            raise ConfigError(
+                f"{args.vocab_size} is too small: the embedded byte-level tokenizer holds the "
+                f"256 byte symbols and 3 special tokens (at least {MIN_EMBEDDED_VOCAB})",
+                key="--vocab-size",
+            )
+
+
+def out_arg(path: str) -> Path:
+    """--out: a folder that can be created next to its parent (checked before any work)."""
+    from core.typed_toml import show
+    from tools.cli import out_dir_arg
+
+    out = Path(path)
+    if not path or not out.name or out.name in (".", ".."):
+        raise ConfigError(f"expected a new folder name, got {show(path)}", key="--out")
+    out_dir_arg(str(out.parent), "--out")  # a file in the way, no permission: one line
+    return out
+
+
+def verify(path: str) -> dict:
+    from data.store import TokenStore
+
+    store = TokenStore(path, key="--verify", checksums=False)
+    store.verify()
+    m = store.manifest
+    print(f"{path}: intact ({m['documents']:,} documents, {m['tokens']:,} tokens, "
+          f"{len(m['shards'])} shards)")  # fmt: skip
+    return m
+
+
 @exit_on_config_error
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if args.num_proc < 1:
-        raise ConfigError(f"expected a positive count, got {args.num_proc}", key="--num-proc")
+    if args.verify is not None:
+        return verify(args.verify)
+    check_sizes(args)
     plans = [parse_plan(s) for s in args.plan]
+    out = out_arg(args.out)
     from data.sources import check_source, open_source
     from data.store import TokenStore, is_store, prepare, tokenizer_hash
     from data.tokenizer import resolve_tokenizer
@@ -120,7 +182,6 @@ def main(argv: list[str] | None = None) -> dict:
 
         source = LimitedSource(source, args.max_records)
     fp = _fingerprint(args, source)
-    out = Path(args.out)
     t0 = time.perf_counter()
     if is_store(out):
         m = TokenStore(out, key="--out").manifest

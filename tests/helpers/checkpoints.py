@@ -64,3 +64,30 @@ def load_fresh(folder: Path) -> tuple[bool, torch.nn.Linear, Box]:
     ok = mgr.load()
     mgr.close()
     return ok, model, ts
+
+
+def make_export_manager(ckpt: Path, export: Path, *, layers: int = 1, init_std: float = 0.0):
+    """(manager, model, model spec): the debug Llama (`layers` layers, on CPU) under an
+    AtomicCheckpointManager that exports Hugging Face folders (float32) to `export`;
+    `init_std` > 0 fills the weights from a seeded normal (else they are left uninitialised)."""
+    from recipe.loader import load_recipe
+    from runtime.build import recipe_model_spec
+
+    spec = recipe_model_spec(load_recipe(None, [f"model.layers={layers}"]))
+    with torch.device("meta"):
+        model = spec.model.build()
+    model = model.to_empty(device="cpu")
+    if init_std:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(std=init_std)
+    mgr = AtomicCheckpointManager.Config(
+        enable=True, folder=str(ckpt), interval=1, export_hf=True,
+        export_folder=str(export), export_dtype="float32",
+    ).build(
+        dataloader=Box(position="[]"), model_parts=[model], optimizers=Box(lr=0.1),
+        lr_schedulers=Box(last=0), states={"train_state": Box(step=0)},
+        sd_adapter=spec.state_dict_adapter(spec.model, None), base_folder="",
+    )  # fmt: skip
+    return mgr, model, spec

@@ -62,6 +62,11 @@ CASES = [
      "kernel capability"),
     ("tools.predict", lambda t: ["--recipe", "debug", "--cluster", "hgx_h100_ib", "--nodes",
                                  "abc"], "--nodes", "bad argument"),
+    # No arguments: one line, not argparse's 8-line usage block.
+    ("tools.prepare_data", lambda t: [], "--source, --tokenizer, --out", "bad argument"),
+    ("tools.prepare_data", lambda t: ["--source", "stdlib", "--tokenizer", "embedded",
+                                      "--vocab-size", "-5", "--out", str(t / "s")],
+     "--vocab-size", "bad argument"),
 ]  # fmt: skip
 
 

@@ -144,11 +144,12 @@ RL_COMMON = [
 RL = [
     *RL_COMMON, "rl.temperature=1e-6", "rl.top_p=1e-6", "rl.clip_low=1.0", "rl.clip_high=1e6",
     "rl.kl_coef=5e-324", "rl.tis_cap=1e6", "rl.max_policy_lag=0", "rl.sft_warmup_lr=5e-324",
-    "rl.eval_prompts=1", "rl.seed=-1",
+    "rl.eval_prompts=1", "rl.seed=-1", "rl.hook_timeout_s=0",
 ]  # fmt: skip
 RL_MAX = [
     *RL_COMMON, "rl.temperature=1e6", "rl.clip_low=0.0", "rl.clip_high=5e-324", "rl.kl_coef=1.0",
     "rl.tis_cap=5e-324", "rl.sft_warmup_lr=1.0", "rl.eval_prompts=0", "rl.seed=0",
+    "rl.hook_timeout_s=1",
 ]  # fmt: skip
 RL_MID = [
     *RL_COMMON, "rl.clip_low=5e-324", "rl.clip_high=1.0", "rl.tis_cap=1.0", "rl.seed=1",

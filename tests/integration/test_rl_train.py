@@ -69,7 +69,8 @@ def test_async_run_metrics_and_skipped_reward_errors(tmp_path):
 def test_failing_reward_stops_with_checkpoint_then_resumes(tmp_path):
     out = tmp_path / "b"
     common = TINY + ["training.steps=4", "checkpoint.interval=10", "rl.on_error=fail"]
-    env = {"RL_TEST_FAIL_AFTER": str(2 * 3 * 2)}  # two updates of 3 prompts x 2 samples
+    # Two updates of 3 prompts x 2 samples, + 1: rl.hooks.check_env scores one task first.
+    env = {"RL_TEST_FAIL_AFTER": str(2 * 3 * 2 + 1)}
     os.environ.update(env)
     try:
         p = run_train(

@@ -17,7 +17,6 @@ import shutil
 from collections import namedtuple
 
 import pytest
-import torch
 
 import runtime.checkpoint as ck
 from runtime.checkpoint import PARTIAL, CheckpointError, committed_steps, verify_checkpoint
@@ -209,24 +208,10 @@ def test_a_bug_is_not_called_a_full_disk(tmp_path, monkeypatch):
 def test_enospc_in_the_hugging_face_export(tmp_path, monkeypatch):
     """The export (torchtitan's HF storage writer through our atomic commit): a full disk
     names checkpoint.export_folder; the earlier export stays, no partial folder is left."""
-    from recipe.loader import load_recipe
-    from runtime.build import recipe_model_spec
-    from runtime.checkpoint import AtomicCheckpointManager
-    from tests.helpers.checkpoints import Box
+    from tests.helpers.checkpoints import make_export_manager
 
-    spec = recipe_model_spec(load_recipe(None, ["model.layers=1"]))
-    with torch.device("meta"):
-        model = spec.model.build()
-    model = model.to_empty(device="cpu")
     export = tmp_path / "hf"
-    mgr = AtomicCheckpointManager.Config(
-        enable=True, folder=str(tmp_path / "ckpt"), interval=1, export_hf=True,
-        export_folder=str(export), export_dtype="float32",
-    ).build(
-        dataloader=Box(position="[]"), model_parts=[model], optimizers=Box(lr=0.1),
-        lr_schedulers=Box(last=0), states={"train_state": Box(step=0)},
-        sd_adapter=spec.state_dict_adapter(spec.model, None), base_folder="",
-    )  # fmt: skip
+    mgr, _, _ = make_export_manager(tmp_path / "ckpt", export)
     mgr.export_hf(1)
     assert (export / "step-1" / "config.json").exists()
 

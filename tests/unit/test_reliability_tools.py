@@ -13,15 +13,14 @@ layers from torchtitan's config, and the kernel rule against the GPU's compute c
 from __future__ import annotations
 
 import os
-import signal
 import time
-from contextlib import contextmanager
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from core.hardware import MAX_GPUS_PER_NODE, MAX_NODES, MAX_NVLINK_DOMAIN_GPUS
+from tests.helpers.guards import alarm_guard
 from tools import bench, kernel_bench, launch, packstats, plan, predict, preflight, reproduce
 from tools.reliability_report import record_case
 
@@ -39,18 +38,8 @@ MAINS = {
 H100 = 'gpu = "H100"\ngpus_per_node = 8\nnodes = 4\n'
 
 
-@contextmanager
 def hang_guard(seconds: float = HANG_GUARD_S):
-    def boom(*_):
-        raise TimeoutError(f"no answer within {seconds} s (a hang)")
-
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+    return alarm_guard(seconds)
 
 
 def run_tool(entry: str, argv: list[str], capsys) -> tuple[int, str, str, float]:

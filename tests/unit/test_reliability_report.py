@@ -1,0 +1,38 @@
+"""tools.reliability_report: the per-entry-point table reads back, and a partial run's rows
+replace only the entry points it counted (reference: the rendered table itself)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tools import reliability_report as rr
+
+CASES = {
+    "train.py": {"data source": [43, 43], "numeric extreme": [425, 425]},
+    "token store": {"manifest missing": [2, 2]},
+}
+
+
+def test_table_round_trip():
+    text = "\n".join(rr.render_cases(CASES))
+    assert rr.parse_cases(text) == CASES
+
+
+def test_unclean_rows_are_not_read_back_as_clean():
+    rows = rr.render_cases({"x": {"k": [3, 2]}})
+    with pytest.raises(ValueError, match="cannot read the row"):
+        rr.parse_cases("\n".join(rows))
+
+
+def test_update_replaces_only_counted_entry_points(tmp_path, monkeypatch):
+    doc = tmp_path / "r.md"
+    meta = {"date": "d", "machine": "m", "python": "p", "torch": "t", "wall_s": "1", "rc": "0"}
+    figures = {"recipes_fuzzed_loader": 600, "cases": CASES}
+    doc.write_text("# R\n\n" + rr.render(figures, meta) + "\n\ntail\n")
+    monkeypatch.setattr(rr, "DOC", doc)
+    rr.update_doc({"cases": {"token store": {"shard missing": [4, 4]}}}, meta)
+    text = doc.read_text()
+    got = rr.parse_cases(text)
+    assert got == {"train.py": CASES["train.py"], "token store": {"shard missing": [4, 4]}}
+    assert "| bad recipes generated and rejected by the loader (hypothesis) | 600 |" in text
+    assert text.endswith("\n\ntail\n") and "Rows of `token store`" in text
