@@ -10,9 +10,12 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
+from core.errors import ConfigError
 from recipe.loader import check_adapter_layout
+from recipe.schema import Recipe
 from runtime import session
 
 
@@ -20,9 +23,47 @@ def check(job: session.Job) -> None:
     """Post-training checks that need the launch (world size); ConfigError before training."""
     r = job.recipe
     if not r.adapters:
+        if r.training.microbatch_tokens:
+            # torchtitan's Trainer microbatches by training.local_batch_size.
+            raise ConfigError(
+                "only post-training loops (rl, [[adapters]], the service) split batches by a "
+                "token budget; this job trains local_batch_size rows per microbatch: remove it",
+                file=r.source,
+                key="training.microbatch_tokens",
+            )
         return
     # The recipe's [parallel] was checked at load; this covers a layout the planner chose.
     check_adapter_layout(r, job.layout)
+    refuse_unhonoured(r, "[[adapters]]")
+    if r.training.global_batch_size != -1:
+        raise ConfigError(
+            "[[adapters]] step on adapters[i].local_batch_size (or training.local_batch_size) "
+            "rows per process; set -1 (gradient accumulation is the token budget's, "
+            "training.microbatch_tokens)",
+            file=r.source,
+            key="training.global_batch_size",
+        )
+    if not r.checkpoint.resume:
+        for i, a in enumerate(r.adapters):
+            folder = Path(r.output_dir) / "adapters" / a.name
+            if folder.is_dir() and any(folder.glob("step-*")):
+                raise ConfigError(
+                    f"{folder} holds checkpoints of adapters[{i}] but resume = false; move "
+                    "them away or set resume = true (refusing to overwrite them)",
+                    file=r.source,
+                    key="checkpoint.resume",
+                )
+
+
+def refuse_unhonoured(r: Recipe, path: str) -> None:
+    """Keys this post-training path cannot honour: one line each, never ignored."""
+    if r.validation.enable:
+        raise ConfigError(
+            f"{path} has no validator (torchtitan's runs in the pretraining/SFT Trainer); "
+            "score held-out data with eval_source instead, or set validation.enable = false",
+            file=r.source,
+            key="validation.enable",
+        )
 
 
 def adapter_job(job: session.Job, mesh: Any = None) -> Any:
@@ -30,6 +71,7 @@ def adapter_job(job: session.Job, mesh: Any = None) -> Any:
     import torch
 
     from posttrain.adapters import AdapterJob
+    from runtime.steps import choose_microbatch_tokens
 
     r = job.recipe
     cfg = job.config.model_spec.model
@@ -38,18 +80,22 @@ def adapter_job(job: session.Job, mesh: Any = None) -> Any:
     device = "cpu"
     if torch.cuda.is_available() and not job.platform.is_cpu:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    tokens = choose_microbatch_tokens(r, job.layout, job.platform)
     return AdapterJob(r, cfg, tokenizer_path=job.tokenizer_path, state_dict_adapter=sda,
-                      device=device, schedule=r.finetune.adapter_schedule, mesh=mesh)  # fmt: skip
+                      device=device, schedule=r.finetune.adapter_schedule, mesh=mesh,
+                      microbatch_tokens=tokens)  # fmt: skip
 
 
 def run_adapters(job: session.Job) -> dict[str, Any]:
     """[[adapters]] on this launch: a process group and a 1-D mesh when there are several
-    processes (gloo on CPU, NCCL on CUDA), torn down at the end."""
+    processes or checkpoints are written asynchronously (gloo on CPU, NCCL on CUDA), torn
+    down at the end."""
     import torch
 
     job.platform.apply()
     dist = torch.distributed
-    own = job.world_size > 1 and not dist.is_initialized()
+    need = job.world_size > 1 or job.recipe.checkpoint.async_mode != "disabled"
+    own = need and not dist.is_initialized()
     if not job.platform.is_cpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # NCCL binds to it
     if own:

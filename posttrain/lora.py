@@ -20,7 +20,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -59,27 +59,62 @@ def base_state(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def init_adapter(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    """Fresh adapter weights as torchtitan's converter initialises them (A Kaiming-uniform
-    with a = sqrt(5), B zeros), drawn from `seed` on the CPU generator so that the same seed
-    gives the same adapter whatever else the job holds."""
+def init_adapter(
+    model: nn.Module,
+    seed: int,
+    *,
+    rank: int | None = None,
+    targets: Callable[[str], bool] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Fresh adapter weights, the one initialisation of every adapter titanscale creates
+    ([[adapters]] jobs, the service's clients): torchtitan's converter's (A Kaiming-uniform
+    with a = sqrt(5), B zeros), drawn from `seed` on a CPU generator in model order, so the
+    same seed, rank and targets give the same adapter whatever else the process holds.
+    `rank`: the adapters' rank (default: the converted modules' own); `targets(name)`:
+    which LoRA modules it adapts (others get rank 0, an exactly zero branch)."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, m in lora_modules(model):
-        a = m.lora_a.weight
+        a, b = m.lora_a.weight, m.lora_b.weight
         fan_in = a.shape[1]
+        r = a.shape[0] if rank is None else rank
+        if targets is not None and not targets(name):
+            r = 0
         # kaiming_uniform_(a=sqrt(5)): bound = sqrt(6 / ((1 + 5) * fan_in)) = 1 / sqrt(fan_in)
         bound = 1.0 / math.sqrt(fan_in)
-        wa = (torch.rand(a.shape, generator=gen, dtype=torch.float32) * 2 - 1) * bound
+        wa = (torch.rand((r, fan_in), generator=gen, dtype=torch.float32) * 2 - 1) * bound
         out[f"{name}.lora_a.weight"] = wa.to(a.device, a.dtype)
-        b = m.lora_b.weight
-        out[f"{name}.lora_b.weight"] = torch.zeros(b.shape, dtype=b.dtype, device=b.device)
+        out[f"{name}.lora_b.weight"] = torch.zeros((b.shape[0], r), dtype=b.dtype, device=b.device)
     return out
 
 
-def bind_adapter(model: nn.Module, params: dict[str, nn.Parameter]) -> None:
+class AdapterWeights(nn.Module):
+    """One adapter's tensors as a module whose parameter names are the model's LoRA names
+    (`layers.0.attention.wo.lora_a.weight`): torchtitan's optimizer container, DCP
+    checkpoints and `bind_adapter` address them by those names. Empty (rank-0) tensors are
+    kept frozen."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        for name, t in tensors.items():
+            *path, leaf = name.split(".")
+            mod: nn.Module = self
+            for part in path:
+                if not hasattr(mod, part):
+                    mod.add_module(part, nn.Module())
+                mod = getattr(mod, part)
+            mod.register_parameter(leaf, nn.Parameter(t, requires_grad=t.numel() > 0))
+
+    @property
+    def params(self) -> dict[str, nn.Parameter]:
+        return dict(self.named_parameters())
+
+
+def bind_adapter(model: nn.Module, params: dict[str, nn.Parameter] | AdapterWeights) -> None:
     """Point the model's LoRA linears at `params` (no copy: the adapter's own tensors get
     the gradients). One frozen base serves any number of adapters this way."""
+    if isinstance(params, AdapterWeights):
+        params = params.params
     for name, m in lora_modules(model):
         m.lora_a.weight = params[f"{name}.lora_a.weight"]
         m.lora_b.weight = params[f"{name}.lora_b.weight"]

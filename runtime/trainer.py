@@ -35,7 +35,8 @@ from launch.stop_request import StopOnRequest
 from parallel.fabric import Fabric
 from runtime import faults
 from runtime.metrics import TitanscaleMetrics
-from runtime.watchdog import RankTimeoutError, StepWatchdog, default_store, looks_like_timeout
+from runtime.steps import watched_step
+from runtime.watchdog import StepWatchdog, default_store
 
 
 class TitanscaleTrainer(StopOnRequest, Trainer):
@@ -140,19 +141,9 @@ class TitanscaleTrainer(StopOnRequest, Trainer):
         wd = self.watchdog
         if wd is None:
             return super().train_step(data_iterator)
-        wd.begin(self.step)
-        try:
+        # e.g. DataloaderExhaustedError passes through (torchtitan's loop handles it).
+        with watched_step(wd, self.step, self.parallel_dims.world_size):
             super().train_step(data_iterator)
-        except Exception as e:
-            wd.disarm()  # e.g. DataloaderExhaustedError, which torchtitan's loop handles
-            if self.parallel_dims.world_size > 1 and looks_like_timeout(e):
-                msg = wd.collective_failed(self.step, e)
-                from torchtitan.tools.logging import logger
-
-                logger.error(msg)
-                raise RankTimeoutError(msg) from e
-            raise
-        wd.end()
 
     def forward_backward_step(self, **kwargs: Any) -> torch.Tensor:
         faults.inject("step", self.step)
