@@ -15,8 +15,8 @@ from typing import Any
 
 from core.errors import ConfigError
 from recipe.loader import check_adapter_layout
-from recipe.schema import Recipe
 from runtime import session
+from runtime.steps import refuse_validation
 
 
 def check(job: session.Job) -> None:
@@ -34,7 +34,7 @@ def check(job: session.Job) -> None:
         return
     # The recipe's [parallel] was checked at load; this covers a layout the planner chose.
     check_adapter_layout(r, job.layout)
-    refuse_unhonoured(r, "[[adapters]]")
+    refuse_validation(r, "[[adapters]]")
     if r.training.global_batch_size != -1:
         raise ConfigError(
             "[[adapters]] step on adapters[i].local_batch_size (or training.local_batch_size) "
@@ -53,17 +53,6 @@ def check(job: session.Job) -> None:
                     file=r.source,
                     key="checkpoint.resume",
                 )
-
-
-def refuse_unhonoured(r: Recipe, path: str) -> None:
-    """Keys this post-training path cannot honour: one line each, never ignored."""
-    if r.validation.enable:
-        raise ConfigError(
-            f"{path} has no validator (torchtitan's runs in the pretraining/SFT Trainer); "
-            "score held-out data with eval_source instead, or set validation.enable = false",
-            file=r.source,
-            key="validation.enable",
-        )
 
 
 def adapter_job(job: session.Job, mesh: Any = None) -> Any:

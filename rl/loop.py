@@ -1,9 +1,13 @@
 """An RL run from a recipe: torchtitan's trainer + our generator + an environment + a loss.
 
-`check(job)` validates what only RL needs (callables import, backend available) before any
-process group; `run(job)` trains. The trainer is the same TitanscaleTrainer pretraining and
-SFT use (model build, FSDP, optimizer, LR schedule, atomic checkpoints, metrics.jsonl); RL
-replaces its data loader with rollouts.
+`check(job)` validates what only RL needs (callables import, backend available, the keys RL
+cannot honour, the memory the job needs on this device) before any process group; `run(job)`
+trains. The model, FSDP, optimizer, LR schedule, verified checkpoints and metrics (JSONL,
+TensorBoard, W&B) are the TitanscaleTrainer's that pretraining uses; each update runs on the
+post-training step layer (runtime.steps: microbatches under training.microbatch_tokens of at
+most training.local_batch_size rows, the non-finite guard) under the step watchdog, the fault
+seam and the stop-request check (checkpoint, then exit for the requeue). Rollouts replace the
+data loader; generation is called in chunks under the same token budget.
 
 Weight versions: version v = the weights after v RL updates. A batch trained at update s
 (1-based) was sampled by version v <= s - 1; policy_lag = s - 1 - v. `sync` samples with
@@ -20,10 +24,11 @@ metrics.jsonl, with the message as an event) and its group skipped, or, with on_
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -34,12 +39,14 @@ from rl.generator import Generator, SamplingParams, vllm_generator
 from rl.losses import BUILTIN_LOSSES, LossConfig, LossFn, get_loss, group_advantages
 from rl.mismatch import mismatch_stats
 from rl.policy import full_state_dict
-from rl.trainer import PolicyTrainer, Rollout
+from rl.trainer import PolicyTrainer, Rollout, collate
+from runtime.steps import NonFiniteError, choose_microbatch_tokens, refuse_validation
 
 
 def check(job: Any) -> None:
     """RL-only checks before any process group; ConfigError names the key."""
-    rl, f = job.recipe.rl, job.recipe.source
+    r = job.recipe
+    rl, f = r.rl, r.source
     for key in ("env", "reward", "custom_loss"):
         spec = getattr(rl, key)
         if key == "custom_loss" and rl.loss != "custom":
@@ -62,6 +69,39 @@ def check(job: Any) -> None:
             vllm_generator()
         except (RuntimeError, NotImplementedError) as e:
             raise ConfigError(str(e), file=f, key="rl.generator") from None
+    refuse_validation(r, "rl")
+    if r.finetune.mode != "off" or r.adapters:
+        raise ConfigError(
+            "rl trains the full policy (its generator takes full weights); set "
+            "finetune.mode = 'off' and no [[adapters]]",
+            file=f,
+            key="finetune.mode",
+        )
+    layout = getattr(job, "layout", None)
+    if layout is None:
+        return
+    for axis in ("tp", "pp", "cp"):
+        if getattr(layout, axis) != 1:
+            # Every rank samples its own prompts: tp/cp peers would see different rows.
+            raise ConfigError(
+                f"rl runs data parallel only (each rank samples and trains its own rollouts); "
+                f"{axis} = {getattr(layout, axis)} is not supported, set it to 1",
+                file=f,
+                key=f"parallel.{axis}",
+            )
+    per_rank = rl.prompts_per_step * rl.group_size
+    gbs = r.training.global_batch_size
+    if gbs not in (-1, per_rank * layout.dp):
+        raise ConfigError(
+            f"rl trains rl.prompts_per_step x rl.group_size = {per_rank} rollouts per rank per "
+            f"update ({per_rank * layout.dp} over {layout.dp} ranks), in microbatches of at most "
+            f"training.local_batch_size rows; set -1 or {per_rank * layout.dp}, got {gbs}",
+            file=f,
+            key="training.global_batch_size",
+        )
+    platform = getattr(job, "platform", None)
+    if platform is not None:
+        choose_microbatch_tokens(r, layout, platform)  # refuses a job that does not fit
 
 
 class RolloutFailure(RuntimeError):
@@ -76,6 +116,7 @@ class Batch:
     gen_s: float
     errors: list[str] = field(default_factory=list)
     new_tokens: int = 0
+    prompts: list[str] = field(default_factory=list)  # per group, for error messages
 
 
 class RLRun:
@@ -100,6 +141,9 @@ class RLRun:
             else get_loss(rl.loss, self.loss_cfg)
         )
         assert rl.loss == "custom" or rl.loss in BUILTIN_LOSSES
+        # The token budget for scoring, reference logprobs, forward_backward and generation.
+        self.microbatch_tokens = choose_microbatch_tokens(job.recipe, job.layout, job.platform)
+        self.dp_group = dist.group.WORLD if self.world > 1 else None
         self.policy = PolicyTrainer(
             model,
             trainer.optimizers,
@@ -107,6 +151,9 @@ class RLRun:
             max_norm=job.recipe.training.max_norm,
             temperature=rl.temperature,
             pad_id=self.eos or 0,
+            microbatch_tokens=self.microbatch_tokens,
+            microbatch_rows=job.recipe.training.local_batch_size,
+            dp_group=self.dp_group,
         )
         self.generator = self._build_generator(model)
         # async: samples are older than the trainer's weights, so the mismatch is measured by a
@@ -139,23 +186,23 @@ class RLRun:
 
     def attach_reference(self) -> None:
         """kl_coef > 0: a frozen copy of the policy RL starts from (after any warmup). Saved
-        once to <output_dir>/rl_reference.pt so a resumed run keeps the same reference."""
+        once as a verified checkpoint folder <output_dir>/rl_reference (manifest, CRC32s;
+        runtime.checkpoint.save_states) so a resumed run keeps the same reference."""
         if self.rl.kl_coef <= 0:
             return
         import os
 
-        path = os.path.join(self.job.recipe.output_dir, "rl_reference.pt")
-        if os.path.exists(path):
-            sd = torch.load(path, map_location=self.policy.device, weights_only=True)
-        else:
-            sd = full_state_dict(self.policy.model)
-            if self.rank == 0:
-                torch.save(sd, path + ".tmp")
-                os.replace(path + ".tmp", path)
-        ref = self._fresh_model()
-        ref.load_state_dict(sd)
-        self.policy.reference = ref.eval().requires_grad_(False)
+        from runtime.checkpoint import load_states, save_states
 
+        path = os.path.join(self.job.recipe.output_dir, "rl_reference")
+        if not os.path.isdir(path) and self.rank == 0:
+            save_states(path, {"model": full_state_dict(self.policy.model)},
+                        key="job.output_dir", file=self.job.recipe.source)  # fmt: skip
+        if self.world > 1:
+            torch.distributed.barrier()  # rank 0's folder is committed before anyone reads
+        ref = self._fresh_model()
+        load_states(path, {"model": ref}, key="job.output_dir", file=self.job.recipe.source)
+        self.policy.reference = ref.eval().requires_grad_(False)
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_bos=True, add_eos=False)
 
@@ -167,6 +214,30 @@ class RLRun:
     def tasks(self, split: str, n: int, key: int) -> list[Task]:
         return self.env.tasks(split, n, seed=(self.rl.seed * 1_000_003 + key) * 64 + self.rank)
 
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Any]:
+        """The generator called in chunks of prompts whose rows (prompt + max new tokens
+        each, n per prompt) fit the token budget: the KV cache never holds more than
+        microbatch_tokens positions. Chunk k > 0 samples from seed (seed, k): one chunk is
+        exactly the unchunked call."""
+        out: list[Any] = []
+        lo = 0
+        while lo < len(prompts):
+            hi, rows = lo, 0
+            while hi < len(prompts):
+                need = params.n * (len(prompts[hi]) + params.max_tokens)
+                if hi > lo and rows + need > self.microbatch_tokens:
+                    break
+                rows, hi = rows + need, hi + 1
+            seed = params.seed
+            if lo and seed is not None:
+                seed = seed * 1_000_003 + lo
+            samples = self.generator.generate(prompts[lo:hi], replace(params, seed=seed))
+            for smp in samples:
+                smp.prompt_index += lo
+            out += samples
+            lo = hi
+        return out
+
     def make_batch(self, step: int) -> Batch:
         """Sample and reward prompts_per_step groups for update `step`."""
         rl = self.rl
@@ -174,9 +245,9 @@ class RLRun:
         tasks = self.tasks("train", rl.prompts_per_step, step)
         prompts = [self.encode(t.prompt) for t in tasks]
         errors: list[str] = []
-        params = SamplingParams(**{**self.sampling.__dict__, "seed": rl.seed * 7919 + step})
+        params = replace(self.sampling, seed=rl.seed * 7919 + step)
         try:
-            samples = self.generator.generate(prompts, params)
+            samples = self.generate(prompts, params)
         except Exception as e:
             if rl.on_error == "fail":
                 raise RolloutFailure(f"generation failed at update {step}: {e!r}") from e
@@ -197,7 +268,8 @@ class RLRun:
                 rollouts.append(Rollout(prompts[g], s.tokens, s.logprobs, a, r, s.version, group=g))
             rewards += rs
         new_tokens = sum(len(s.tokens) for s in samples)
-        return Batch(step, rollouts, rewards, time.perf_counter() - t0, errors, new_tokens)
+        return Batch(step, rollouts, rewards, time.perf_counter() - t0, errors, new_tokens,
+                     [t.prompt for t in tasks])  # fmt: skip
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -209,7 +281,7 @@ class RLRun:
         greedy = SamplingParams(
             max_tokens=self.rl.max_new_tokens, top_p=1e-9, stop_tokens=self.sampling.stop_tokens
         )
-        samples = self.generator.generate([self.encode(t.prompt) for t in tasks], greedy)
+        samples = self.generate([self.encode(t.prompt) for t in tasks], greedy)
         rs = [
             self.env.reward(t, self.decode(s.tokens)) for t, s in zip(tasks, samples, strict=True)
         ]
@@ -228,16 +300,25 @@ class RLRun:
             self.probe.update_weights(sd, version)
 
     def sft_warmup(self) -> None:
-        """Supervised steps on reference answers (its own AdamW; the RL schedule untouched)."""
+        """Supervised steps on reference answers at rl.sft_warmup_lr: torchtitan's AdamW
+        with the recipe's settings, its own state (dropped after), constant learning rate;
+        the RL optimizer and schedule untouched."""
         n = self.rl.sft_warmup_steps
         if n == 0:
             return
+        from torchtitan.components.optimizer import default_adamw
         from torchtitan.tools.logging import logger
 
-        opt = torch.optim.AdamW(self.policy.model.parameters(), lr=self.rl.sft_warmup_lr)
-        warm = PolicyTrainer(
-            self.policy.model, opt, max_norm=self.policy.max_norm, pad_id=self.eos or 0
+        tr = self.job.recipe.training
+        opt = default_adamw(lr=self.rl.sft_warmup_lr, weight_decay=tr.weight_decay).build(
+            model_parts=[self.policy.model]
         )
+        pol = self.policy
+        warm = PolicyTrainer(pol.model, opt, max_norm=tr.max_norm, pad_id=pol.pad_id,
+                             microbatch_tokens=pol.engine.microbatch_tokens,
+                             microbatch_rows=pol.engine.microbatch_rows,
+                             dp_group=pol.engine.dp_group)  # fmt: skip
+        warm.engine.label = "rl sft warmup"
         ce = get_loss("cross_entropy")
         for i in range(n):
             tasks = self.tasks("train", self.rl.prompts_per_step * self.rl.group_size, -2 - i)
@@ -245,7 +326,7 @@ class RLRun:
             for t in tasks:
                 ans = self.tok.encode(t.answer, add_bos=False, add_eos=False) + [self.eos]
                 rows.append(Rollout(self.encode(t.prompt), ans, [0.0] * len(ans)))
-            c, _ = warm.score(rows)
+            c = collate(rows, pol.pad_id, pol.device)
             loss = warm.forward_backward(c, warm.loss_batch(c, None), ce)
             warm.optim_step()
             if (i + 1) % 20 == 0 or i + 1 == n:
@@ -270,8 +351,16 @@ class RLRun:
             mm = mismatch_stats(c.sampling_logprobs, old, same) if bool(same.any()) else {}
         behav = mismatch_stats(c.sampling_logprobs, old, c.mask)
         lb = self.policy.loss_batch(c, old)
-        loss = self.policy.forward_backward(c, lb, self.loss_fn)
-        grad_norm = self.policy.optim_step()
+        try:
+            # pi_old was scored under these very weights: the engine's first pass is it.
+            loss = self.policy.forward_backward(c, lb, self.loss_fn, logprobs=old)
+            grad_norm = self.policy.optim_step()
+        except NonFiniteError as e:
+            raise NonFiniteError(
+                f"update {step}: {e.detail}{self._source_of_nonfinite(batch, lb)}",
+                file=self.job.recipe.source,
+                key="rl.reward" if self.rl.reward else "rl.env",
+            ) from None
         out = {
             "loss": loss,
             "grad_norm": grad_norm,
@@ -282,6 +371,20 @@ class RLRun:
         }
         out.update(mm)
         return out
+
+    @staticmethod
+    def _source_of_nonfinite(batch: Batch, lb: Any) -> str:
+        """Where a NaN/inf came from: a reward (naming its prompt), else which input."""
+        for r in batch.rollouts:
+            if not math.isfinite(r.reward):
+                prompt = batch.prompts[r.group] if r.group < len(batch.prompts) else "?"
+                return f" (the reward of a completion of {prompt!r} is {r.reward})"
+        m = lb.mask.bool()
+        for name in ("advantages", "sampling_logprobs", "old_logprobs", "ref_logprobs"):
+            t = getattr(lb, name)
+            if t is not None and not bool(torch.isfinite(t if t.dim() == 1 else t[m]).all()):
+                return f" (non-finite {name})"
+        return ""
 
 
 def _mean_over_ranks(values: dict[str, float], world: int) -> dict[str, float]:
@@ -315,15 +418,25 @@ def run(job: Any) -> dict[str, Any] | None:
 def _train(job: Any, trainer: Any) -> dict[str, Any] | None:
     from torchtitan.tools.logging import logger
 
+    from core.launch_env import launch_env
+    from launch.stop_request import save_full_checkpoint
+    from recipe.loader import first_step_timeout_s
+    from runtime.steps import StepGuard
+
     trainer.checkpointer.load(step=-1)
     start = trainer.step  # updates already done (restored from a checkpoint)
     r = RLRun(job, trainer)
     rl = r.rl
+    mp = r.mp
+    # What TitanscaleTrainer.batch_generator writes for pretraining: read_trajectory drops
+    # the updates a restart replays; the summary skips this process's warmup only.
+    mp.last_logged_step = mp.start_step = start
+    mp.write_event("start", resumed_from_step=start, restart_count=launch_env().restart_count,
+                   world_size=r.world, wall=time.strftime("%Y-%m-%dT%H:%M:%S"))  # fmt: skip
     if start == 0:
         r.sft_warmup()
     r.attach_reference()
     r.push_weights(start)
-    mp = r.mp
     errors_total = 0
     wait_total = busy_total = 0.0
     q: queue.Queue[Batch | BaseException] = queue.Queue()
@@ -349,21 +462,28 @@ def _train(job: Any, trainer: Any) -> dict[str, Any] | None:
     if eval_stats:
         logger.info(f"rl: held-out before RL: {eval_stats}")
         mp.write_event("rl_eval", step=start, **eval_stats)
+    guard = StepGuard(
+        timeout_s=job.recipe.job.collective_timeout_s,
+        first_timeout_s=first_step_timeout_s(job.recipe),
+        device=trainer.device,
+    )
     done = start  # the weights in memory are exactly version `done`
+    stopped = False
     try:
         for step in range(start + 1, r.steps + 1):
             t0 = time.perf_counter()
-            if thread is None:
-                item: Batch | BaseException = r.make_batch(step)
-            else:
-                item = q.get()
-            if isinstance(item, BaseException):
-                raise item
-            batch = item
-            t_wait = time.perf_counter() - t0
-            stats = r.train_on(batch, step)
-            done = trainer.step = step
-            r.push_weights(step)
+            with guard.step(step):
+                if thread is None:
+                    item: Batch | BaseException = r.make_batch(step)
+                else:
+                    item = q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                batch = item
+                t_wait = time.perf_counter() - t0
+                stats = r.train_on(batch, step)
+                done = trainer.step = step
+                r.push_weights(step)
             t_busy = time.perf_counter() - t0 - t_wait
             wait_total += t_wait
             busy_total += t_busy
@@ -399,22 +519,35 @@ def _train(job: Any, trainer: Any) -> dict[str, Any] | None:
                     f"{extra.get('policy_lag', float('nan')):.2f} wait {extra['trainer_wait_pct']:.0f}% "
                     f"kl {extra.get('train_infer_kl', float('nan')):.2e}"
                 )
+            # The launcher asks (time limit near): a resumable checkpoint of this update, then
+            # exit for the requeue (launch/job.sbatch). Without checkpoints: keep training.
+            if (
+                step < r.steps
+                and guard.stop_requested()
+                and save_full_checkpoint(trainer.checkpointer, step)
+            ):
+                guard.acknowledge(step)
+                mp.write_event("stopped", step=step)
+                logger.info(f"rl: stop requested; checkpoint of update {step} saved")
+                stopped = True
+                break
     except BaseException:
         stop.set()
         # Nothing trained is lost: keep the last completed update (when checkpoints are on).
-        if done > start and trainer.checkpointer.enable:
-            trainer.step = done
-            trainer.checkpointer.save(done, last_step=True)
+        # A step refused by the non-finite guard never touched the weights: `done` is good.
+        if done > start and save_full_checkpoint(trainer.checkpointer, done):
             logger.info(f"rl: stopped after update {done}; saved a checkpoint of it")
         raise
     finally:
         stop.set()
+        guard.close()
         if thread is not None:
             thread.join(timeout=60)
     mp.write_event(
         "rl_summary",
         mode=rl.mode,
-        updates=r.steps - start,
+        updates=done - start,
+        stopped=stopped,
         trainer_wait_pct=100.0 * wait_total / max(wait_total + busy_total, 1e-9),
         rollout_errors=errors_total,
     )

@@ -124,7 +124,14 @@ def forward_logits(
     if positions is None:
         positions = torch.arange(L, device=inputs.device).unsqueeze(0).expand(B, L)
     get_masks = getattr(model, "get_attention_masks", None)
-    masks = get_masks(positions=positions) if get_masks is not None else None
+    masks = None
+    if get_masks is not None:
+        # torchtitan builds masks with a torch.compile'd create_block_mask, which recompiles
+        # for each new (rows, length) shape: seconds each on CPU, where microbatch shapes
+        # vary. The CPU attention backend (dense) only evaluates the mask: eager is exact.
+        stance = "force_eager" if inputs.device.type == "cpu" else "default"
+        with torch.compiler.set_stance(stance):
+            masks = get_masks(positions=positions)
     # torchtitan's trainer sets `_skip_lm_head` when its chunked loss applies the head; these
     # loops need the logits, so the head runs inside this forward (FSDP unshards it there).
     skip = getattr(model, "_skip_lm_head", False)
@@ -371,20 +378,18 @@ class StepEngine:
         if self.replicated_group is not None:
             self._sum_replicated_grads()
         params = [p for _, p in self.named_params]
+        with_grad = [(n, p.grad) for n, p in self.named_params if p.grad is not None]
+        # Per-parameter norms of the local gradients before clipping scales them all by a
+        # NaN coefficient: names the source of a non-finite norm (one read of the grads).
+        own = torch._foreach_norm([_local(g) for _, g in with_grad]) if with_grad else []
         # max_norm <= 0: no clipping, the norm is still needed for the guard.
         limit = self.max_norm if self.max_norm > 0 else math.inf
         norm = float(_full(dist_utils.clip_grad_norm_(params, limit, foreach=True)))
         if not math.isfinite(norm):
-            name = next(
-                (
-                    n
-                    for n, p in self.named_params
-                    if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all())
-                ),
-                "a parameter sharded on another rank",
-            )
+            bad = [n for (n, _), v in zip(with_grad, own, strict=True) if not torch.isfinite(v)]
+            name = bad[0] if bad else "a parameter sharded on another rank"
             self.optimizers.zero_grad()
-            raise NonFiniteError(self._where(f"the gradient of {name} (norm {norm})", norm))
+            raise NonFiniteError(self._where(f"the gradient norm (first non-finite: {name})", norm))
         self.optimizers.step()
         if self.lr_schedulers is not None:
             self.lr_schedulers.step()
@@ -473,6 +478,19 @@ def watched_step(watchdog: Any, n: int, world_size: int) -> Iterator[None]:
 
 
 # -------------------------------------------------------------------------------- budget
+
+
+def refuse_validation(recipe: Any, path: str) -> None:
+    """[validation] is torchtitan's validator inside the Trainer; a post-training loop has
+    none: refused in one line rather than ignored."""
+    if recipe.validation.enable:
+        raise ConfigError(
+            f"{path} has no validator (torchtitan's runs in the pretraining/SFT Trainer); "
+            "held-out scores come from eval_source / rl.eval_prompts; set "
+            "validation.enable = false",
+            file=recipe.source,
+            key="validation.enable",
+        )
 
 
 def device_memory_bytes(platform: Any) -> tuple[float, str]:
