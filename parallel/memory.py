@@ -344,6 +344,9 @@ class PostTrain:
     generator_bytes_per_param: int = 4
     reference_copies: int = 0
     generation: bool = False
+    # The CPU's dense attention keeps float32 scores and probabilities per layer, head and
+    # (query, key) pair for backward: per token, layers x heads x row length x 8 bytes.
+    dense_attention_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -397,6 +400,10 @@ def posttrain_memory(w: Workload, pt: PostTrain, st: Stack | None = None) -> Pos
     vocab = s.vocab_size / w.layout.tp
     logits = tokens * vocab * 2 * elt + min(tokens, LOGPROB_CHUNK_TOKENS) * vocab * 12
     train = replace(train, logits=logits)
+    if pt.dense_attention_len:
+        heads = s.n_heads / w.layout.tp
+        dense = tokens * s.n_layers * heads * pt.dense_attention_len * 8
+        train = replace(train, activations=train.activations + dense)
     params = s.total_params
     kv_per_position = s.n_layers * 2 * s.n_kv_heads * s.head_dim * pt.generator_bytes_per_param
     return PostTrainMemory(
@@ -421,11 +428,14 @@ def fit_microbatch_tokens(
     return best
 
 
-def posttrain_load(recipe, microbatch_tokens: int = 0) -> PostTrain | None:
+def posttrain_load(recipe, microbatch_tokens: int = 0, *, service: bool = False) -> PostTrain | None:
     """The PostTrain of a recipe's job (None for pretraining and Trainer-path SFT): RL's
-    generator copies (one; async adds the probe), its KL reference, [[adapters]]."""
+    generator copies (one; async adds the probe), its KL reference, [[adapters]], or the
+    service (`service`: one sampler copy, generation)."""
     tokens = microbatch_tokens or recipe.training.microbatch_tokens or MICROBATCH_LADDER[0]
     rl = recipe.rl
+    if service:
+        return PostTrain(microbatch_tokens=tokens, generator_copies=1, generation=True)
     if rl.enabled:
         return PostTrain(
             microbatch_tokens=tokens,

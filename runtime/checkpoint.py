@@ -541,28 +541,53 @@ def all_crcs(folder: str) -> dict[str, int]:
 
 
 def save_states(
-    folder: str, states: dict[str, Any], *, checksums: bool = True, key: str = "", file: str = ""
+    folder: str,
+    states: dict[str, Any],
+    *,
+    checksums: bool = True,
+    key: str = "",
+    file: str = "",
+    in_place: bool = False,
 ) -> None:
     """Write `states` (tensors, plain data, Stateful objects) as one verified checkpoint
     folder, committed as the manager commits a step (`.partial`, CRC32s, manifest, fsync,
     rename, read-back): for states outside a run's step-N series (the RL reference policy,
     a service adapter's training state). One process writes it (no collective). A failed
-    write is one line naming `key` (CheckpointError), the partial folder removed."""
+    write is one line naming `key` (CheckpointError), the partial folder removed.
+    `in_place`: write into the existing `folder`, which the caller renames into place (the
+    service's storage); the manifest then covers every file already in it too."""
     final = folder.rstrip("/")
-    tmp = final + PARTIAL
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = final if in_place else final + PARTIAL
+    if not in_place:
+        shutil.rmtree(tmp, ignore_errors=True)
     flat = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in states.items()}
     try:
-        dcp.save(flat, checkpoint_id=tmp, no_dist=True)
-        commit_folder(tmp, final, -1, all_crcs(tmp) if checksums else {})
+        with _single_process():
+            dcp.save(flat, checkpoint_id=tmp, no_dist=True)
+        crcs = all_crcs(tmp) if checksums else {}
+        if in_place:
+            write_manifest(tmp, -1, crcs)
+        else:
+            commit_folder(tmp, final, -1, crcs)
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not in_place:
+            shutil.rmtree(tmp, ignore_errors=True)
         found = write_failure(e)
         if found is None:
             raise
         raise CheckpointError(
             f"writing {final} failed: {found[1]}", file=file or None, key=key or None
         ) from None
+
+
+@contextlib.contextmanager
+def _single_process() -> Any:
+    """DCP warns that it assumes one process when told so (no_dist): that is the intent."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def load_states(
@@ -578,7 +603,8 @@ def load_states(
         )
     flat = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in states.items()}
     try:
-        safe_dcp_load(flat, folder, no_dist=True)
+        with _single_process():
+            safe_dcp_load(flat, folder, no_dist=True)
     except (Exception, CheckpointException) as e:
         raise CheckpointError(
             f"{folder} does not load: {describe_error(e)}", file=file or None, key=key or None

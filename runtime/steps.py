@@ -129,8 +129,8 @@ def forward_logits(
         # torchtitan builds masks with a torch.compile'd create_block_mask, which recompiles
         # for each new (rows, length) shape: seconds each on CPU, where microbatch shapes
         # vary. The CPU attention backend (dense) only evaluates the mask: eager is exact.
-        stance = "force_eager" if inputs.device.type == "cpu" else "default"
-        with torch.compiler.set_stance(stance):
+        eager = inputs.device.type == "cpu"
+        with torch.compiler.set_stance("force_eager" if eager else "default"):
             masks = get_masks(positions=positions)
     # torchtitan's trainer sets `_skip_lm_head` when its chunked loss applies the head; these
     # loops need the logits, so the head runs inside this forward (FSDP unshards it there).
@@ -507,39 +507,42 @@ def device_memory_bytes(platform: Any) -> tuple[float, str]:
     return float(torch.cuda.get_device_properties(local).total_memory), platform.device_name
 
 
-def choose_microbatch_tokens(recipe: Any, layout: Any, platform: Any) -> int:
+def choose_microbatch_tokens(
+    recipe: Any, layout: Any, platform: Any, *, service: bool = False
+) -> int:
     """The job's token budget: training.microbatch_tokens, or the largest that fits this
-    device by the memory model. ConfigError (before any process group) when the job does
-    not fit, saying what it needs."""
+    device by the memory model (parallel.memory: the trainer's states and one microbatch,
+    the generator's copies and KV cache; on CPU the dense attention's scores). ConfigError
+    (before any process group) when the job does not fit, saying what it needs. `layout`
+    None: one process (the service, whose adapters are LoRA at lora.rank)."""
+    from dataclasses import replace
+
+    from core.axes import Layout
     from parallel.memory import fit_microbatch_tokens, posttrain_load, posttrain_memory
     from parallel.workload import workload_from_recipe
 
-    pt = posttrain_load(recipe)
-    assert pt is not None, "a post-training recipe (rl or [[adapters]])"
-    w = workload_from_recipe(recipe, layout)
+    pt = posttrain_load(recipe, service=service)
+    assert pt is not None, "a post-training recipe (rl, [[adapters]] or the service)"
+    if platform.is_cpu:
+        pt = replace(pt, dense_attention_len=recipe.training.seq_len)
+    w = workload_from_recipe(recipe, layout or Layout())
+    if service:
+        w = w.with_(lora_rank=recipe.lora.rank)
     device, kind = device_memory_bytes(platform)
     chosen = recipe.training.microbatch_tokens
     tokens = chosen or fit_microbatch_tokens(w, pt, device, kind)
-    est = posttrain_memory(w, replace_tokens(pt, tokens or pt.microbatch_tokens))
+    est = posttrain_memory(w, replace(pt, microbatch_tokens=tokens or pt.microbatch_tokens))
     if tokens and est.required_gib_on(kind) * 2**30 <= device:
         return tokens
     what = "this GPU" if kind != "cpu" else "this machine's share per process"
-    key = "training.microbatch_tokens" if chosen else (
-        "rl.generator_dtype" if recipe.rl.enabled else "lora.rank"
+    hint = (
+        "lower training.microbatch_tokens"
+        if chosen
+        else "use more GPUs (FSDP shards the states), a smaller model"
+        + (" or a bfloat16 generator (rl.generator_dtype)" if recipe.rl.enabled else "")
     )
     raise ConfigError(
-        f"the job needs {est.describe(kind)}; {what} has {device / 2**30:.1f} GiB"
-        + (
-            "; lower training.microbatch_tokens"
-            if chosen
-            else "; use more GPUs (FSDP shards the states), a smaller model or a bfloat16 generator"
-        ),
+        f"the job needs {est.describe(kind)}; {what} has {device / 2**30:.1f} GiB: {hint}",
         file=recipe.source,
-        key=key,
+        key="training.microbatch_tokens" if chosen else "model.flavor",
     )
-
-
-def replace_tokens(pt: Any, tokens: int) -> Any:
-    from dataclasses import replace
-
-    return replace(pt, microbatch_tokens=tokens)
