@@ -1,48 +1,30 @@
 """Several LoRA adapters on one frozen base model in one job (`[[adapters]]`).
 
-One base model is built once (torchtitan's model with its LoRA converter applied: every base
-weight frozen) and loaded from `checkpoint.load_from`. Each adapter owns its A/B tensors
-(posttrain.lora.AdapterWeights), its data stream (data.loader.PackedStream over its own
-source, SFT-rendered and bfd-packed) and its step engine (runtime.steps: torchtitan's
-AdamW container and LR scheduler with the recipe's schedule at the adapter's lr / warmup /
-steps, microbatches under training.microbatch_tokens, the non-finite guard), and its
-verified checkpoints (runtime.checkpoint.AtomicCheckpointManager over
-<output_dir>/adapters/<name>/step-N: manifest, fallback, keep_latest, async). Metrics go to
-metrics.jsonl (records carry "adapter"), TensorBoard and W&B (runtime.metrics.StepMetrics);
-rounds run under the step watchdog, the fault seam and the stop-request check
-(runtime.steps.StepGuard). The base never receives a gradient and never changes.
+One base (torchtitan's model, LoRA converter applied, every base weight frozen) loaded from
+`checkpoint.load_from`; per adapter its A/B tensors (posttrain.lora.AdapterWeights), data
+stream (SFT-rendered, bfd-packed), step engine (runtime.steps: torchtitan's AdamW and the
+recipe's LR schedule at its lr / warmup / steps, the token budget, the non-finite guard),
+verified checkpoints (<output_dir>/adapters/<name>/step-N) and metrics (metrics.jsonl
+records carry "adapter"; TensorBoard, W&B). Rounds run under runtime.steps.StepGuard.
+Schedules (`finetune.adapter_schedule`, benchmarks/adapters.md): "turns" binds one adapter
+at a time (posttrain.lora.bind_adapter, no copy): each adapter's arithmetic is exactly its
+own; "batched" runs one forward over every adapter's rows with a segmented multi-LoRA
+matmul (one microbatch), then each steps its own optimizer.
 
-How a step serves them (`finetune.adapter_schedule`, measured in benchmarks/adapters.md):
-- "turns": adapters take turns; each turn binds one adapter's tensors into the LoRA layers
-  (posttrain.lora.bind_adapter, no copy) and runs its own forward/backward/step. Each
-  adapter's arithmetic is then exactly what it would be alone (bit-identical trajectories).
-- "batched": one forward over the rows of every active adapter together, each LoRA layer
-  applying adapter k's A and B to adapter k's rows (a segmented multi-LoRA matmul); the loss
-  is the sum of per-adapter mean losses, so one backward gives every adapter its own
-  gradient, then each steps its own optimizer. Equal to "turns" up to float rounding. One
-  forward of every adapter's rows: the token budget does not split it.
-
-Several processes (torchrun, gloo on CPU, NCCL on CUDA): data parallel over a 1-D mesh. The
-frozen base is sharded with FSDP2 (each rank holds 1/N of it, all-gathered per block in
-forward and backward); the adapters' tensors are left out of FSDP (`ignored_params`) and
-replicated, since binding another adapter swaps them per turn. Each rank takes its rows of
-every adapter's global packed stream; its loss is its summed cross-entropy over the global
-count of trained tokens, so one all-reduce (SUM) of each adapter's gradients (one flat buffer
-of the adapter's size: ~150 MB fp32 for r = 16 on every linear of Llama 3 8B) gives every
-rank the single-process gradient and the replicated AdamW steps stay identical. Rank 0 writes
-metrics, exports and the summary; checkpoints are DCP (every rank calls, replicated tensors
-written once). tp, cp and pp > 1 are refused at launch (posttrain.jobs.check).
-The Trainer path (finetune.mode with no [[adapters]]) covers every layout for one adapter.
+Several processes: data parallel over a 1-D mesh; the frozen base FSDP2-sharded, the
+adapters replicated (`ignored_params`) with their gradients summed once per step (their loss
+is normalised by the global trained-token count). tp/cp/pp > 1 are refused at launch.
+docs/sft.md and docs/steps.md hold the details.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -51,22 +33,26 @@ import torch.nn.functional as F
 
 from core.errors import ConfigError
 from data.chat import ChatRenderer, make_renderer
-from data.loader import _plain  # the loader's JSON encoding of its own state
 from data.packing import LOSS_WEIGHTS
 from posttrain.evaluate import exact_match, load_examples
 from posttrain.lora import (
     AdapterWeights,
-    adapter_state,
-    base_state,
     bind_adapter,
-    export_merged,
-    export_peft,
+    export_adapter,
     init_adapter,
     lora_modules,
 )
 from recipe.schema import AdapterSection, Recipe
 from rl.losses import LossBatch, LossConfig, cross_entropy_loss
-from runtime.steps import Rows, StepEngine, StepGuard, token_logprobs
+from runtime.steps import (
+    Attrs,
+    Rows,
+    StepEngine,
+    StepGuard,
+    recipe_checkpointer,
+    recipe_optimizer,
+    token_logprobs,
+)
 
 IGNORE_INDEX = -100
 _SUM = LossConfig(aggregation="sum")
@@ -95,34 +81,6 @@ class AdapterState:
     @property
     def done(self) -> bool:
         return self.step >= self.spec.steps
-
-
-class _Counters:
-    """An adapter's step and token counts in its checkpoint (train_state)."""
-
-    def __init__(self, a: AdapterState) -> None:
-        self.a = a
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.a.step, "tokens": self.a.tokens, "trained": self.a.trained_tokens}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.a.step, self.a.tokens = int(sd["step"]), int(sd["tokens"])
-        self.a.trained_tokens = int(sd["trained"])
-
-
-class _DataPosition:
-    """An adapter's stream position in its checkpoint (the loader's own JSON state)."""
-
-    def __init__(self, a: AdapterState) -> None:
-        self.a = a
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"position": json.dumps(self.a.stream.state_dict(), default=_plain)}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.a.stream.load_state_dict(json.loads(sd["position"]))
-        self.a.batches = _batches(self.a.stream, self.a.batch_size)
 
 
 class _RowGroupLinear(nn.Module):
@@ -259,33 +217,19 @@ class AdapterJob:
         }
 
     def _new_adapter(self, spec: AdapterSection) -> AdapterState:
-        from torchtitan.components.optimizer import default_adamw
         from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
         from data.loader import PackedStream
-        from runtime.build import lr_scheduler_config
-        from runtime.checkpoint import AtomicCheckpointManager
 
-        tr, d, ck = self.recipe.training, self.recipe.data, self.recipe.checkpoint
-        weights = AdapterWeights(init_adapter(self.model, spec.seed))
-        # The recipe's optimizer and schedule (lr_schedule, min_lr_ratio, decay_ratio) at
-        # this adapter's lr, warmup and steps: its own state, separate from the others'.
-        opt = default_adamw(lr=spec.lr, weight_decay=tr.weight_decay).build(model_parts=[weights])
-        sched_cfg = dataclasses.replace(
-            lr_scheduler_config(self.recipe), warmup_steps=spec.warmup_steps
-        )
-        sched = sched_cfg.build(optimizers=opt, training_steps=spec.steps)
-        engine = StepEngine(
-            self.model,
-            opt,
-            sched,
-            microbatch_tokens=self.microbatch_tokens,
-            max_norm=tr.max_norm,
-            named_params=[(n, p) for n, p in weights.named_parameters() if p.requires_grad],
-            replicated_group=self.group,
-            dp_group=self.group,
-            label=f"adapter {spec.name}",
-        )
+        tr, d = self.recipe.training, self.recipe.data
+        weights = init_adapter(self.model, spec.seed)
+        # The recipe's optimizer and schedule at this adapter's lr / warmup / steps.
+        opt, sched = recipe_optimizer(self.recipe, weights, lr=spec.lr,
+                                      warmup_steps=spec.warmup_steps, steps=spec.steps)  # fmt: skip
+        engine = StepEngine(self.model, opt, sched, microbatch_tokens=self.microbatch_tokens,
+                            max_norm=tr.max_norm, replicated_group=self.group,
+                            named_params=list(weights.named_parameters()),
+                            dp_group=self.group, label=f"adapter {spec.name}")  # fmt: skip
         stream = PackedStream(
             source=spec.source,
             tokenizer=HuggingFaceTokenizer(tokenizer_path=self.tokenizer_path),
@@ -300,25 +244,13 @@ class AdapterJob:
         )
         bs = spec.local_batch_size or tr.local_batch_size
         a = AdapterState(spec, weights, engine, None, stream, _batches(stream, bs), bs)
-        dist = torch.distributed
-        async_ok = dist.is_available() and dist.is_initialized()
-        a.checkpointer = AtomicCheckpointManager.Config(
-            enable=True,
-            folder=os.path.abspath(os.path.join(self.out, "adapters", spec.name)),
-            interval=ck.interval or spec.steps,
-            keep_latest_k=ck.keep_latest,
-            last_save_model_only=False,
-            async_mode=ck.async_mode if async_ok else "disabled",
-            checksums=ck.checksums,
-            recipe_file=self.recipe.source or "",
-        ).build(
-            dataloader=_DataPosition(a),
-            model_parts=[weights],
-            optimizers=opt,
-            lr_schedulers=sched,
-            states={"train_state": _Counters(a)},
-            sd_adapter=None,
-        )
+        folder = os.path.abspath(os.path.join(self.out, "adapters", spec.name))
+        a.checkpointer = recipe_checkpointer(
+            self.recipe, folder, steps=spec.steps, model_parts=[weights], optimizers=opt,
+            lr_schedulers=sched, states={"train_state": Attrs(a, "step", "tokens", "trained_tokens")},
+            dataloader=Attrs(a, json_of="stream",
+                             on_load=lambda: setattr(a, "batches", _batches(a.stream, bs))),
+        )  # fmt: skip
         return a
 
     # -- one step --------------------------------------------------------------------------
@@ -394,48 +326,26 @@ class AdapterJob:
         rec = {"event": "heldout", "adapter": a.spec.name, "step": a.step, **res,
                "eval_s": time.perf_counter() - t0}  # fmt: skip
         a.heldout.append(rec)
-        self.metrics.log(rec, a.step, tag=f"{a.spec.name}/heldout")
+        self.metrics.log(rec, self._metrics_step(a), tag=f"{a.spec.name}/heldout")
         return rec
 
-    def save(self, a: AdapterState) -> str:
+    def save(self, a: AdapterState) -> bool:
         """A full, resumable checkpoint of the adapter's current step (collective)."""
         from launch.stop_request import save_full_checkpoint
 
-        save_full_checkpoint(a.checkpointer, a.step)
-        return os.path.join(a.checkpointer.folder, f"step-{a.step}")
+        return save_full_checkpoint(a.checkpointer, a.step)
+
+    def _save_all(self, adapters: list[AdapterState]) -> bool:
+        return all([self.save(a) for a in adapters])
 
     def resume(self, a: AdapterState) -> bool:
         """Load the adapter's newest verified checkpoint (falling back past damaged ones)."""
         return bool(a.checkpointer.load(step=-1))
 
     def export(self, a: AdapterState) -> str:
-        folder = self.recipe.finetune.export_dir.replace("{output_dir}", self.out)
-        folder = os.path.join(folder, a.spec.name)
         bind_adapter(self.model, a.params)
-        ad = adapter_state(self.model)
-        # The merged model needs the full base: an all-gather on every rank (FSDP).
-        base = base_state(self.model) if self.recipe.finetune.export_merged else None
-        if self.rank != 0:
-            return folder
-        export_peft(
-            folder,
-            model_config=self.model_config,
-            adapter=ad,
-            state_dict_adapter=self.state_dict_adapter,
-            rank=self.recipe.lora.rank,
-            alpha=self.recipe.lora.alpha,
-        )
-        if base is not None:
-            export_merged(
-                os.path.join(folder, "merged"),
-                base=base,
-                adapter=ad,
-                model_config=self.model_config,
-                state_dict_adapter=self.state_dict_adapter,
-                scale=self.scale,
-                family=self.recipe.model.family,
-            )
-        return folder
+        return export_adapter(self.model, self.recipe, a.spec.name, model_config=self.model_config,
+                              state_dict_adapter=self.state_dict_adapter)  # fmt: skip
 
     # -- the loop --------------------------------------------------------------------------
     def _start(self) -> None:
@@ -455,6 +365,12 @@ class AdapterJob:
             if a.step == 0:
                 self.heldout(a)
 
+    def _metrics_step(self, a: AdapterState) -> int:
+        """TensorBoard's and W&B's x axis: the adapters' steps share one monotonic counter
+        (W&B drops a record whose step goes back); metrics.jsonl keeps each one's own."""
+        self._tb_step = max(getattr(self, "_tb_step", 0), a.step)
+        return self._tb_step
+
     def _log(self, a: AdapterState, loss: float, norm: float, dt: float, dc: float, n: int) -> None:
         seq_len = self.recipe.training.seq_len
         rec = {
@@ -472,19 +388,13 @@ class AdapterJob:
             "tokens_per_sec": a.batch_size * self.world * seq_len / dt,
             "tokens_per_sec_per_rank": a.batch_size * seq_len / dt,
         }
-        self.metrics.log(rec, a.step, tag=a.spec.name)
+        self.metrics.log(rec, self._metrics_step(a), tag=a.spec.name)
 
     def train(self, *, export: bool = True) -> dict[str, Any]:
-        from recipe.loader import first_step_timeout_s
-
         log_every = self.recipe.metrics.log_every
         eval_every = self.recipe.finetune.eval_every
         step_fn = self._step_turns if self.schedule == "turns" else self._step_batched
-        guard = StepGuard(
-            timeout_s=self.recipe.job.collective_timeout_s,
-            first_timeout_s=first_step_timeout_s(self.recipe),
-            groups={"dp_shard": list(range(self.world))},
-        )
+        guard = StepGuard(self.recipe, groups={"dp_shard": list(range(self.world))})
         stopped = False
         try:
             self._start()
@@ -513,13 +423,10 @@ class AdapterJob:
                     a.checkpointer.save(a.step, last_step=a.done)
                     if eval_every and a.step % eval_every == 0 and not a.done:
                         self.heldout(a)
-                if guard.stop_requested():
-                    # The launcher asks (time limit near): every unfinished adapter saves a
-                    # resumable checkpoint, then the job exits for its requeue.
-                    for a in self.adapters:
-                        if not a.done:
-                            self.save(a)
-                    guard.acknowledge(rounds)
+                # The launcher asks (time limit near): a resumable checkpoint of every
+                # unfinished adapter, then the job exits for its requeue.
+                todo = [a for a in self.adapters if not a.done]
+                if guard.stop_here(rounds, partial(self._save_all, todo)):
                     self.metrics.write_event("stopped", round=rounds,
                                              steps={a.spec.name: a.step for a in self.adapters})  # fmt: skip
                     stopped = True

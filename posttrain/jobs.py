@@ -10,49 +10,17 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
-from core.errors import ConfigError
 from recipe.loader import check_adapter_layout
 from runtime import session
-from runtime.steps import refuse_validation
 
 
 def check(job: session.Job) -> None:
     """Post-training checks that need the launch (world size); ConfigError before training."""
-    r = job.recipe
-    if not r.adapters:
-        if r.training.microbatch_tokens:
-            # torchtitan's Trainer microbatches by training.local_batch_size.
-            raise ConfigError(
-                "only post-training loops (rl, [[adapters]], the service) split batches by a "
-                "token budget; this job trains local_batch_size rows per microbatch: remove it",
-                file=r.source,
-                key="training.microbatch_tokens",
-            )
-        return
-    # The recipe's [parallel] was checked at load; this covers a layout the planner chose.
-    check_adapter_layout(r, job.layout)
-    refuse_validation(r, "[[adapters]]")
-    if r.training.global_batch_size != -1:
-        raise ConfigError(
-            "[[adapters]] step on adapters[i].local_batch_size (or training.local_batch_size) "
-            "rows per process; set -1 (gradient accumulation is the token budget's, "
-            "training.microbatch_tokens)",
-            file=r.source,
-            key="training.global_batch_size",
-        )
-    if not r.checkpoint.resume:
-        for i, a in enumerate(r.adapters):
-            folder = Path(r.output_dir) / "adapters" / a.name
-            if folder.is_dir() and any(folder.glob("step-*")):
-                raise ConfigError(
-                    f"{folder} holds checkpoints of adapters[{i}] but resume = false; move "
-                    "them away or set resume = true (refusing to overwrite them)",
-                    file=r.source,
-                    key="checkpoint.resume",
-                )
+    if job.recipe.adapters:
+        # The recipe's [parallel] was checked at load; this covers a layout the planner chose.
+        check_adapter_layout(job.recipe, job.layout)
 
 
 def adapter_job(job: session.Job, mesh: Any = None) -> Any:
@@ -60,7 +28,6 @@ def adapter_job(job: session.Job, mesh: Any = None) -> Any:
     import torch
 
     from posttrain.adapters import AdapterJob
-    from runtime.steps import choose_microbatch_tokens
 
     r = job.recipe
     cfg = job.config.model_spec.model
@@ -69,10 +36,9 @@ def adapter_job(job: session.Job, mesh: Any = None) -> Any:
     device = "cpu"
     if torch.cuda.is_available() and not job.platform.is_cpu:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-    tokens = choose_microbatch_tokens(r, job.layout, job.platform)
     return AdapterJob(r, cfg, tokenizer_path=job.tokenizer_path, state_dict_adapter=sda,
                       device=device, schedule=r.finetune.adapter_schedule, mesh=mesh,
-                      microbatch_tokens=tokens)  # fmt: skip
+                      microbatch_tokens=job.microbatch_tokens)  # fmt: skip
 
 
 def run_adapters(job: session.Job) -> dict[str, Any]:

@@ -1,13 +1,9 @@
 """An RL run from a recipe: torchtitan's trainer + our generator + an environment + a loss.
 
-`check(job)` validates what only RL needs (callables import, backend available, the keys RL
-cannot honour, the memory the job needs on this device) before any process group; `run(job)`
-trains. The model, FSDP, optimizer, LR schedule, verified checkpoints and metrics (JSONL,
-TensorBoard, W&B) are the TitanscaleTrainer's that pretraining uses; each update runs on the
-post-training step layer (runtime.steps: microbatches under training.microbatch_tokens of at
-most training.local_batch_size rows, the non-finite guard) under the step watchdog, the fault
-seam and the stop-request check (checkpoint, then exit for the requeue). Rollouts replace the
-data loader; generation is called in chunks under the same token budget.
+`check(job)` validates what only RL needs (callables, backend, refused keys, memory on this
+device) before any process group; `run(job)` trains: the TitanscaleTrainer's model, FSDP,
+optimizer, schedule, checkpoints and metrics, each update on the post-training step layer
+(runtime.steps, docs/steps.md) under its guard; rollouts replace the data loader.
 
 Weight versions: version v = the weights after v RL updates. A batch trained at update s
 (1-based) was sampled by version v <= s - 1; policy_lag = s - 1 - v. `sync` samples with
@@ -17,18 +13,19 @@ available, so generation overlaps training. Off-policy correction: the losses' r
 against the trainer's own recomputation pi_old, and tis_cap (or dppo) weights each token by
 pi_old / mu, truncated.
 
-Failures: a generation or reward function that raises is counted (rollout_errors in
-metrics.jsonl, with the message as an event) and its group skipped, or, with on_error =
-"fail", a checkpoint of the last completed update is saved and the run stops.
+Failures (docs/rl.md): a raising generation or reward is counted and its group skipped, or
+(on_error = "fail") the last completed update is checkpointed and the run stops.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -40,13 +37,12 @@ from rl.losses import BUILTIN_LOSSES, LossConfig, LossFn, get_loss, group_advant
 from rl.mismatch import mismatch_stats
 from rl.policy import full_state_dict
 from rl.trainer import PolicyTrainer, Rollout, collate
-from runtime.steps import NonFiniteError, choose_microbatch_tokens, refuse_validation
+from runtime import steps
 
 
 def check(job: Any) -> None:
     """RL-only checks before any process group; ConfigError names the key."""
-    r = job.recipe
-    rl, f = r.rl, r.source
+    rl, f = job.recipe.rl, job.recipe.source
     for key in ("env", "reward", "custom_loss"):
         spec = getattr(rl, key)
         if key == "custom_loss" and rl.loss != "custom":
@@ -69,43 +65,10 @@ def check(job: Any) -> None:
             vllm_generator()
         except (RuntimeError, NotImplementedError) as e:
             raise ConfigError(str(e), file=f, key="rl.generator") from None
-    refuse_validation(r, "rl")
-    if r.finetune.mode != "off" or r.adapters:
-        raise ConfigError(
-            "rl trains the full policy (its generator takes full weights); set "
-            "finetune.mode = 'off' and no [[adapters]]",
-            file=f,
-            key="finetune.mode",
-        )
-    layout = getattr(job, "layout", None)
-    if layout is None:
-        return
-    for axis in ("tp", "pp", "cp"):
-        if getattr(layout, axis) != 1:
-            # Every rank samples its own prompts: tp/cp peers would see different rows.
-            raise ConfigError(
-                f"rl runs data parallel only (each rank samples and trains its own rollouts); "
-                f"{axis} = {getattr(layout, axis)} is not supported, set it to 1",
-                file=f,
-                key=f"parallel.{axis}",
-            )
-    per_rank = rl.prompts_per_step * rl.group_size
-    gbs = r.training.global_batch_size
-    if gbs not in (-1, per_rank * layout.dp):
-        raise ConfigError(
-            f"rl trains rl.prompts_per_step x rl.group_size = {per_rank} rollouts per rank per "
-            f"update ({per_rank * layout.dp} over {layout.dp} ranks), in microbatches of at most "
-            f"training.local_batch_size rows; set -1 or {per_rank * layout.dp}, got {gbs}",
-            file=f,
-            key="training.global_batch_size",
-        )
-    platform = getattr(job, "platform", None)
-    if platform is not None:
-        choose_microbatch_tokens(r, layout, platform)  # refuses a job that does not fit
 
 
 class RolloutFailure(RuntimeError):
-    pass
+    """A generation or reward failed with rl.on_error = "fail"."""
 
 
 @dataclass
@@ -116,7 +79,6 @@ class Batch:
     gen_s: float
     errors: list[str] = field(default_factory=list)
     new_tokens: int = 0
-    prompts: list[str] = field(default_factory=list)  # per group, for error messages
 
 
 class RLRun:
@@ -142,8 +104,9 @@ class RLRun:
         )
         assert rl.loss == "custom" or rl.loss in BUILTIN_LOSSES
         # The token budget for scoring, reference logprobs, forward_backward and generation.
-        self.microbatch_tokens = choose_microbatch_tokens(job.recipe, job.layout, job.platform)
-        self.dp_group = dist.group.WORLD if self.world > 1 else None
+        self.microbatch_tokens = steps.choose_microbatch_tokens(
+            job.recipe, job.layout, job.platform
+        )
         self.policy = PolicyTrainer(
             model,
             trainer.optimizers,
@@ -153,7 +116,7 @@ class RLRun:
             pad_id=self.eos or 0,
             microbatch_tokens=self.microbatch_tokens,
             microbatch_rows=job.recipe.training.local_batch_size,
-            dp_group=self.dp_group,
+            dp_group=dist.group.WORLD if self.world > 1 else None,
         )
         self.generator = self._build_generator(model)
         # async: samples are older than the trainer's weights, so the mismatch is measured by a
@@ -185,24 +148,21 @@ class RLRun:
         return gen
 
     def attach_reference(self) -> None:
-        """kl_coef > 0: a frozen copy of the policy RL starts from (after any warmup). Saved
-        once as a verified checkpoint folder <output_dir>/rl_reference (manifest, CRC32s;
-        runtime.checkpoint.save_states) so a resumed run keeps the same reference."""
+        """kl_coef > 0: a frozen copy of the policy RL starts from (after any warmup), saved
+        once as a verified folder <output_dir>/rl_reference that a resumed run reloads."""
         if self.rl.kl_coef <= 0:
             return
-        import os
-
         from runtime.checkpoint import load_states, save_states
 
-        path = os.path.join(self.job.recipe.output_dir, "rl_reference")
+        path, where = os.path.join(self.job.recipe.output_dir, "rl_reference"), self.job.recipe
         if not os.path.isdir(path) and self.rank == 0:
-            save_states(path, {"model": full_state_dict(self.policy.model)},
-                        key="job.output_dir", file=self.job.recipe.source)  # fmt: skip
+            save_states(path, {"model": full_state_dict(self.policy.model)})
         if self.world > 1:
             torch.distributed.barrier()  # rank 0's folder is committed before anyone reads
         ref = self._fresh_model()
-        load_states(path, {"model": ref}, key="job.output_dir", file=self.job.recipe.source)
+        load_states(path, {"model": ref}, key="job.output_dir", file=where.source)
         self.policy.reference = ref.eval().requires_grad_(False)
+
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_bos=True, add_eos=False)
 
@@ -215,27 +175,16 @@ class RLRun:
         return self.env.tasks(split, n, seed=(self.rl.seed * 1_000_003 + key) * 64 + self.rank)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Any]:
-        """The generator called in chunks of prompts whose rows (prompt + max new tokens
-        each, n per prompt) fit the token budget: the KV cache never holds more than
-        microbatch_tokens positions. Chunk k > 0 samples from seed (seed, k): one chunk is
-        exactly the unchunked call."""
+        """The generator called in chunks of prompts whose rows (n per prompt, left-padded
+        to the chunk's longest prompt + max_tokens) fit the token budget: the KV cache holds
+        at most microbatch_tokens positions. Chunk k > 0 samples from seed (seed, k)."""
+        lens = [len(p) + params.max_tokens for p in prompts]
         out: list[Any] = []
-        lo = 0
-        while lo < len(prompts):
-            hi, rows = lo, 0
-            while hi < len(prompts):
-                need = params.n * (len(prompts[hi]) + params.max_tokens)
-                if hi > lo and rows + need > self.microbatch_tokens:
-                    break
-                rows, hi = rows + need, hi + 1
-            seed = params.seed
-            if lo and seed is not None:
-                seed = seed * 1_000_003 + lo
-            samples = self.generator.generate(prompts[lo:hi], replace(params, seed=seed))
-            for smp in samples:
+        for lo, hi in steps.split_rows(lens, self.microbatch_tokens // params.n):
+            seed = params.seed if not lo or params.seed is None else params.seed * 1_000_003 + lo
+            for smp in self.generator.generate(prompts[lo:hi], replace(params, seed=seed)):
                 smp.prompt_index += lo
-            out += samples
-            lo = hi
+                out.append(smp)
         return out
 
     def make_batch(self, step: int) -> Batch:
@@ -268,8 +217,7 @@ class RLRun:
                 rollouts.append(Rollout(prompts[g], s.tokens, s.logprobs, a, r, s.version, group=g))
             rewards += rs
         new_tokens = sum(len(s.tokens) for s in samples)
-        return Batch(step, rollouts, rewards, time.perf_counter() - t0, errors, new_tokens,
-                     [t.prompt for t in tasks])  # fmt: skip
+        return Batch(step, rollouts, rewards, time.perf_counter() - t0, errors, new_tokens)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -300,37 +248,33 @@ class RLRun:
             self.probe.update_weights(sd, version)
 
     def sft_warmup(self) -> None:
-        """Supervised steps on reference answers at rl.sft_warmup_lr: torchtitan's AdamW
-        with the recipe's settings, its own state (dropped after), constant learning rate;
-        the RL optimizer and schedule untouched."""
+        """Supervised steps on reference answers: torchtitan's AdamW with the recipe's
+        settings at a constant rl.sft_warmup_lr, its own state (dropped after); the RL
+        optimizer and schedule untouched."""
         n = self.rl.sft_warmup_steps
         if n == 0:
             return
-        from torchtitan.components.optimizer import default_adamw
         from torchtitan.tools.logging import logger
 
-        tr = self.job.recipe.training
-        opt = default_adamw(lr=self.rl.sft_warmup_lr, weight_decay=tr.weight_decay).build(
-            model_parts=[self.policy.model]
+        pol, eng = self.policy, self.policy.engine
+        main = eng.optimizers, eng.lr_schedulers
+        eng.optimizers, eng.lr_schedulers = steps.recipe_optimizer(
+            self.job.recipe, pol.model, lr=self.rl.sft_warmup_lr
         )
-        pol = self.policy
-        warm = PolicyTrainer(pol.model, opt, max_norm=tr.max_norm, pad_id=pol.pad_id,
-                             microbatch_tokens=pol.engine.microbatch_tokens,
-                             microbatch_rows=pol.engine.microbatch_rows,
-                             dp_group=pol.engine.dp_group)  # fmt: skip
-        warm.engine.label = "rl sft warmup"
         ce = get_loss("cross_entropy")
-        for i in range(n):
-            tasks = self.tasks("train", self.rl.prompts_per_step * self.rl.group_size, -2 - i)
-            rows = []
-            for t in tasks:
-                ans = self.tok.encode(t.answer, add_bos=False, add_eos=False) + [self.eos]
-                rows.append(Rollout(self.encode(t.prompt), ans, [0.0] * len(ans)))
-            c = collate(rows, pol.pad_id, pol.device)
-            loss = warm.forward_backward(c, warm.loss_batch(c, None), ce)
-            warm.optim_step()
-            if (i + 1) % 20 == 0 or i + 1 == n:
-                logger.info(f"rl: sft warmup {i + 1}/{n} loss {loss:.4f}")
+        try:
+            for i in range(n):
+                rows = []
+                for t in self.tasks("train", self.rl.prompts_per_step * self.rl.group_size, -2 - i):
+                    ans = self.tok.encode(t.answer, add_bos=False, add_eos=False) + [self.eos]
+                    rows.append(Rollout(self.encode(t.prompt), ans, [0.0] * len(ans)))
+                c = collate(rows, pol.pad_id, pol.device)
+                loss = pol.forward_backward(c, pol.loss_batch(c, None), ce)
+                pol.optim_step()
+                if (i + 1) % 20 == 0 or i + 1 == n:
+                    logger.info(f"rl: sft warmup {i + 1}/{n} loss {loss:.4f}")
+        finally:
+            eng.optimizers, eng.lr_schedulers = main
 
     # -- one update ----------------------------------------------------------------------
     def train_on(self, batch: Batch, step: int) -> dict[str, float]:
@@ -355,12 +299,12 @@ class RLRun:
             # pi_old was scored under these very weights: the engine's first pass is it.
             loss = self.policy.forward_backward(c, lb, self.loss_fn, logprobs=old)
             grad_norm = self.policy.optim_step()
-        except NonFiniteError as e:
-            raise NonFiniteError(
-                f"update {step}: {e.detail}{self._source_of_nonfinite(batch, lb)}",
-                file=self.job.recipe.source,
-                key="rl.reward" if self.rl.reward else "rl.env",
-            ) from None
+        except steps.NonFiniteError as e:
+            bad = [f" (the reward of a completion of {self.decode(r.prompt)!r} is {r.reward})"
+                   for r in batch.rollouts if not math.isfinite(r.reward)] + [""]  # fmt: skip
+            key = "rl.reward" if self.rl.reward else "rl.env"
+            raise steps.NonFiniteError(f"update {step}: {e.detail}{bad[0]}",
+                                       file=self.job.recipe.source, key=key) from None  # fmt: skip
         out = {
             "loss": loss,
             "grad_norm": grad_norm,
@@ -371,29 +315,6 @@ class RLRun:
         }
         out.update(mm)
         return out
-
-    @staticmethod
-    def _source_of_nonfinite(batch: Batch, lb: Any) -> str:
-        """Where a NaN/inf came from: a reward (naming its prompt), else which input."""
-        for r in batch.rollouts:
-            if not math.isfinite(r.reward):
-                prompt = batch.prompts[r.group] if r.group < len(batch.prompts) else "?"
-                return f" (the reward of a completion of {prompt!r} is {r.reward})"
-        m = lb.mask.bool()
-        for name in ("advantages", "sampling_logprobs", "old_logprobs", "ref_logprobs"):
-            t = getattr(lb, name)
-            if t is not None and not bool(torch.isfinite(t if t.dim() == 1 else t[m]).all()):
-                return f" (non-finite {name})"
-        return ""
-
-
-def _mean_over_ranks(values: dict[str, float], world: int) -> dict[str, float]:
-    if world == 1 or not values:
-        return values
-    keys = sorted(values)
-    t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
-    torch.distributed.all_reduce(t)
-    return {k: float(v) / world for k, v in zip(keys, t.tolist(), strict=True)}
 
 
 def run(job: Any) -> dict[str, Any] | None:
@@ -418,21 +339,14 @@ def run(job: Any) -> dict[str, Any] | None:
 def _train(job: Any, trainer: Any) -> dict[str, Any] | None:
     from torchtitan.tools.logging import logger
 
-    from core.launch_env import launch_env
     from launch.stop_request import save_full_checkpoint
-    from recipe.loader import first_step_timeout_s
-    from runtime.steps import StepGuard
 
     trainer.checkpointer.load(step=-1)
     start = trainer.step  # updates already done (restored from a checkpoint)
     r = RLRun(job, trainer)
     rl = r.rl
     mp = r.mp
-    # What TitanscaleTrainer.batch_generator writes for pretraining: read_trajectory drops
-    # the updates a restart replays; the summary skips this process's warmup only.
-    mp.last_logged_step = mp.start_step = start
-    mp.write_event("start", resumed_from_step=start, restart_count=launch_env().restart_count,
-                   world_size=r.world, wall=time.strftime("%Y-%m-%dT%H:%M:%S"))  # fmt: skip
+    mp.start(start)  # as TitanscaleTrainer.batch_generator does for pretraining
     if start == 0:
         r.sft_warmup()
     r.attach_reference()
@@ -462,11 +376,7 @@ def _train(job: Any, trainer: Any) -> dict[str, Any] | None:
     if eval_stats:
         logger.info(f"rl: held-out before RL: {eval_stats}")
         mp.write_event("rl_eval", step=start, **eval_stats)
-    guard = StepGuard(
-        timeout_s=job.recipe.job.collective_timeout_s,
-        first_timeout_s=first_step_timeout_s(job.recipe),
-        device=trainer.device,
-    )
+    guard = steps.StepGuard(job.recipe, device=trainer.device)
     done = start  # the weights in memory are exactly version `done`
     stopped = False
     try:
@@ -501,7 +411,7 @@ def _train(job: Any, trainer: Any) -> dict[str, Any] | None:
                 "generated_tokens": float(batch.new_tokens),
                 **{k: v for k, v in stats.items() if k not in ("loss", "grad_norm")},
             }
-            extra = _mean_over_ranks(extra, r.world)
+            extra = steps.mean_over_ranks(extra)
             trainer.checkpointer.save(step, last_step=(step == r.steps))
             if step % rl.eval_every == 0 or step == r.steps:
                 ev = r.evaluate()
@@ -521,14 +431,10 @@ def _train(job: Any, trainer: Any) -> dict[str, Any] | None:
                 )
             # The launcher asks (time limit near): a resumable checkpoint of this update, then
             # exit for the requeue (launch/job.sbatch). Without checkpoints: keep training.
-            if (
-                step < r.steps
-                and guard.stop_requested()
-                and save_full_checkpoint(trainer.checkpointer, step)
+            if step < r.steps and guard.stop_here(
+                step, partial(save_full_checkpoint, trainer.checkpointer, step)
             ):
-                guard.acknowledge(step)
                 mp.write_event("stopped", step=step)
-                logger.info(f"rl: stop requested; checkpoint of update {step} saved")
                 stopped = True
                 break
     except BaseException:

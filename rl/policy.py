@@ -1,12 +1,6 @@
-"""Per-token log-probabilities from a torchtitan decoder (the trainer's side of RL).
-
-The trainer scores (prompt + completion) rows with the model's own full forward, the same
-path pretraining and SFT train through (attention masks from `get_attention_masks`, so the
-dense backend on CPU and flex on GPU), via the post-training step layer
-(runtime.steps: float32 log-softmax in chunks, never for the whole batch). Rows are
-right-padded: causal attention means padding after a row's last token never changes that
-row's logits.
-"""
+"""Per-token log-probabilities of (prompt + completion) rows through the model's own full
+forward (runtime.steps: the path pretraining trains through, float32 log-softmax in chunks);
+rows right-padded, which causal attention makes harmless. Weights as plain tensors."""
 
 from __future__ import annotations
 

@@ -21,8 +21,6 @@ import torch
 from rl.losses import LossBatch, LossFn
 from runtime.steps import Rows, StepEngine, shifted_rows
 
-WHOLE_BATCH = 2**62  # a budget no batch reaches: one microbatch
-
 
 @dataclass
 class Rollout:
@@ -69,34 +67,23 @@ def collate(rollouts: Sequence[Rollout], pad_id: int, device: torch.device) -> C
 
 
 class PolicyTrainer:
+    """A policy on the step layer; `engine_kw`: StepEngine's max_norm, temperature,
+    microbatch_rows, dp_group."""
+
     def __init__(
         self,
         model: torch.nn.Module,
         optimizers: Any,
         lr_schedulers: Any = None,
         *,
-        max_norm: float = 1.0,
-        temperature: float = 1.0,
         pad_id: int = 0,
         reference: torch.nn.Module | None = None,
-        microbatch_tokens: int = WHOLE_BATCH,
-        microbatch_rows: int = 0,
-        dp_group: Any = None,
+        microbatch_tokens: int = 2**62,  # default: one microbatch
+        **engine_kw: Any,
     ) -> None:
-        self.model = model
-        self.pad_id = pad_id
-        self.reference = reference
-        self.engine = StepEngine(
-            model,
-            optimizers,
-            lr_schedulers,
-            microbatch_tokens=microbatch_tokens,
-            microbatch_rows=microbatch_rows,
-            max_norm=max_norm,
-            temperature=temperature,
-            dp_group=dp_group,
-            label="rl",
-        )
+        self.model, self.pad_id, self.reference = model, pad_id, reference
+        self.engine = StepEngine(model, optimizers, lr_schedulers,
+                                 microbatch_tokens=microbatch_tokens, label="rl", **engine_kw)  # fmt: skip
 
     @property
     def device(self) -> torch.device:
@@ -120,19 +107,12 @@ class PolicyTrainer:
         )
 
     def forward_backward(
-        self,
-        c: Collated,
-        batch: LossBatch,
-        loss_fn: LossFn,
-        *,
-        logprobs: torch.Tensor | None = None,
+        self, c: Collated, batch: LossBatch, loss_fn: LossFn, *, logprobs: Any = None
     ) -> float:
-        """`logprobs`: these rows' logprobs under the current weights, when already scored
-        (the loop's pi_old): the engine then skips its first pass."""
-        loss, _ = self.engine.forward_backward(
-            c.rows, lambda lp: loss_fn(lp, batch), logprobs=logprobs
-        )
-        return loss
+        """`logprobs`: the rows' logprobs under the current weights if already scored (the
+        loop's pi_old): the engine then skips its first pass."""
+        fn = lambda lp: loss_fn(lp, batch)  # noqa: E731
+        return self.engine.forward_backward(c.rows, fn, logprobs=logprobs)[0]
 
     def forward_backward_grads(
         self,

@@ -158,6 +158,17 @@ class TitanscaleMetrics(MetricsProcessor):
         if self._jsonl is not None:
             self._jsonl.event(event, **fields)
 
+    def start(self, resumed_from_step: int, **fields: Any) -> None:
+        """This process starts after step `resumed_from_step` (0: fresh): the `start` event
+        (read_trajectory drops the steps a restart replays) and the summary's warmup origin."""
+        self.last_logged_step = self.start_step = resumed_from_step
+        env = launch_env()
+        self.write_event("start", resumed_from_step=resumed_from_step,
+                         restart_count=env.restart_count,
+                         slurm_restart_count=env.slurm_restart_count,
+                         world_size=self.parallel_dims.world_size,
+                         wall=time.strftime("%Y-%m-%dT%H:%M:%S"), **fields)  # fmt: skip
+
     def log(
         self,
         step: int,

@@ -184,7 +184,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
         return out, None, None
 
 
-def logprobs_of(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def logprobs_of(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """(B, L, V) logits, (B, L) targets -> (B, L) float32 log p(target) at `temperature`
     (0 where the target is IGNORE_INDEX). Vocabulary-sharded (tensor-parallel) logits go
     through torchtitan's `compute_logprobs`, which gathers the vocabulary."""
@@ -201,11 +203,11 @@ def logprobs_of(logits: torch.Tensor, targets: torch.Tensor, temperature: float 
     return flat.view(B, L)
 
 
-def token_logprobs(
-    model: torch.nn.Module, rows: Rows, *, temperature: float = 1.0
-) -> torch.Tensor:
+def token_logprobs(model: torch.nn.Module, rows: Rows, *, temperature: float = 1.0) -> torch.Tensor:
     """(B, L) float32 logprobs of `rows.targets` under `model` (0 at ignored targets)."""
-    return logprobs_of(forward_logits(model, rows.inputs, rows.positions), rows.targets, temperature)
+    return logprobs_of(
+        forward_logits(model, rows.inputs, rows.positions), rows.targets, temperature
+    )
 
 
 # ------------------------------------------------------------------------------- engine
@@ -298,13 +300,17 @@ class StepEngine:
         loss_fn: Callable[[torch.Tensor], torch.Tensor],
         *,
         logprobs: torch.Tensor | None = None,
+        backward: bool = True,
     ) -> tuple[float, torch.Tensor]:
         """Add d loss / d parameters to the gradients; returns (loss, logprobs (B, L)).
 
         `loss_fn(logprobs) -> scalar`, a function of the whole batch's logprob matrix.
         `logprobs`: this batch's logprobs under the current weights when the caller already
         has them (RL's pi_old), which saves the first pass. NonFiniteError before any
-        backward when the loss is NaN or infinite."""
+        backward when the loss is NaN or infinite. `backward=False`: the loss only."""
+        if not backward:
+            lp = self.logprobs(rows) if logprobs is None else logprobs
+            return float(self.check_loss(loss_fn(lp))), lp
         spans = self.spans(rows)
         if len(spans) == 1 and logprobs is None:
             self.microbatches_run += 1
@@ -405,31 +411,26 @@ class StepEngine:
 
 class StepGuard:
     """The step watchdog, the mid-step fault seam and the stop-request check around a loop's
-    steps (what TitanscaleTrainer gives torchtitan's loop). `groups`: mesh name -> ranks,
-    named in a collective-timeout diagnosis."""
+    steps (what TitanscaleTrainer gives torchtitan's loop), with the recipe's timeouts.
+    `groups`: mesh name -> ranks, named in a collective-timeout diagnosis."""
 
     def __init__(
-        self,
-        *,
-        timeout_s: float,
-        first_timeout_s: float,
-        groups: dict[str, list[int]] | None = None,
-        device: Any = None,
+        self, recipe: Any, *, groups: dict[str, list[int]] | None = None, device: Any = None
     ) -> None:
         from core.launch_env import launch_env
         from launch.stop_request import StopRequest
+        from recipe.loader import first_step_timeout_s
         from runtime.watchdog import StepWatchdog, default_store
 
         dist = torch.distributed
         on = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if on else 0
         self.world = dist.get_world_size() if on else 1
         self.device = device
         self.watchdog = StepWatchdog(
-            rank=self.rank,
+            rank=dist.get_rank() if on else 0,
             world_size=self.world,
-            timeout_s=timeout_s,
-            first_timeout_s=first_timeout_s,
+            timeout_s=recipe.job.collective_timeout_s,
+            first_timeout_s=first_step_timeout_s(recipe),
             groups=groups or {"world": list(range(self.world))},
             store=default_store(),
             attempt=launch_env().restart_count,
@@ -445,12 +446,15 @@ class StepGuard:
             faults.inject("step", n)
             yield
 
-    def stop_requested(self) -> bool:
-        """Collective when it checks: call on every rank at every step boundary."""
-        return self.stop_request.enabled and self.stop_request.requested(self.device)
-
-    def acknowledge(self, step: int) -> None:
-        self.stop_request.acknowledge(step)
+    def stop_here(self, n: int, save: Callable[[], bool]) -> bool:
+        """At a step boundary (collective when it checks: every rank, every boundary): if
+        the launcher asked to stop and `save()` wrote a resumable checkpoint, record it for
+        the job script (<stop file>.saved: requeue) and return True."""
+        req = self.stop_request
+        if not (req.enabled and req.requested(self.device)) or not save():
+            return False
+        req.acknowledge(n)
+        return True
 
     def close(self) -> None:
         self.watchdog.stop()
@@ -477,20 +481,149 @@ def watched_step(watchdog: Any, n: int, world_size: int) -> Iterator[None]:
     watchdog.end()
 
 
-# -------------------------------------------------------------------------------- budget
+# ------------------------------------------------------------------------- job plumbing
 
 
-def refuse_validation(recipe: Any, path: str) -> None:
-    """[validation] is torchtitan's validator inside the Trainer; a post-training loop has
-    none: refused in one line rather than ignored."""
+class Attrs:
+    """Some attributes of an object as a Stateful (a loop's counters in its checkpoint);
+    `json_of`: an attribute holding an object whose own state dict is stored as JSON (a data
+    stream's position); `on_load` runs after a load."""
+
+    def __init__(
+        self, obj: Any, *names: str, json_of: str = "", on_load: Callable[[], None] | None = None
+    ) -> None:
+        self.obj, self.names, self.json_of, self.on_load = obj, names, json_of, on_load
+
+    def state_dict(self) -> dict[str, Any]:
+        import json
+
+        from data.loader import _plain  # the loader's JSON encoding of its own state
+
+        sd = {n: getattr(self.obj, n) for n in self.names}
+        if self.json_of:
+            state = getattr(self.obj, self.json_of).state_dict()
+            sd["json"] = json.dumps(state, default=_plain)
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        import json
+
+        for n in self.names:
+            setattr(self.obj, n, sd[n])
+        if self.json_of:
+            getattr(self.obj, self.json_of).load_state_dict(json.loads(sd["json"]))
+        if self.on_load is not None:
+            self.on_load()
+
+
+def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Each value averaged over every rank (one all-reduce; as is with one process)."""
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world == 1 or not values:
+        return values
+    keys = sorted(values)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(t)
+    return {k: float(v) / world for k, v in zip(keys, t.tolist(), strict=True)}
+
+
+def recipe_optimizer(
+    recipe: Any, module: torch.nn.Module, *, lr: float, warmup_steps: int = -1, steps: int = 0
+) -> tuple[Any, Any]:
+    """torchtitan's AdamW container over `module`'s trainable parameters with the recipe's
+    settings at `lr`, and (steps > 0) its LR schedule (lr_schedule, min_lr_ratio,
+    decay_ratio) over `steps` with `warmup_steps`; None: a constant learning rate."""
+    import dataclasses
+
+    from torchtitan.components.optimizer import default_adamw
+
+    from runtime.build import lr_scheduler_config
+
+    opt = default_adamw(lr=lr, weight_decay=recipe.training.weight_decay).build(
+        model_parts=[module]
+    )
+    if steps <= 0:
+        return opt, None
+    cfg = dataclasses.replace(lr_scheduler_config(recipe), warmup_steps=max(warmup_steps, 0))
+    return opt, cfg.build(optimizers=opt, training_steps=steps)
+
+
+def recipe_checkpointer(recipe: Any, folder: str, *, steps: int, **states: Any) -> Any:
+    """The verified checkpoint manager (runtime.checkpoint) for one state of a post-training
+    loop over `folder` (step-N subfolders): the recipe's interval (0: `steps`), keep_latest,
+    checksums and async mode (async needs a process group). `states`: model_parts,
+    optimizers, lr_schedulers, dataloader and states, as torchtitan's manager takes them."""
+    from runtime.checkpoint import AtomicCheckpointManager
+
+    ck = recipe.checkpoint
+    dist = torch.distributed
+    async_ok = dist.is_available() and dist.is_initialized()
+    return AtomicCheckpointManager.Config(
+        enable=True,
+        folder=folder,
+        interval=ck.interval or steps,
+        keep_latest_k=ck.keep_latest,
+        last_save_model_only=False,  # every save resumes
+        async_mode=ck.async_mode if async_ok else "disabled",
+        checksums=ck.checksums,
+        recipe_file=recipe.source or "",
+    ).build(sd_adapter=None, **states)
+
+
+def check_posttrain_keys(recipe: Any, layout: Any) -> None:
+    """Keys a job's path cannot honour: one line each, never ignored. RL trains
+    prompts_per_step x group_size rollouts per rank per update (local_batch_size is its
+    microbatch's row limit); an adapter steps on its local_batch_size rows per process."""
+    path = "rl" if recipe.rl.enabled else "[[adapters]]"
+    f = recipe.source
+    if not recipe.rl.enabled and not recipe.adapters:
+        if recipe.training.microbatch_tokens:  # torchtitan's loop: local_batch_size rows
+            raise ConfigError(
+                "only post-training loops (rl, [[adapters]], the service) split batches by a "
+                "token budget; this job trains local_batch_size rows per microbatch",
+                file=f,
+                key="training.microbatch_tokens",
+            )
+        return
     if recipe.validation.enable:
         raise ConfigError(
             f"{path} has no validator (torchtitan's runs in the pretraining/SFT Trainer); "
             "held-out scores come from eval_source / rl.eval_prompts; set "
             "validation.enable = false",
-            file=recipe.source,
+            file=f,
             key="validation.enable",
         )
+    gbs, ok = recipe.training.global_batch_size, -1
+    if recipe.rl.enabled:
+        if recipe.finetune.mode != "off" or recipe.adapters:
+            raise ConfigError(
+                "rl trains the full policy (its generator takes full weights); set "
+                "finetune.mode = 'off' and no [[adapters]]",
+                file=f,
+                key="finetune.mode",
+            )
+        for axis in ("tp", "pp", "cp"):
+            if layout is not None and getattr(layout, axis) != 1:
+                # Every rank samples its own prompts: tp/cp peers would see other rows.
+                raise ConfigError(
+                    f"rl runs data parallel only (each rank samples and trains its own "
+                    f"rollouts); {axis} = {getattr(layout, axis)} is not supported, set it to 1",
+                    file=f,
+                    key=f"parallel.{axis}",
+                )
+        ok = recipe.rl.prompts_per_step * recipe.rl.group_size * (layout.dp if layout else 1)
+    if gbs not in (-1, ok):
+        raise ConfigError(
+            f"{path} steps on its own batch (rl: prompts_per_step x group_size rollouts per "
+            "rank, in microbatches of at most local_batch_size rows; [[adapters]]: "
+            f"local_batch_size rows per process); set -1{f' or {ok}' if ok > 0 else ''}, got {gbs}",
+            file=f,
+            key="training.global_batch_size",
+        )
+
+
+# -------------------------------------------------------------------------------- budget
 
 
 def device_memory_bytes(platform: Any) -> tuple[float, str]:

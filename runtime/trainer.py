@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -88,24 +87,10 @@ class TitanscaleTrainer(StopOnRequest, Trainer):
         assert isinstance(metrics, TitanscaleMetrics)
         # First call happens inside the first train_step of this process, after any
         # checkpoint load: self.step is already the step being run.
-        resumed_from = self.step - 1
-        metrics.last_logged_step = resumed_from
-        metrics.start_step = resumed_from
-        metrics.write_event(
-            "start",
-            resumed_from_step=resumed_from,
-            restart_count=launch_env().restart_count,
-            slurm_restart_count=launch_env().slurm_restart_count,
-            world_size=self.parallel_dims.world_size,
-            layout={
-                "pp": self.parallel_dims.pp,
-                "dp_replicate": self.parallel_dims.dp_replicate,
-                "dp_shard": self.parallel_dims.dp_shard,
-                "cp": self.parallel_dims.cp,
-                "tp": self.parallel_dims.tp,
-            },
-            wall=time.strftime("%Y-%m-%dT%H:%M:%S"),
-        )
+        pd = self.parallel_dims
+        layout = {"pp": pd.pp, "dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard,
+                  "cp": pd.cp, "tp": pd.tp}  # fmt: skip
+        metrics.start(self.step - 1, layout=layout)
         for input_dict, labels in super().batch_generator(data_iterable):
             delta = input_dict.pop(LOSS_WEIGHT_DELTA, None)
             if delta is not None:

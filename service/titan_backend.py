@@ -1,40 +1,24 @@
 """The backend on torchtitan: one frozen base model, LoRA adapters that take turns on it.
 
-Built from a recipe through the same pieces as train.py: torchtitan's model registry, the
-project's kernel choice (`kernels.registry.apply_kernels`: dense attention on CPU, flex on
-GPU) and torchtitan's `LoRAConverter`, which turns every targeted `Linear` into a LoRA linear
-with a frozen base. Training runs on the post-training step layer (runtime.steps: logprobs
-and forward_backward in microbatches under the token budget `microbatch_tokens`, torchtitan's
-AdamW container per adapter, the non-finite guard: a NaN loss or gradient is a 400 and the
-adapter stays as it was). Losses are the RL layer's (`rl.losses`, sum-aggregated as Tinker
-defines them), sampling its KV-cache `rl.generator.Generator`.
-
-Several adapters, one base: each adapter owns its own LoRA tensors (rank, seed, targets) and
-its own AdamW state; before an adapter's operation its tensors are bound into the converted
-modules by reference (no copy), so the base is shared and never trained. Operations run one
-at a time (the scheduler's worker), so adapters take turns and an adapter's numbers never
-depend on the others: running four sessions at once gives each the losses it gets alone.
-A module an adapter does not target (train_mlp / train_attn / train_unembed = false) gets a
-rank-0 pair: its LoRA branch adds exactly zero.
-
-The adapter mechanics are the SFT layer's (`posttrain.lora`: `lora_modules`, `bind_adapter`,
-`AdapterWeights` and the one initialisation `init_adapter`, so a client's seed gives the
-adapter an [[adapters]] job would; `posttrain.adapters.load_base` loads the base from
-`checkpoint.load_from`, else the base is initialised from `training.seed`). Per-adapter rank
-and targets are this module's addition (Tinker clients choose them); the scale is
-alpha / rank with alpha from the recipe's `[lora]`. `save_state` writes the adapter
-(safetensors, the sampler's format) and its optimizer state as a verified checkpoint folder
-(runtime.checkpoint.save_states: manifest, CRC32s); `load_state` verifies it first.
-Not done: PEFT key names in saved adapter weights (posttrain.lora.export_peft does it for
-recipe-shaped adapters), multi-GPU sharding of the base (the service holds one device). The
-sampler holds one deep copy of the model (a second base in memory).
+Built as train.py builds a model (torchtitan's registry, `kernels.registry.apply_kernels`,
+torchtitan's `LoRAConverter` on every Linear: the base frozen); the base is loaded from
+`checkpoint.load_from` (`posttrain.adapters.load_base`) or initialised from `training.seed`.
+Each adapter owns its LoRA tensors (rank, seed, targets: `posttrain.lora.init_adapter`, the
+one initialisation; an untargeted module gets an exactly-zero rank-0 pair) and a step engine
+(runtime.steps: torchtitan's AdamW container, microbatches under `microbatch_tokens`, the
+non-finite guard, a 400 that leaves the adapter as it was); its tensors are bound into the
+shared base by reference for each operation. Operations run one at a time (the scheduler's
+worker), so an adapter's numbers never depend on the others. Losses are `rl.losses`'
+(sum-aggregated, as Tinker defines them), sampling `rl.generator.Generator` (one deep copy of
+the model). `save_state` writes the adapter (safetensors) and its optimizer state (DCP) with
+one manifest over the folder, verified by `load_state`. Not done: PEFT key names in saved
+adapter weights, multi-GPU sharding of the base.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,9 +68,6 @@ class _Adapter:
     @property
     def params(self) -> dict[str, nn.Parameter]:
         return self.weights.params
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {k: p.detach().cpu().contiguous() for k, p in self.params.items() if p.requires_grad}
 
 
 @dataclass
@@ -150,14 +131,11 @@ class TitanLoraBackend:
         microbatch_tokens: int = 2**62,
     ):
         self.model = model
-        # Tokens per forward/backward microbatch (runtime.steps); the admission check prices
-        # requests with the same number.
-        self.microbatch_tokens = microbatch_tokens
+        self.microbatch_tokens = microbatch_tokens  # per forward/backward (runtime.steps)
         self.info = info
         self.alpha = alpha
         self.devices = devices
         self.device = next(model.parameters()).device
-        self.modules = dict(lora_modules(model))
         for p in model.parameters():
             p.requires_grad_(False)  # the base is frozen; adapters bring their own tensors
         self.adapters: dict[str, _Adapter] = {}
@@ -167,14 +145,8 @@ class TitanLoraBackend:
 
     @classmethod
     def from_recipe(cls, recipe) -> TitanLoraBackend:
+        # (On CPU, runtime.steps builds attention masks eagerly: no recompile per length.)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if device.type == "cpu":
-            # torchtitan builds attention masks with a torch.compile'd create_block_mask, which
-            # recompiles for every new sequence length (~30 s each on CPU). The CPU attention
-            # backend (dense) only evaluates the mask's mask_mod, so eager is exact and cheap.
-            # torch.compile reads this when torchtitan's attention module is imported, which
-            # build_lora_model does next (the first torchtitan import of `tools.serve`).
-            os.environ["TORCHDYNAMO_DISABLE"] = "1"
         model, info = build_lora_model(recipe, device)
         from runtime.platform import Platform
         from runtime.steps import choose_microbatch_tokens
@@ -188,11 +160,7 @@ class TitanLoraBackend:
     # --- adapters -----------------------------------------------------------------------------
 
     def _weights(self, spec: LoraSpec, seed: int) -> AdapterWeights:
-        """The one LoRA initialisation (posttrain.lora.init_adapter) at this adapter's rank;
-        modules it does not target get rank 0 (an exactly zero branch, frozen)."""
-        return AdapterWeights(
-            init_adapter(self.model, seed, rank=spec.rank, targets=lambda n: _targets(spec, n))
-        )
+        return init_adapter(self.model, seed, rank=spec.rank, targets=lambda n: _targets(spec, n))
 
     def create_adapter(self, adapter: str, spec: LoraSpec) -> None:
         from torchtitan.components.optimizer import default_adamw
@@ -234,22 +202,19 @@ class TitanLoraBackend:
         B, L = len(data), max(d.tokens.size for d in data)
         tokens = torch.zeros(B, L, dtype=torch.long)
         targets = torch.full((B, L), IGNORE_INDEX, dtype=torch.long)
-        valid = torch.zeros(B, L, dtype=torch.float32)
         extra: dict[str, torch.Tensor] = {}
         for i, d in enumerate(data):
             n = d.tokens.size
             tokens[i, :n] = torch.from_numpy(d.tokens)
             targets[i, :n] = torch.from_numpy(d.inputs["target_tokens"])
-            valid[i, :n] = 1.0
             for k, v in d.inputs.items():
-                if k == "target_tokens":
-                    continue
-                extra.setdefault(k, torch.zeros(B, L, dtype=torch.float32))[i, :n] = (
-                    torch.from_numpy(v)
-                )
+                if k != "target_tokens":
+                    x = extra.setdefault(k, torch.zeros(B, L, dtype=torch.float32))
+                    x[i, :n] = torch.from_numpy(v)
         dev = self.device
         rows = Rows(tokens.to(dev), targets.to(dev), None, [d.tokens.size for d in data])
-        return rows, valid.to(dev), {k: v.to(dev) for k, v in extra.items()}
+        valid = (targets != IGNORE_INDEX).float().to(dev)  # the datums' own positions
+        return rows, valid, {k: v.to(dev) for k, v in extra.items()}
 
     def forward_backward(
         self,
@@ -275,11 +240,7 @@ class TitanLoraBackend:
             return BUILTIN_LOSSES[loss_fn](lp, batch, cfg)
 
         try:
-            if forward_only:
-                logp = ad.engine.logprobs(rows)
-                loss = float(ad.engine.check_loss(loss_of(logp)))
-            else:
-                loss, logp = ad.engine.forward_backward(rows, loss_of)
+            loss, logp = ad.engine.forward_backward(rows, loss_of, backward=not forward_only)
         except NonFiniteError as e:
             raise bad_request("loss_fn_inputs", e.detail) from None
         lp = logp.detach().cpu().numpy()
@@ -308,7 +269,8 @@ class TitanLoraBackend:
     # --- checkpoints --------------------------------------------------------------------------
 
     def _write_adapter(self, ad: _Adapter, folder: Path) -> None:
-        save_file(ad.state(), str(folder / "adapter_model.safetensors"))
+        state = {k: p.detach().cpu().contiguous() for k, p in ad.params.items() if p.requires_grad}
+        save_file(state, str(folder / "adapter_model.safetensors"))
         targets = sorted({_category(k) for k, p in ad.params.items() if p.requires_grad})
         (folder / "adapter_config.json").write_text(
             json.dumps({"r": ad.spec.rank, "lora_alpha": self.alpha, "targets": targets}, indent=1)
