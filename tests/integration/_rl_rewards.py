@@ -35,3 +35,8 @@ def nan_after(task: Task, completion: str) -> float:
     if _nan_calls > int(os.environ.get("RL_TEST_NAN_AFTER", "1000000")):
         return float("nan")
     return positional_match(task.answer, completion)
+
+
+def by_length(task: Task, completion: str) -> float:
+    """A reward that varies within every group (so advantages, and the loss, are not 0)."""
+    return len(completion) / 10.0

@@ -43,7 +43,7 @@ def train(out: Path, sets: list[str], *, recipe: str, env: dict[str, str] | None
     for s in sets:
         cmd += ["--set", s]
     e = child_env()
-    e.update(WANDB_MODE="offline", TITANSCALE_STOP_CHECK_S="0")
+    e.update(WANDB_MODE="offline", TITANSCALE_STOP_CHECK_S="0.001")  # check every step
     e.pop("WANDB_RUN_ID", None)
     e.update(env or {})
     return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=900)
@@ -86,7 +86,8 @@ def wandb_history(out: Path) -> dict[int, dict]:
 
 def test_rl_stop_resume_metrics_and_checkpoints(tmp_path):
     recipe = "recipes/rl_debug.toml"
-    sets = RL_TINY + ["checkpoint.interval=10", "metrics.tensorboard=true", "metrics.wandb=true"]
+    sets = RL_TINY + ["checkpoint.interval=10", "metrics.tensorboard=true", "metrics.wandb=true",
+                      "rl.reward=tests.integration._rl_rewards:by_length", "rl.kl_coef=0.05"]  # fmt: skip
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     ok(train(straight, sets, recipe=recipe))
     p = train(stopped, sets, recipe=recipe, env=stop_env(tmp_path, 2))
