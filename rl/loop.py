@@ -230,12 +230,9 @@ class RLRun:
             max_tokens=self.rl.max_new_tokens, top_p=1e-9, stop_tokens=self.sampling.stop_tokens
         )
         samples = self.generate([self.encode(t.prompt) for t in tasks], greedy)
-        rs = [
-            self.env.reward(t, self.decode(s.tokens)) for t, s in zip(tasks, samples, strict=True)
-        ]
-        exact = [
-            self.decode(s.tokens).strip() == t.answer for t, s in zip(tasks, samples, strict=True)
-        ]
+        texts = [self.decode(s.tokens) for s in samples]
+        rs = [self.env.reward(t, x) for t, x in zip(tasks, texts, strict=True)]
+        exact = [x.strip() == t.answer for t, x in zip(tasks, texts, strict=True)]
         return {
             "eval_reward_mean": sum(rs) / len(rs),
             "eval_exact_pct": 100.0 * sum(exact) / len(exact),
@@ -283,10 +280,12 @@ class RLRun:
         c, old = self.policy.score(batch.rollouts)
         lag = (step - 1) - c.versions
         if self.probe is not None:
-            rs = batch.rollouts
-            probe = self.probe.score(
-                [r.prompt for r in rs], [r.completion for r in rs], self.rl.temperature
+            rs, T = batch.rollouts, self.rl.temperature
+            spans = steps.split_rows(
+                [len(r.prompt + r.completion) for r in rs], self.microbatch_tokens
             )
+            probe = [lp for lo, hi in spans for lp in self.probe.score(
+                [r.prompt for r in rs[lo:hi]], [r.completion for r in rs[lo:hi]], T)]  # fmt: skip
             mm = mismatch_stats(
                 probe, [row[m > 0].tolist() for row, m in zip(old, c.mask, strict=True)]
             )

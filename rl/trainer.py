@@ -45,8 +45,8 @@ class Collated:
 
 
 def collate(rollouts: Sequence[Rollout], pad_id: int, device: torch.device) -> Collated:
-    L = max(len(r.prompt) + len(r.completion) for r in rollouts)
-    B = len(rollouts)
+    lengths = [len(r.prompt) + len(r.completion) for r in rollouts]
+    B, L = len(rollouts), max(lengths)
     tokens = torch.full((B, L), pad_id, dtype=torch.long)
     mask = torch.zeros(B, L - 1)
     slp = torch.zeros(B, L - 1)
@@ -56,7 +56,6 @@ def collate(rollouts: Sequence[Rollout], pad_id: int, device: torch.device) -> C
         # logprob index t scores token t+1: completion tokens sit at p .. p+c-1
         mask[b, p - 1 : p - 1 + c] = 1.0
         slp[b, p - 1 : p - 1 + c] = torch.tensor(r.sampling_logprobs, dtype=torch.float32)
-    lengths = [len(r.prompt) + len(r.completion) for r in rollouts]
     return Collated(
         shifted_rows(tokens.to(device), lengths),
         mask.to(device),
