@@ -269,7 +269,7 @@ class AdapterJob:
         return (lambda lp: cross_entropy_loss(lp, batch, _SUM) / max(n, 1)), n
 
     def _global(self, loss: float) -> float:
-        return float(self._all_reduce(torch.tensor(loss, dtype=torch.float64)))
+        return float(self._all_reduce(torch.tensor(loss, dtype=torch.float64, device=self.device)))
 
     def _step_turns(self, active: list[AdapterState]) -> list[tuple[AdapterState, float, float]]:
         out = []
@@ -394,7 +394,9 @@ class AdapterJob:
         log_every = self.recipe.metrics.log_every
         eval_every = self.recipe.finetune.eval_every
         step_fn = self._step_turns if self.schedule == "turns" else self._step_batched
-        guard = StepGuard(self.recipe, groups={"dp_shard": list(range(self.world))})
+        guard = StepGuard(
+            self.recipe, groups={"dp_shard": list(range(self.world))}, device=self.device
+        )
         stopped = False
         try:
             self._start()

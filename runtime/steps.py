@@ -272,7 +272,7 @@ class StepEngine:
     def spans(self, rows: Rows, *, collective: bool = True) -> list[tuple[int, int]]:
         spans = split_rows(rows.lens(), self.microbatch_tokens, self.microbatch_rows)
         if collective and self.dp_group is not None:
-            n = torch.tensor([len(spans)], dtype=torch.int64)
+            n = torch.tensor([len(spans)], dtype=torch.int64, device=rows.inputs.device)
             torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX, group=self.dp_group)
             # A zero-gradient repeat of the first row: same collectives, no contribution.
             spans += [(0, 0)] * (int(n.item()) - len(spans))
@@ -523,7 +523,8 @@ def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
     if world == 1 or not values:
         return values
     keys = sorted(values)
-    t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+    dev = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=dev)
     dist.all_reduce(t)
     return {k: float(v) / world for k, v in zip(keys, t.tolist(), strict=True)}
 
