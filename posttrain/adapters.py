@@ -43,7 +43,6 @@ from posttrain.lora import (
     lora_modules,
 )
 from recipe.schema import AdapterSection, Recipe
-from rl.losses import LossBatch, LossConfig, cross_entropy_loss
 from runtime.steps import (
     Attrs,
     Rows,
@@ -55,7 +54,6 @@ from runtime.steps import (
 )
 
 IGNORE_INDEX = -100
-_SUM = LossConfig(aggregation="sum")
 
 
 @dataclass
@@ -265,8 +263,8 @@ class AdapterJob:
         losses add up to the single-process token mean."""
         mask = (labels != IGNORE_INDEX).float()
         n = int(self._all_reduce(mask.sum().to(torch.float64)).item())
-        batch = LossBatch(mask=mask)
-        return (lambda lp: cross_entropy_loss(lp, batch, _SUM) / max(n, 1)), n
+        # -log p(target) per token is runtime.steps' (the one cross-entropy); summed here.
+        return (lambda lp: -(lp * mask).sum() / max(n, 1)), n
 
     def _global(self, loss: float) -> float:
         return float(self._all_reduce(torch.tensor(loss, dtype=torch.float64, device=self.device)))
