@@ -579,14 +579,7 @@ def check_posttrain_keys(recipe: Any, layout: Any) -> None:
     path = "rl" if recipe.rl.enabled else "[[adapters]]"
     f = recipe.source
     if not recipe.rl.enabled and not recipe.adapters:
-        if recipe.training.microbatch_tokens:  # torchtitan's loop: local_batch_size rows
-            raise ConfigError(
-                "only post-training loops (rl, [[adapters]], the service) split batches by a "
-                "token budget; this job trains local_batch_size rows per microbatch",
-                file=f,
-                key="training.microbatch_tokens",
-            )
-        return
+        return  # (training.microbatch_tokens there: recipe.loader.check_finetune)
     if recipe.validation.enable:
         raise ConfigError(
             f"{path} has no validator (torchtitan's runs in the pretraining/SFT Trainer); "
@@ -595,7 +588,9 @@ def check_posttrain_keys(recipe: Any, layout: Any) -> None:
             file=f,
             key="validation.enable",
         )
-    gbs, ok = recipe.training.global_batch_size, -1
+    dp = layout.dp if layout is not None else 1
+    # [[adapters]]: local_batch_size rows per process and step, no accumulation.
+    gbs, ok = recipe.training.global_batch_size, recipe.training.local_batch_size * dp
     if recipe.rl.enabled:
         if recipe.finetune.mode != "off" or recipe.adapters:
             raise ConfigError(
@@ -613,12 +608,12 @@ def check_posttrain_keys(recipe: Any, layout: Any) -> None:
                     file=f,
                     key=f"parallel.{axis}",
                 )
-        ok = recipe.rl.prompts_per_step * recipe.rl.group_size * (layout.dp if layout else 1)
+        ok = recipe.rl.prompts_per_step * recipe.rl.group_size * dp
     if gbs not in (-1, ok):
         raise ConfigError(
             f"{path} steps on its own batch (rl: prompts_per_step x group_size rollouts per "
             "rank, in microbatches of at most local_batch_size rows; [[adapters]]: "
-            f"local_batch_size rows per process); set -1{f' or {ok}' if ok > 0 else ''}, got {gbs}",
+            f"local_batch_size rows per process); set -1 or {ok}, got {gbs}",
             file=f,
             key="training.global_batch_size",
         )

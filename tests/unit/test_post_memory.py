@@ -64,7 +64,6 @@ def test_rl_that_does_not_fit_says_what_it_needs(monkeypatch):
         ("rl_debug", ["validation.enable=true"], "validation.enable", "no validator"),
         ("rl_debug", ["training.global_batch_size=16"], "training.global_batch_size", "or 128"),
         ("rl_debug", ["finetune.mode=lora"], "finetune.mode", "full policy"),
-        ("debug", ["training.microbatch_tokens=512"], "training.microbatch_tokens", "token budget"),
     ],
 )
 def test_keys_a_path_cannot_honour(recipe, sets, key, text):
@@ -72,6 +71,12 @@ def test_keys_a_path_cannot_honour(recipe, sets, key, text):
     with pytest.raises(ConfigError) as e:
         steps.check_posttrain_keys(r, Layout())
     assert e.value.key == key and text in str(e.value) and "\n" not in str(e.value)
+
+
+def test_pretraining_refuses_a_token_budget():
+    with pytest.raises(ConfigError) as e:
+        check_recipe(load_recipe("recipes/debug.toml", ["training.microbatch_tokens=512"]), 1)
+    assert e.value.key == "training.microbatch_tokens" and "token budget" in str(e.value)
 
 
 def test_rl_refuses_model_parallel_and_accepts_its_own_batch():
