@@ -57,7 +57,9 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for new in (4, 40):
-            peaks = {n: peak_mib(Path(args.root), Path(tmp) / f"{n}-{new}", n, new) for n in (16, 64)}
+            peaks = {
+                n: peak_mib(Path(args.root), Path(tmp) / f"{n}-{new}", n, new) for n in (16, 64)
+            }
             rows.append({"label": args.label, "max_new_tokens": new, "peak_mib_16": peaks[16],
                          "peak_mib_64": peaks[64], "ratio": peaks[64] / peaks[16]})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)

@@ -428,7 +428,9 @@ def fit_microbatch_tokens(
     return best
 
 
-def posttrain_load(recipe, microbatch_tokens: int = 0, *, service: bool = False) -> PostTrain | None:
+def posttrain_load(
+    recipe, microbatch_tokens: int = 0, *, service: bool = False
+) -> PostTrain | None:
     """The PostTrain of a recipe's job (None for pretraining and Trainer-path SFT): RL's
     generator copies (one; async adds the probe), its KL reference, [[adapters]], or the
     service (`service`: one sampler copy, generation)."""
