@@ -77,9 +77,10 @@ def measure_full(job, steps: int, skip: int, out: str) -> dict:
     for _ in range(steps):
         t0, c0 = time.perf_counter(), time.process_time()
         x, pos, y = next(a.batches)
-        from posttrain.evaluate import model_logits
+        from runtime.steps import Rows, token_logprobs
 
-        loss, _ = aj._loss(model_logits(aj.model, x, pos), y)
+        loss_fn, _ = aj._ce(y)
+        loss = loss_fn(token_logprobs(aj.model, Rows(x, y, pos)))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=False)
         opt.step()

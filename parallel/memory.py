@@ -319,3 +319,135 @@ def _memory_for_rank(w: Workload, rank: int, st: Stack) -> MemoryEstimate:
         fp8=fp8_bytes,
         rank=rank,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Post-training: RL, [[adapters]] and the service run microbatches under a token budget
+# (runtime.steps), next to the generator's model copies and KV cache.
+
+# runtime.steps computes float32 log-softmax over this many tokens at a time.
+LOGPROB_CHUNK_TOKENS = 1024
+# Budgets tried when choosing one from memory (runtime.steps, tools.predict).
+MICROBATCH_LADDER = tuple(2**k for k in range(8, 18))  # 256 .. 131072 tokens
+
+
+@dataclass(frozen=True)
+class PostTrain:
+    """What a post-training job adds to its Workload's memory.
+
+    microbatch_tokens: padded tokens per forward/backward (the budget). generator_copies:
+    full, unsharded model copies of the generator side (RL: 1; async adds the probe that
+    re-scores trained batches; the service's sampler: 1). reference_copies: a frozen
+    float32 copy (RL with a KL term). generation: whether a KV cache is decoded (its
+    positions are bounded by the same budget: the loop calls the generator in chunks)."""
+
+    microbatch_tokens: int
+    generator_copies: int = 0
+    generator_bytes_per_param: int = 4
+    reference_copies: int = 0
+    generation: bool = False
+    # The CPU's dense attention keeps float32 scores and probabilities per layer, head and
+    # (query, key) pair for backward: per token, layers x heads x row length x 8 bytes.
+    dense_attention_len: int = 0
+
+
+@dataclass(frozen=True)
+class PostTrainMemory:
+    train: MemoryEstimate  # the trainer with one microbatch of `microbatch_tokens` in flight
+    generator: float
+    reference: float
+    kv_cache: float
+    microbatch_tokens: int
+
+    @property
+    def allocated(self) -> float:
+        return self.train.allocated + self.generator + self.reference + self.kv_cache
+
+    @property
+    def reserved_gib(self) -> float:
+        return self.allocated * (1 + ALLOCATOR_FRAGMENTATION) / GIB
+
+    def required_gib_on(self, gpu: str) -> float:
+        return self.reserved_gib + runtime_overhead_gib(gpu)
+
+    def breakdown_gib(self) -> dict[str, float]:
+        out = {k: v for k, v in self.train.breakdown_gib().items() if k != "runtime_overhead"}
+        out.update(
+            generator_copies=self.generator / GIB,
+            reference_copy=self.reference / GIB,
+            kv_cache=self.kv_cache / GIB,
+            allocator_fragmentation=(self.reserved_gib * GIB - self.allocated) / GIB,
+        )
+        return out
+
+    def describe(self, gpu: str) -> str:
+        parts = {k: v for k, v in self.breakdown_gib().items() if v >= 0.05}
+        listing = ", ".join(f"{k} {v:.1f}" for k, v in parts.items())
+        return (
+            f"{self.required_gib_on(gpu):.1f} GiB per GPU with {self.microbatch_tokens:,}-token "
+            f"microbatches ({listing}, runtime {runtime_overhead_gib(gpu):.1f})"
+        )
+
+
+def posttrain_memory(w: Workload, pt: PostTrain, st: Stack | None = None) -> PostTrainMemory:
+    """Peak memory per GPU of a post-training job: the trainer's states and one microbatch
+    of `pt.microbatch_tokens` tokens (activations as the pretraining model counts them;
+    logits as runtime.steps keeps them: the microbatch's logits and their gradient in the
+    compute dtype, one chunk of float32 softmax work), plus the generator side."""
+    s = w.shape
+    elt = w.bytes_per_param_compute
+    mb = w.with_(local_batch_size=1, seq_len=pt.microbatch_tokens, pp_microbatches=0)
+    train = estimate_memory(mb, st)
+    tokens = pt.microbatch_tokens / w.layout.cp
+    vocab = s.vocab_size / w.layout.tp
+    logits = tokens * vocab * 2 * elt + min(tokens, LOGPROB_CHUNK_TOKENS) * vocab * 12
+    train = replace(train, logits=logits)
+    if pt.dense_attention_len:
+        heads = s.n_heads / w.layout.tp
+        dense = tokens * s.n_layers * heads * pt.dense_attention_len * 8
+        train = replace(train, activations=train.activations + dense)
+    params = s.total_params
+    kv_per_position = s.n_layers * 2 * s.n_kv_heads * s.head_dim * pt.generator_bytes_per_param
+    return PostTrainMemory(
+        train=train,
+        generator=pt.generator_copies * params * pt.generator_bytes_per_param,
+        reference=pt.reference_copies * params * 4,
+        kv_cache=(pt.microbatch_tokens * kv_per_position) if pt.generation else 0.0,
+        microbatch_tokens=pt.microbatch_tokens,
+    )
+
+
+def fit_microbatch_tokens(
+    w: Workload, pt: PostTrain, device_bytes: float, gpu: str, st: Stack | None = None
+) -> int:
+    """The largest budget of MICROBATCH_LADDER whose job fits `device_bytes` (0: none)."""
+    best = 0
+    for tokens in MICROBATCH_LADDER:
+        est = posttrain_memory(w, replace(pt, microbatch_tokens=tokens), st)
+        if est.required_gib_on(gpu) * GIB > device_bytes:
+            break
+        best = tokens
+    return best
+
+
+def posttrain_load(
+    recipe, microbatch_tokens: int = 0, *, service: bool = False
+) -> PostTrain | None:
+    """The PostTrain of a recipe's job (None for pretraining and Trainer-path SFT): RL's
+    generator copies (one; async adds the probe), its KL reference, [[adapters]], or the
+    service (`service`: one sampler copy, generation)."""
+    tokens = microbatch_tokens or recipe.training.microbatch_tokens or MICROBATCH_LADDER[0]
+    rl = recipe.rl
+    if service:
+        return PostTrain(microbatch_tokens=tokens, generator_copies=1, generation=True)
+    if rl.enabled:
+        return PostTrain(
+            microbatch_tokens=tokens,
+            generator_copies=1 + (rl.mode == "async"),
+            generator_bytes_per_param=2 if rl.generator_dtype == "bfloat16" else 4,
+            reference_copies=1 if rl.kl_coef > 0 else 0,
+            generation=True,
+        )
+    if recipe.adapters:
+        return PostTrain(microbatch_tokens=tokens)
+    return None

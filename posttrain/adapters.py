@@ -1,41 +1,30 @@
 """Several LoRA adapters on one frozen base model in one job (`[[adapters]]`).
 
-One base model is built once (torchtitan's model with its LoRA converter applied: every base
-weight frozen) and loaded from `checkpoint.load_from`. Each adapter owns its A/B tensors,
-its AdamW state and LR schedule, its data stream (data.loader.PackedStream over its own
-source, SFT-rendered and bfd-packed), its metrics (metrics.jsonl records carry "adapter"),
-its checkpoints (<output_dir>/adapters/<name>/step-N) and its exports (PEFT folder, merged
-model on request). The base never receives a gradient and never changes.
+One base (torchtitan's model, LoRA converter applied, every base weight frozen) loaded from
+`checkpoint.load_from`; per adapter its A/B tensors (posttrain.lora.AdapterWeights), data
+stream (SFT-rendered, bfd-packed), step engine (runtime.steps: torchtitan's AdamW and the
+recipe's LR schedule at its lr / warmup / steps, the token budget, the non-finite guard),
+verified checkpoints (<output_dir>/adapters/<name>/step-N) and metrics (metrics.jsonl
+records carry "adapter"; TensorBoard, W&B). Rounds run under runtime.steps.StepGuard.
+Schedules (`finetune.adapter_schedule`, benchmarks/adapters.md): "turns" binds one adapter
+at a time (posttrain.lora.bind_adapter, no copy): each adapter's arithmetic is exactly its
+own; "batched" runs one forward over every adapter's rows with a segmented multi-LoRA
+matmul (one microbatch), then each steps its own optimizer.
 
-How a step serves them (`finetune.adapter_schedule`, measured in benchmarks/adapters.md):
-- "turns": adapters take turns; each turn binds one adapter's tensors into the LoRA layers
-  (posttrain.lora.bind_adapter, no copy) and runs its own forward/backward/step. Each
-  adapter's arithmetic is then exactly what it would be alone (bit-identical trajectories).
-- "batched": one forward over the rows of every active adapter together, each LoRA layer
-  applying adapter k's A and B to adapter k's rows (a segmented multi-LoRA matmul); the loss
-  is the sum of per-adapter mean losses, so one backward gives every adapter its own
-  gradient, then each steps its own optimizer. Equal to "turns" up to float rounding.
-
-Several processes (torchrun, gloo on CPU, NCCL on CUDA): data parallel over a 1-D mesh. The
-frozen base is sharded with FSDP2 (each rank holds 1/N of it, all-gathered per block in
-forward and backward); the adapters' tensors are left out of FSDP (`ignored_params`) and
-replicated, since binding another adapter swaps them per turn. Each rank takes its rows of
-every adapter's global packed stream; its loss is its summed cross-entropy over the global
-count of trained tokens, so one all-reduce (SUM) of each adapter's gradients (one flat buffer
-of the adapter's size: ~150 MB fp32 for r = 16 on every linear of Llama 3 8B) gives every
-rank the single-process gradient and the replicated AdamW steps stay identical. Rank 0 writes metrics, checkpoints and exports. tp, cp and pp > 1 are refused at
-launch (posttrain.jobs.check): swapping adapters under TP/PP sharding is not implemented.
-The Trainer path (finetune.mode with no [[adapters]]) covers every layout for one adapter.
+Several processes: data parallel over a 1-D mesh; the frozen base FSDP2-sharded, the
+adapters replicated (`ignored_params`) with their gradients summed once per step (their loss
+is normalised by the global trained-token count). tp/cp/pp > 1 are refused at launch.
+docs/sft.md and docs/steps.md hold the details.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -44,39 +33,37 @@ import torch.nn.functional as F
 
 from core.errors import ConfigError
 from data.chat import ChatRenderer, make_renderer
-from data.loader import _plain  # the loader's JSON encoding of its own state
 from data.packing import LOSS_WEIGHTS
 from posttrain.adapter_checks import resume_problem
-from posttrain.evaluate import exact_match, load_examples, model_logits
+from posttrain.evaluate import exact_match, load_examples
 from posttrain.lora import (
-    adapter_state,
-    base_state,
+    AdapterWeights,
     bind_adapter,
-    export_merged,
-    export_peft,
+    export_adapter,
     init_adapter,
     lora_modules,
 )
 from recipe.loader import blame
 from recipe.schema import AdapterSection, Recipe
+from runtime.steps import (
+    Attrs,
+    Rows,
+    StepEngine,
+    StepGuard,
+    recipe_checkpointer,
+    recipe_optimizer,
+    token_logprobs,
+)
 
 IGNORE_INDEX = -100
-
-
-def lr_factor(step: int, *, warmup: int, steps: int) -> float:
-    """Linear warmup over `warmup` steps, then linear decay to 10% at `steps` (step 0-based)."""
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    span = max(steps - warmup, 1)
-    return 1.0 - 0.9 * (step - warmup) / span
 
 
 @dataclass
 class AdapterState:
     spec: AdapterSection
-    params: dict[str, nn.Parameter]
-    opt: torch.optim.Optimizer
-    sched: torch.optim.lr_scheduler.LambdaLR
+    weights: AdapterWeights
+    engine: StepEngine
+    checkpointer: Any  # runtime.checkpoint.AtomicCheckpointManager
     stream: Any
     batches: Iterator[tuple[torch.Tensor, ...]]
     batch_size: int
@@ -86,6 +73,10 @@ class AdapterState:
     times: list[float] = field(default_factory=list)  # wall seconds of each round
     cpu_times: list[float] = field(default_factory=list)  # this process's CPU seconds
     heldout: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def params(self) -> dict[str, nn.Parameter]:
+        return self.weights.params
 
     @property
     def done(self) -> bool:
@@ -123,22 +114,27 @@ def _batches(stream: Any, batch_size: int) -> Iterator[tuple[torch.Tensor, ...]]
         )
 
 
-def _load_adapter_checkpoint(path: str, file: str | None) -> dict[str, Any]:
-    """adapter.pt (plain tensors and JSON: weights_only); one line when it does not read."""
+def _saved_adapter(path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, Any]] | None:
+    """(adapter tensor shapes, data-position fingerprint) of the DCP checkpoint `path`, read
+    before it is loaded (metadata, and the one small JSON item; no code run from the file).
+    None when they cannot be read: the checkpoint manager's verification reports that."""
+    from runtime.checkpoint import SafeFileSystemReader, safe_dcp_load, single_process
+
     try:
-        st = torch.load(path, weights_only=True)
-        if not isinstance(st, dict) or not isinstance(st.get("params"), dict):
-            raise ValueError("no adapter tensors in it")
-        json.loads(st["data"])
-        return st
-    except Exception as e:  # truncated, not a torch file, fields missing
-        raise ConfigError(
-            f"adapter checkpoint {path} is not readable ({type(e).__name__}: "
-            f"{str(e).splitlines()[0].split('. ')[0][:160] if str(e) else ''}); move it away "
-            "to start over",
-            file=file,
-            key="checkpoint.resume",
-        ) from None
+        md = SafeFileSystemReader(path).read_metadata()
+        shapes = {
+            k: tuple(m.size)
+            for k, m in md.state_dict_metadata.items()
+            if ".lora_" in k and not k.startswith(("optimizer", "lr_scheduler"))
+            and hasattr(m, "size")
+        }  # fmt: skip
+        sd: dict[str, Any] = {"dataloader": {"json": ""}}
+        with single_process():
+            safe_dcp_load(sd, path, no_dist=True)
+        data = json.loads(sd["dataloader"]["json"]).get("fingerprint", {})
+    except Exception:  # unreadable: damage, which the manager's verified load handles
+        return None
+    return shapes, data
 
 
 def load_base(model: nn.Module, path: str, *, file: str | None = None) -> None:
@@ -197,8 +193,11 @@ class AdapterJob:
         device: str = "cpu",
         schedule: str = "turns",
         mesh: Any = None,
+        microbatch_tokens: int = 0,
     ) -> None:
-        """`mesh`: a 1-D DeviceMesh over the job's processes (None: one process)."""
+        """`mesh`: a 1-D DeviceMesh over the job's processes (None: one process).
+        `microbatch_tokens`: the token budget (0: training.microbatch_tokens, else every
+        adapter's rows in one microbatch)."""
         if schedule not in ("turns", "batched"):
             raise ValueError(f"schedule must be 'turns' or 'batched', got {schedule!r}")
         self.recipe = recipe
@@ -208,6 +207,8 @@ class AdapterJob:
         self.schedule = schedule
         self.tokenizer_path = tokenizer_path
         tr = recipe.training
+        rows = max(a.local_batch_size or tr.local_batch_size for a in recipe.adapters)
+        self.microbatch_tokens = microbatch_tokens or tr.microbatch_tokens or rows * tr.seq_len
         torch.manual_seed(tr.seed)
         with torch.device(self.device):
             self.model = model_config.build()
@@ -225,15 +226,14 @@ class AdapterJob:
             shard_base(self.model, self.mesh)
         self.scale = recipe.lora.alpha / recipe.lora.rank
         self.renderer: ChatRenderer = make_renderer(tokenizer_path, recipe.data.chat_template)
-        self.adapters = [self._new_adapter(spec) for spec in recipe.adapters]
         self.out = recipe.output_dir
         os.makedirs(self.out, exist_ok=True)
-        # Rank 0 writes metrics, checkpoints and exports; the others compute the same values.
-        self._jsonl = (
-            open(os.path.join(self.out, "metrics.jsonl"), "a", buffering=1)  # noqa: SIM115
-            if self.rank == 0
-            else open(os.devnull, "w")  # noqa: SIM115
-        )
+        self.adapters = [self._new_adapter(spec) for spec in recipe.adapters]
+        from runtime.metrics import StepMetrics
+
+        # Rank 0 writes metrics, the summary and exports; the others compute the same values.
+        self.metrics = StepMetrics(recipe.metrics, self.out, rank=self.rank,
+                                   run_name=recipe.job.name)  # fmt: skip
         self._eval_sets = {
             a.spec.name: load_examples(a.spec.eval_source) if a.spec.eval_source else []
             for a in self.adapters
@@ -245,19 +245,14 @@ class AdapterJob:
         from data.loader import PackedStream
 
         tr, d = self.recipe.training, self.recipe.data
-        init = init_adapter(self.model, spec.seed)
-        params = {k: nn.Parameter(v.clone()) for k, v in init.items()}
-        opt = torch.optim.AdamW(
-            params.values(),
-            lr=spec.lr,
-            betas=(0.9, 0.95),  # torchtitan's AdamW defaults, as the Trainer path uses
-            eps=1e-8,
-            weight_decay=tr.weight_decay,
-            foreach=False,
-        )
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: lr_factor(s, warmup=spec.warmup_steps, steps=spec.steps)
-        )
+        weights = init_adapter(self.model, spec.seed)
+        # The recipe's optimizer and schedule at this adapter's lr / warmup / steps.
+        opt, sched = recipe_optimizer(self.recipe, weights, lr=spec.lr,
+                                      warmup_steps=spec.warmup_steps, steps=spec.steps)  # fmt: skip
+        engine = StepEngine(self.model, opt, sched, microbatch_tokens=self.microbatch_tokens,
+                            max_norm=tr.max_norm, replicated_group=self.group,
+                            named_params=list(weights.named_parameters()),
+                            dp_group=self.group, label=f"adapter {spec.name}")  # fmt: skip
         stream = PackedStream(
             source=spec.source,
             tokenizer=HuggingFaceTokenizer(tokenizer_path=self.tokenizer_path),
@@ -271,7 +266,15 @@ class AdapterJob:
             truncate=d.truncate,
         )
         bs = spec.local_batch_size or tr.local_batch_size
-        return AdapterState(spec, params, opt, sched, stream, _batches(stream, bs), bs)
+        a = AdapterState(spec, weights, engine, None, stream, _batches(stream, bs), bs)
+        folder = os.path.abspath(os.path.join(self.out, "adapters", spec.name))
+        a.checkpointer = recipe_checkpointer(
+            self.recipe, folder, steps=spec.steps, model_parts=[weights], optimizers=opt,
+            lr_schedulers=sched, states={"train_state": Attrs(a, "step", "tokens", "trained_tokens")},
+            dataloader=Attrs(a, json_of="stream",
+                             on_load=lambda: setattr(a, "batches", _batches(a.stream, bs))),
+        )  # fmt: skip
+        return a
 
     # -- one step --------------------------------------------------------------------------
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -279,59 +282,33 @@ class AdapterJob:
             torch.distributed.all_reduce(t, group=self.group)
         return t
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """This rank's summed CE over the trained tokens of every rank (the global count, one
-        scalar all-reduce), so the ranks' losses add up to the single-process mean."""
-        n_local = (labels != IGNORE_INDEX).sum().to(torch.float64)
-        n = int(self._all_reduce(n_local.clone()).item())
-        ce = F.cross_entropy(
-            logits.flatten(0, 1).float(),
-            labels.flatten(),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )
-        return ce / max(n, 1), n
+    def _ce(self, labels: torch.Tensor) -> tuple[Any, int]:
+        """The loss of a batch's logprobs: this rank's summed cross-entropy over the trained
+        tokens of every rank (the global count, one scalar all-reduce), so the ranks'
+        losses add up to the single-process token mean."""
+        mask = (labels != IGNORE_INDEX).float()
+        n = int(self._all_reduce(mask.sum().to(torch.float64)).item())
+        # -log p(target) per token is runtime.steps' (the one cross-entropy); summed here.
+        return (lambda lp: -(lp * mask).sum() / max(n, 1)), n
 
-    def _sync(self, a: AdapterState, loss: torch.Tensor) -> float:
-        """Sum every rank's adapter gradients and loss (one flat all-reduce per adapter);
-        returns the global loss. One process: the loss as it is."""
-        if self.group is None:
-            return float(loss.detach())
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in a.params.values()]
-        flat = torch.cat([g.flatten() for g in grads] + [loss.detach().reshape(1).to(grads[0])])
-        self._all_reduce(flat)
-        off = 0
-        for p, g in zip(a.params.values(), grads, strict=True):
-            p.grad = flat[off : off + g.numel()].view_as(g).clone()
-            off += g.numel()
-        return float(flat[-1])
-
-    def _optim(self, a: AdapterState) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(
-            list(a.params.values()), self.recipe.training.max_norm, foreach=False
-        )
-        a.opt.step()
-        a.sched.step()
-        a.opt.zero_grad(set_to_none=True)
-        return float(norm)
+    def _global(self, loss: float) -> float:
+        return float(self._all_reduce(torch.tensor(loss, dtype=torch.float64, device=self.device)))
 
     def _step_turns(self, active: list[AdapterState]) -> list[tuple[AdapterState, float, float]]:
         out = []
         for a in active:
-            x, pos, y = next(a.batches)
-            bind_adapter(self.model, a.params)
-            logits = model_logits(self.model, x.to(self.device), pos.to(self.device))
-            loss, n = self._loss(logits, y.to(self.device))
-            loss.backward()
+            x, pos, y = (t.to(self.device) for t in next(a.batches))
+            bind_adapter(self.model, a.weights)
+            loss_fn, n = self._ce(y)
+            loss, _ = a.engine.forward_backward(Rows(x, y, pos), loss_fn)
             a.tokens += y.numel() * self.world
             a.trained_tokens += n
-            out.append((a, self._sync(a, loss), self._optim(a)))
+            out.append((a, self._global(loss), a.engine.optim_step()))
         return out
 
     def _step_batched(self, active: list[AdapterState]) -> list[tuple[AdapterState, float, float]]:
-        data = [next(a.batches) for a in active]
-        x = torch.cat([d[0] for d in data]).to(self.device)
-        pos = torch.cat([d[1] for d in data]).to(self.device)
+        data = [[t.to(self.device) for t in next(a.batches)] for a in active]
+        x, pos, y = (torch.cat([d[i] for d in data]) for i in range(3))
         sizes = [d[0].shape[0] for d in data]
         mods = list(lora_modules(self.model))
         saved = [(m.lora_a, m.lora_b) for _, m in mods]
@@ -343,31 +320,28 @@ class AdapterJob:
                 m.lora_b = _RowGroupLinear(
                     [a.params[f"{name}.lora_b.weight"] for a in active], sizes
                 )
-            logits = model_logits(self.model, x, pos)
+            lps = torch.split(token_logprobs(self.model, Rows(x, y, pos)), sizes)
         finally:
             for (_, m), (la, lb) in zip(mods, saved, strict=True):
                 m.lora_a, m.lora_b = la, lb
-        losses, total = [], None
-        for part, (a, d) in zip(
-            torch.split(logits, sizes), zip(active, data, strict=True), strict=True
-        ):
-            loss, n = self._loss(part, d[2].to(self.device))
+        losses = []
+        for a, d, lp in zip(active, data, lps, strict=True):
+            loss_fn, n = self._ce(d[2])
+            losses.append(a.engine.check_loss(loss_fn(lp)))
             a.tokens += d[2].numel() * self.world
             a.trained_tokens += n
-            losses.append(loss)
-            total = loss if total is None else total + loss
-        assert total is not None
-        total.backward()
+        torch.stack(losses).sum().backward()
         return [
-            (a, self._sync(a, lo), self._optim(a)) for a, lo in zip(active, losses, strict=True)
+            (a, self._global(float(lo.detach())), a.engine.optim_step())
+            for a, lo in zip(active, losses, strict=True)
         ]
 
-    # -- evaluation, checkpoints, exports --------------------------------------------------
+    # -- evaluation, checkpoints -----------------------------------------------------------
     def heldout(self, a: AdapterState) -> dict[str, Any] | None:
         examples = self._eval_sets[a.spec.name]
         if not examples:
             return None
-        bind_adapter(self.model, a.params)
+        bind_adapter(self.model, a.weights)
         t0 = time.perf_counter()
         res = exact_match(
             self.model, self.renderer, examples, device=self.device, pad_id=a.stream.pad_id
@@ -375,148 +349,140 @@ class AdapterJob:
         rec = {"event": "heldout", "adapter": a.spec.name, "step": a.step, **res,
                "eval_s": time.perf_counter() - t0}  # fmt: skip
         a.heldout.append(rec)
-        self._jsonl.write(json.dumps(rec) + "\n")
+        self.metrics.log(rec, self._metrics_step(a), tag=f"{a.spec.name}/heldout")
         return rec
 
-    def save(self, a: AdapterState) -> str:
-        """Adapter weights, optimizer and schedule state, data position: one torch file that
-        loads with weights_only=True (plain tensors, numbers and a JSON string)."""
-        folder = os.path.join(self.out, "adapters", a.spec.name, f"step-{a.step}")
-        if self.rank != 0:  # replicated state: rank 0's copy is every rank's
-            return folder
-        os.makedirs(folder, exist_ok=True)
-        state = {
-            "step": a.step,
-            "params": {k: v.detach().cpu() for k, v in a.params.items()},
-            "optimizer": a.opt.state_dict(),
-            "scheduler": a.sched.state_dict(),
-            "data": json.dumps(a.stream.state_dict(), default=_plain),
-            "tokens": a.tokens,
-            "trained_tokens": a.trained_tokens,
-        }
-        tmp = os.path.join(folder, "adapter.pt.tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, os.path.join(folder, "adapter.pt"))
-        return folder
+    def save(self, a: AdapterState) -> bool:
+        """A full, resumable checkpoint of the adapter's current step (collective)."""
+        from launch.stop_request import save_full_checkpoint
+
+        return save_full_checkpoint(a.checkpointer, a.step)
+
+    def _save_all(self, adapters: list[AdapterState]) -> bool:
+        return all([self.save(a) for a in adapters])
 
     def resume(self, a: AdapterState) -> bool:
-        root = os.path.join(self.out, "adapters", a.spec.name)
-        steps = sorted(
-            int(d.split("-")[1])
-            for d in (os.listdir(root) if os.path.isdir(root) else [])
-            if d.startswith("step-") and os.path.exists(os.path.join(root, d, "adapter.pt"))
-        )
-        if not steps:
-            return False
-        path = os.path.join(root, f"step-{steps[-1]}", "adapter.pt")
-        st = _load_adapter_checkpoint(path, self.recipe.source)
-        problem = resume_problem(
-            adapter=a.spec.name,
-            index=self.recipe.adapters.index(a.spec),
-            checkpoint=os.path.dirname(path),
-            saved_shapes={k: tuple(v.shape) for k, v in st["params"].items()},
-            shapes={k: tuple(v.shape) for k, v in a.params.items()},
-            saved_data=json.loads(st["data"]).get("fingerprint", {}),
-            data=a.stream.fingerprint,
-        )
-        if problem:  # addressed to where the changed value came from (a --set, a base)
-            raise blame(ConfigError(problem[1], file=self.recipe.source, key=problem[0]),
-                        self.recipe)  # fmt: skip
-        with torch.no_grad():
-            for k, v in st["params"].items():
-                a.params[k].copy_(v)
-        a.opt.load_state_dict(st["optimizer"])
-        a.sched.load_state_dict(st["scheduler"])
-        a.stream.load_state_dict(json.loads(st["data"]))
-        a.batches = _batches(a.stream, a.batch_size)
-        a.step, a.tokens, a.trained_tokens = st["step"], st["tokens"], st["trained_tokens"]
-        return True
+        """Load the adapter's newest verified checkpoint (falling back past damaged ones),
+        after checking that it is this adapter: another rank, other targets or another data
+        source is refused in one line naming the key (a misfit is never taken for damage,
+        so nothing is moved aside)."""
+        path = a.checkpointer.newest_step_folder()
+        saved = _saved_adapter(path) if path else None
+        if saved is not None:
+            problem = resume_problem(
+                adapter=a.spec.name,
+                index=self.recipe.adapters.index(a.spec),
+                checkpoint=path,
+                saved_shapes=saved[0],
+                shapes={k: tuple(v.shape) for k, v in a.params.items()},
+                saved_data=saved[1],
+                data=a.stream.fingerprint,
+            )
+            if problem:  # addressed to where the changed value came from (a --set, a base)
+                raise blame(ConfigError(problem[1], file=self.recipe.source, key=problem[0]),
+                            self.recipe)  # fmt: skip
+        return bool(a.checkpointer.load(step=-1))
 
     def export(self, a: AdapterState) -> str:
-        folder = self.recipe.finetune.export_dir.replace("{output_dir}", self.out)
-        folder = os.path.join(folder, a.spec.name)
         bind_adapter(self.model, a.params)
-        ad = adapter_state(self.model)
-        # The merged model needs the full base: an all-gather on every rank (FSDP).
-        base = base_state(self.model) if self.recipe.finetune.export_merged else None
-        if self.rank != 0:
-            return folder
-        export_peft(
-            folder,
-            model_config=self.model_config,
-            adapter=ad,
-            state_dict_adapter=self.state_dict_adapter,
-            rank=self.recipe.lora.rank,
-            alpha=self.recipe.lora.alpha,
-        )
-        if base is not None:
-            export_merged(
-                os.path.join(folder, "merged"),
-                base=base,
-                adapter=ad,
-                model_config=self.model_config,
-                state_dict_adapter=self.state_dict_adapter,
-                scale=self.scale,
-                family=self.recipe.model.family,
-            )
-        return folder
+        return export_adapter(self.model, self.recipe, a.spec.name, model_config=self.model_config,
+                              state_dict_adapter=self.state_dict_adapter)  # fmt: skip
 
     # -- the loop --------------------------------------------------------------------------
-    def train(self, *, export: bool = True) -> dict[str, Any]:
-        log_every = self.recipe.metrics.log_every
-        interval = self.recipe.checkpoint.interval
-        eval_every = self.recipe.finetune.eval_every
+    def _start(self) -> None:
         for a in self.adapters:
             if self.recipe.checkpoint.resume:
                 self.resume(a)
+        from core.launch_env import launch_env
+
+        self.metrics.write_event(
+            "start",
+            resumed_from={a.spec.name: a.step for a in self.adapters},
+            restart_count=launch_env().restart_count,
+            world_size=self.world,
+            wall=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        )
+        for a in self.adapters:
             if a.step == 0:
                 self.heldout(a)
-        step_fn = self._step_turns if self.schedule == "turns" else self._step_batched
+
+    def _metrics_step(self, a: AdapterState) -> int:
+        """TensorBoard's and W&B's x axis: the adapters' steps share one monotonic counter
+        (W&B drops a record whose step goes back); metrics.jsonl keeps each one's own."""
+        self._tb_step = max(getattr(self, "_tb_step", 0), a.step)
+        return self._tb_step
+
+    def _log(self, a: AdapterState, loss: float, norm: float, dt: float, dc: float, n: int) -> None:
         seq_len = self.recipe.training.seq_len
-        while True:
-            active = [a for a in self.adapters if not a.done]
-            if not active:
-                break
-            t0, c0 = time.perf_counter(), time.process_time()
-            results = step_fn(active)
-            dt = time.perf_counter() - t0  # the round: one step of every active adapter
-            # CPU seconds of this process (all its threads): on a CPU shared with other
-            # jobs, time slicing inflates wall time but not this (benchmarks/adapters.md).
-            dc = time.process_time() - c0
-            for a, loss, norm in results:
-                a.step += 1
-                # Each adapter advances by one step per round: its tokens/s is its tokens over
-                # the round's wall time (the job's total is the sum over adapters).
-                a.times.append(dt)
-                a.cpu_times.append(dc)
-                if not math.isfinite(loss):
-                    raise RuntimeError(f"adapter {a.spec.name}: loss is {loss} at step {a.step}")
-                if a.step % log_every == 0 or a.done:
-                    rec = {
-                        "adapter": a.spec.name,
-                        "step": a.step,
-                        "loss": loss,
-                        "grad_norm": norm,
-                        "lr": a.sched.get_last_lr()[0],
-                        "tokens": a.tokens,
-                        "trained_tokens": a.trained_tokens,
-                        "round_s": dt,
-                        "round_cpu_s": dc,
-                        "adapters_in_round": len(results),
-                        # this adapter's tokens over every rank (global batch x seq_len)
-                        "tokens_per_sec": a.batch_size * self.world * seq_len / a.times[-1],
-                        "tokens_per_sec_per_rank": a.batch_size * seq_len / a.times[-1],
-                    }
-                    self._jsonl.write(json.dumps(rec) + "\n")
-                if interval and a.step % interval == 0 and not a.done:
-                    self.save(a)
-                if eval_every and a.step % eval_every == 0 and not a.done:
-                    self.heldout(a)
-        summary: dict[str, Any] = {"schedule": self.schedule, "adapters": {}}
+        rec = {
+            "adapter": a.spec.name,
+            "step": a.step,
+            "loss": loss,
+            "grad_norm": norm,
+            "lr": a.engine.lr(),
+            "tokens": a.tokens,
+            "trained_tokens": a.trained_tokens,
+            "round_s": dt,
+            "round_cpu_s": dc,
+            "adapters_in_round": n,
+            # this adapter's tokens over every rank (global batch x seq_len)
+            "tokens_per_sec": a.batch_size * self.world * seq_len / dt,
+            "tokens_per_sec_per_rank": a.batch_size * seq_len / dt,
+        }
+        self.metrics.log(rec, self._metrics_step(a), tag=a.spec.name)
+
+    def train(self, *, export: bool = True) -> dict[str, Any]:
+        log_every = self.recipe.metrics.log_every
+        eval_every = self.recipe.finetune.eval_every
+        step_fn = self._step_turns if self.schedule == "turns" else self._step_batched
+        guard = StepGuard(
+            self.recipe, groups={"dp_shard": list(range(self.world))}, device=self.device
+        )
+        stopped = False
+        try:
+            self._start()
+            rounds = 0
+            while not stopped:
+                active = [a for a in self.adapters if not a.done]
+                if not active:
+                    break
+                rounds += 1
+                t0, c0 = time.perf_counter(), time.process_time()
+                with guard.step(rounds):
+                    results = step_fn(active)
+                dt = time.perf_counter() - t0  # the round: one step of every active adapter
+                # CPU seconds of this process (all its threads): on a CPU shared with other
+                # jobs, time slicing inflates wall time but not this (benchmarks/adapters.md).
+                dc = time.process_time() - c0
+                for a, loss, norm in results:
+                    a.step += 1
+                    # Each adapter advances by one step per round: its tokens/s is its tokens
+                    # over the round's wall time (the job's total is the sum over adapters).
+                    a.times.append(dt)
+                    a.cpu_times.append(dc)
+                    if a.step % log_every == 0 or a.done:
+                        self._log(a, loss, norm, dt, dc, len(results))
+                    # interval saves (the manager's interval) and the last step's full save
+                    a.checkpointer.save(a.step, last_step=a.done)
+                    if eval_every and a.step % eval_every == 0 and not a.done:
+                        self.heldout(a)
+                # The launcher asks (time limit near): a resumable checkpoint of every
+                # unfinished adapter, then the job exits for its requeue.
+                todo = [a for a in self.adapters if not a.done]
+                if guard.stop_here(rounds, partial(self._save_all, todo)):
+                    self.metrics.write_event("stopped", round=rounds,
+                                             steps={a.spec.name: a.step for a in self.adapters})  # fmt: skip
+                    stopped = True
+        finally:
+            guard.close()
+            for a in self.adapters:
+                a.checkpointer.maybe_wait_for_saving()
+        summary: dict[str, Any] = {"schedule": self.schedule, "adapters": {}, "stopped": stopped}
         skip = self.recipe.metrics.summary_skip_steps
+        seq_len = self.recipe.training.seq_len
         for a in self.adapters:
-            self.save(a)
-            self.heldout(a)
+            if not stopped:
+                self.heldout(a)
             times = a.times[skip:] or a.times
             cpu = a.cpu_times[skip:] or a.cpu_times
             round_tokens = a.batch_size * self.world * seq_len
@@ -533,11 +499,16 @@ class AdapterJob:
                 if sum(cpu)
                 else 0.0,
                 "heldout": a.heldout,
-                "export": self.export(a) if export else None,
+                "export": self.export(a) if export and not stopped else None,
             }
         summary["world_size"] = self.world
         if self.rank == 0:
             with open(os.path.join(self.out, "adapters_summary.json"), "w") as f:
                 json.dump(summary, f, indent=1)
-        self._jsonl.close()
+        self.close()
         return summary
+
+    def close(self) -> None:
+        self.metrics.close()
+        for a in self.adapters:
+            a.checkpointer.close()

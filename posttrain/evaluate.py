@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from data.chat import BadChat, ChatRenderer, Example, decode_masked, parse_record
+from runtime.steps import forward_logits
 
 
 def load_examples(path: str | Path) -> list[Example]:
@@ -31,16 +32,6 @@ def load_examples(path: str | Path) -> list[Example]:
         except (BadChat, ValueError):
             continue
     return out
-
-
-def model_logits(model: Any, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """torchtitan decoder forward with document masks derived from positions. Inside the
-    Trainer with ChunkedLossWrapper the decoder stops before its output projection (the loss
-    applies lm_head chunk by chunk); then the projection is applied here."""
-    out = model(x, pos, model.get_attention_masks(positions=pos))
-    if out.shape[-1] != model.lm_head.weight.shape[0]:
-        out = model.lm_head(out)
-    return out.full_tensor() if hasattr(out, "full_tensor") else out
 
 
 @torch.no_grad()
@@ -75,7 +66,8 @@ def exact_match(
                 x[b, :n], y[b, :n], m[b, :n] = ids[:-1], ids[1:], trained[1:]
                 pos[b, :n] = torch.arange(n)
                 pos[b, n:] = torch.arange(L - n)
-            logits = model_logits(model, x.to(device), pos.to(device)).float().cpu()
+            logits = forward_logits(model, x.to(device), pos.to(device))
+            logits = (logits.full_tensor() if hasattr(logits, "full_tensor") else logits).cpu()
             hit = (logits.argmax(-1) == y) | ~m
             correct += int(hit.all(dim=1).sum())
             tokens += int(m.sum())

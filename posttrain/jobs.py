@@ -18,11 +18,9 @@ from runtime import session
 
 def check(job: session.Job) -> None:
     """Post-training checks that need the launch (world size); ConfigError before training."""
-    r = job.recipe
-    if not r.adapters:
-        return
-    # The recipe's [parallel] was checked at load; this covers a layout the planner chose.
-    check_adapter_layout(r, job.layout)
+    if job.recipe.adapters:
+        # The recipe's [parallel] was checked at load; this covers a layout the planner chose.
+        check_adapter_layout(job.recipe, job.layout)
 
 
 def adapter_job(job: session.Job, mesh: Any = None) -> Any:
@@ -39,17 +37,20 @@ def adapter_job(job: session.Job, mesh: Any = None) -> Any:
     if torch.cuda.is_available() and not job.platform.is_cpu:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     return AdapterJob(r, cfg, tokenizer_path=job.tokenizer_path, state_dict_adapter=sda,
-                      device=device, schedule=r.finetune.adapter_schedule, mesh=mesh)  # fmt: skip
+                      device=device, schedule=r.finetune.adapter_schedule, mesh=mesh,
+                      microbatch_tokens=job.microbatch_tokens)  # fmt: skip
 
 
 def run_adapters(job: session.Job) -> dict[str, Any]:
     """[[adapters]] on this launch: a process group and a 1-D mesh when there are several
-    processes (gloo on CPU, NCCL on CUDA), torn down at the end."""
+    processes or checkpoints are written asynchronously (gloo on CPU, NCCL on CUDA), torn
+    down at the end."""
     import torch
 
     job.platform.apply()
     dist = torch.distributed
-    own = job.world_size > 1 and not dist.is_initialized()
+    need = job.world_size > 1 or job.recipe.checkpoint.async_mode != "disabled"
+    own = need and not dist.is_initialized()
     if not job.platform.is_cpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # NCCL binds to it
     if own:

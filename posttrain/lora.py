@@ -20,7 +20,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -59,27 +59,57 @@ def base_state(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def init_adapter(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    """Fresh adapter weights as torchtitan's converter initialises them (A Kaiming-uniform
-    with a = sqrt(5), B zeros), drawn from `seed` on the CPU generator so that the same seed
-    gives the same adapter whatever else the job holds."""
+class AdapterWeights(nn.Module):
+    """One adapter's tensors, parameters named as the model's LoRA weights
+    (`layers.0.attention.wo.lora_a.weight`): torchtitan's optimizer container, DCP
+    checkpoints and `bind_adapter` address them by those names. Rank-0 pairs stay frozen."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        for name, t in tensors.items():
+            *path, leaf = name.split(".")
+            mod: nn.Module = self
+            for part in path:
+                if not hasattr(mod, part):
+                    mod.add_module(part, nn.Module())
+                mod = getattr(mod, part)
+            mod.register_parameter(leaf, nn.Parameter(t, requires_grad=t.numel() > 0))
+
+    @property
+    def params(self) -> dict[str, nn.Parameter]:
+        return dict(self.named_parameters())
+
+
+def init_adapter(
+    model: nn.Module,
+    seed: int,
+    *,
+    rank: int | None = None,
+    targets: Callable[[str], bool] | None = None,
+) -> AdapterWeights:
+    """The one initialisation of every adapter ([[adapters]] jobs, the service): torchtitan's
+    converter's (A Kaiming-uniform with a = sqrt(5), B zeros) drawn from `seed` on a CPU
+    generator in model order, so the same seed, rank and targets give the same adapter.
+    `rank`: default the converted modules' own; modules `targets(name)` rejects get rank 0."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, m in lora_modules(model):
-        a = m.lora_a.weight
+        a, b = m.lora_a.weight, m.lora_b.weight
         fan_in = a.shape[1]
+        r = 0 if targets is not None and not targets(name) else a.shape[0] if rank is None else rank
         # kaiming_uniform_(a=sqrt(5)): bound = sqrt(6 / ((1 + 5) * fan_in)) = 1 / sqrt(fan_in)
         bound = 1.0 / math.sqrt(fan_in)
-        wa = (torch.rand(a.shape, generator=gen, dtype=torch.float32) * 2 - 1) * bound
+        wa = (torch.rand((r, fan_in), generator=gen, dtype=torch.float32) * 2 - 1) * bound
         out[f"{name}.lora_a.weight"] = wa.to(a.device, a.dtype)
-        b = m.lora_b.weight
-        out[f"{name}.lora_b.weight"] = torch.zeros(b.shape, dtype=b.dtype, device=b.device)
-    return out
+        out[f"{name}.lora_b.weight"] = torch.zeros((b.shape[0], r), dtype=b.dtype, device=b.device)
+    return AdapterWeights(out)
 
 
-def bind_adapter(model: nn.Module, params: dict[str, nn.Parameter]) -> None:
+def bind_adapter(model: nn.Module, params: dict[str, nn.Parameter] | AdapterWeights) -> None:
     """Point the model's LoRA linears at `params` (no copy: the adapter's own tensors get
     the gradients). One frozen base serves any number of adapters this way."""
+    if isinstance(params, AdapterWeights):
+        params = params.params
     for name, m in lora_modules(model):
         m.lora_a.weight = params[f"{name}.lora_a.weight"]
         m.lora_b.weight = params[f"{name}.lora_b.weight"]
@@ -247,4 +277,31 @@ def export_merged(
         cfg["tie_word_embeddings"] = False
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
+    return folder
+
+
+def export_adapter(
+    model: nn.Module, recipe: Any, name: str, *, model_config: Any, state_dict_adapter: Any
+) -> str:
+    """The adapter bound in `model` as a PEFT folder <finetune.export_dir>/<name> (and, with
+    finetune.export_merged, the merged model in its merged/ subfolder). Every rank calls
+    (gathering sharded tensors is collective); rank 0 writes."""
+    import torch.distributed as dist
+
+    r = recipe
+    folder = os.path.join(r.finetune.export_dir.replace("{output_dir}", r.output_dir), name)
+    adapter = adapter_state(model)
+    base = base_state(model) if r.finetune.export_merged else None  # FSDP: an all-gather
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return folder
+    kw = {
+        "model_config": model_config,
+        "adapter": adapter,
+        "state_dict_adapter": state_dict_adapter,
+    }
+    export_peft(folder, rank=r.lora.rank, alpha=r.lora.alpha, **kw)
+    if base is not None:
+        scale = r.lora.alpha / r.lora.rank
+        export_merged(os.path.join(folder, "merged"), base=base, scale=scale,
+                      family=r.model.family, **kw)  # fmt: skip
     return folder

@@ -10,16 +10,14 @@ every rank and rank 0 writes them.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
-import torch
 from torchtitan.tools.logging import logger
 
 from data.chat import ChatRenderer, Example
 from posttrain.evaluate import exact_match
-from posttrain.lora import adapter_state, base_state, export_merged, export_peft
+from posttrain.lora import export_adapter
 from recipe.schema import Recipe
 from runtime.metrics import TitanscaleMetrics
 from runtime.trainer import TitanscaleTrainer
@@ -82,22 +80,8 @@ class SFTTrainer(TitanscaleTrainer):
         r = self.recipe
         if r.finetune.mode != "lora" or self.state_dict_adapter is None:
             return None
-        model = self.model_parts[0]
-        folder = os.path.join(
-            r.finetune.export_dir.replace("{output_dir}", r.output_dir), r.job.name
-        )
-        adapter = adapter_state(model)  # collectives under FSDP/TP: every rank calls
-        base = base_state(model) if r.finetune.export_merged else None
-        rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-        cfg = self.config.model_spec.model
-        if rank0:
-            export_peft(folder, model_config=cfg, adapter=adapter,
-                        state_dict_adapter=self.state_dict_adapter,
-                        rank=r.lora.rank, alpha=r.lora.alpha)  # fmt: skip
-            if base is not None:
-                export_merged(os.path.join(folder, "merged"), base=base, adapter=adapter,
-                              model_config=cfg, state_dict_adapter=self.state_dict_adapter,
-                              scale=r.lora.alpha / r.lora.rank,
-                              family=r.model.family)  # fmt: skip
-            logger.info(f"exported adapter to {folder}")
+        folder = export_adapter(self.model_parts[0], r, r.job.name,
+                                model_config=self.config.model_spec.model,
+                                state_dict_adapter=self.state_dict_adapter)  # fmt: skip
+        logger.info(f"exported adapter to {folder}")
         return folder

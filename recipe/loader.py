@@ -261,6 +261,14 @@ def check_finetune(recipe: Recipe) -> None:
             file=f,
             key="data.packing",
         )
+    if recipe.training.microbatch_tokens and not (recipe.rl.enabled or recipe.adapters):
+        # torchtitan's Trainer microbatches by local_batch_size (runtime.steps for the rest).
+        raise ConfigError(
+            "only post-training loops (rl, [[adapters]], the service) split batches by a "
+            "token budget; this job trains local_batch_size rows per microbatch",
+            file=f,
+            key="training.microbatch_tokens",
+        )
     if recipe.adapters:
         if recipe.finetune.mode != "lora":
             raise ConfigError(

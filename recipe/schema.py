@@ -170,10 +170,21 @@ class TrainingSection:
         ),
     )
     seed: int = field(default=42, metadata=doc("Random seed (same on every rank)."))
+    microbatch_tokens: int = field(
+        default=0,
+        metadata=doc(
+            "Post-training (RL, [[adapters]], the service): most padded tokens per "
+            "forward/backward microbatch and per generation call; a batch is split into "
+            "microbatches under it (rows up to local_batch_size each) and their gradients "
+            "accumulated. 0 = the largest that fits the device by the memory model "
+            "(parallel.memory.fit_microbatch_tokens). Pretraining and SFT refuse it."
+        ),
+    )
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "local_batch_size", "steps"):
             _positive(name, getattr(self, name))
+        _positive("microbatch_tokens", self.microbatch_tokens, allow_zero=True)
         if self.global_batch_size != -1:
             _positive("global_batch_size", self.global_batch_size)
         _positive("lr", self.lr)

@@ -1,9 +1,9 @@
 """An RL run from a recipe: torchtitan's trainer + our generator + an environment + a loss.
 
-`check(job)` validates what only RL needs (callables import, backend available) before any
-process group; `run(job)` trains. The trainer is the same TitanscaleTrainer pretraining and
-SFT use (model build, FSDP, optimizer, LR schedule, atomic checkpoints, metrics.jsonl); RL
-replaces its data loader with rollouts.
+`check(job)` validates what only RL needs (callables, backend, refused keys, memory on this
+device) before any process group; `run(job)` trains: the TitanscaleTrainer's model, FSDP,
+optimizer, schedule, checkpoints and metrics, each update on the post-training step layer
+(runtime.steps, docs/steps.md) under its guard; rollouts replace the data loader.
 
 Weight versions: version v = the weights after v RL updates. A batch trained at update s
 (1-based) was sampled by version v <= s - 1; policy_lag = s - 1 - v. `sync` samples with
@@ -13,17 +13,19 @@ available, so generation overlaps training. Off-policy correction: the losses' r
 against the trainer's own recomputation pi_old, and tis_cap (or dppo) weights each token by
 pi_old / mu, truncated.
 
-Failures: a generation or reward function that raises is counted (rollout_errors in
-metrics.jsonl, with the message as an event) and its group skipped, or, with on_error =
-"fail", a checkpoint of the last completed update is saved and the run stops.
+Failures (docs/rl.md): a raising generation or reward is counted and its group skipped, or
+(on_error = "fail") the last completed update is checkpointed and the run stops.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -35,7 +37,8 @@ from rl.hooks import check_env, load_loss
 from rl.losses import BUILTIN_LOSSES, LossConfig, LossFn, get_loss, group_advantages
 from rl.mismatch import mismatch_stats
 from rl.policy import full_state_dict
-from rl.trainer import PolicyTrainer, Rollout
+from rl.trainer import PolicyTrainer, Rollout, collate
+from runtime import steps
 
 
 def check(job: Any) -> None:
@@ -60,7 +63,7 @@ def check(job: Any) -> None:
 
 
 class RolloutFailure(RuntimeError):
-    pass
+    """A generation or reward failed with rl.on_error = "fail"."""
 
 
 @dataclass
@@ -97,6 +100,10 @@ class RLRun:
             else get_loss(rl.loss, self.loss_cfg)
         )
         assert rl.loss == "custom" or rl.loss in BUILTIN_LOSSES
+        # The token budget for scoring, reference logprobs, forward_backward and generation.
+        self.microbatch_tokens = steps.choose_microbatch_tokens(
+            job.recipe, job.layout, job.platform
+        )
         self.policy = PolicyTrainer(
             model,
             trainer.optimizers,
@@ -104,6 +111,9 @@ class RLRun:
             max_norm=job.recipe.training.max_norm,
             temperature=rl.temperature,
             pad_id=self.eos or 0,
+            microbatch_tokens=self.microbatch_tokens,
+            microbatch_rows=job.recipe.training.local_batch_size,
+            dp_group=dist.group.WORLD if self.world > 1 else None,
         )
         self.generator = self._build_generator(model)
         # async: samples are older than the trainer's weights, so the mismatch is measured by a
@@ -135,22 +145,19 @@ class RLRun:
         return gen
 
     def attach_reference(self) -> None:
-        """kl_coef > 0: a frozen copy of the policy RL starts from (after any warmup). Saved
-        once to <output_dir>/rl_reference.pt so a resumed run keeps the same reference."""
+        """kl_coef > 0: a frozen copy of the policy RL starts from (after any warmup), saved
+        once as a verified folder <output_dir>/rl_reference that a resumed run reloads."""
         if self.rl.kl_coef <= 0:
             return
-        import os
+        from runtime.checkpoint import load_states, save_states
 
-        path = os.path.join(self.job.recipe.output_dir, "rl_reference.pt")
-        if os.path.exists(path):
-            sd = torch.load(path, map_location=self.policy.device, weights_only=True)
-        else:
-            sd = full_state_dict(self.policy.model)
-            if self.rank == 0:
-                torch.save(sd, path + ".tmp")
-                os.replace(path + ".tmp", path)
+        path, where = os.path.join(self.job.recipe.output_dir, "rl_reference"), self.job.recipe
+        if not os.path.isdir(path) and self.rank == 0:
+            save_states(path, {"model": full_state_dict(self.policy.model)})
+        if self.world > 1:
+            torch.distributed.barrier()  # rank 0's folder is committed before anyone reads
         ref = self._fresh_model()
-        ref.load_state_dict(sd)
+        load_states(path, {"model": ref}, key="job.output_dir", file=where.source)
         self.policy.reference = ref.eval().requires_grad_(False)
 
     def encode(self, text: str) -> list[int]:
@@ -164,6 +171,19 @@ class RLRun:
     def tasks(self, split: str, n: int, key: int) -> list[Task]:
         return self.env.tasks(split, n, seed=(self.rl.seed * 1_000_003 + key) * 64 + self.rank)
 
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Any]:
+        """The generator called in chunks of prompts whose rows (n per prompt, left-padded
+        to the chunk's longest prompt + max_tokens) fit the token budget: the KV cache holds
+        at most microbatch_tokens positions. Chunk k > 0 samples from seed (seed, k)."""
+        lens = [len(p) + params.max_tokens for p in prompts]
+        out: list[Any] = []
+        for lo, hi in steps.split_rows(lens, self.microbatch_tokens // params.n):
+            seed = params.seed if not lo or params.seed is None else params.seed * 1_000_003 + lo
+            for smp in self.generator.generate(prompts[lo:hi], replace(params, seed=seed)):
+                smp.prompt_index += lo
+                out.append(smp)
+        return out
+
     def make_batch(self, step: int) -> Batch:
         """Sample and reward prompts_per_step groups for update `step`."""
         rl = self.rl
@@ -171,9 +191,9 @@ class RLRun:
         tasks = self.tasks("train", rl.prompts_per_step, step)
         prompts = [self.encode(t.prompt) for t in tasks]
         errors: list[str] = []
-        params = SamplingParams(**{**self.sampling.__dict__, "seed": rl.seed * 7919 + step})
+        params = replace(self.sampling, seed=rl.seed * 7919 + step)
         try:
-            samples = self.generator.generate(prompts, params)
+            samples = self.generate(prompts, params)
         except Exception as e:
             if rl.on_error == "fail":
                 raise RolloutFailure(f"generation failed at update {step}: {e!r}") from e
@@ -206,13 +226,10 @@ class RLRun:
         greedy = SamplingParams(
             max_tokens=self.rl.max_new_tokens, top_p=1e-9, stop_tokens=self.sampling.stop_tokens
         )
-        samples = self.generator.generate([self.encode(t.prompt) for t in tasks], greedy)
-        rs = [
-            self.env.reward(t, self.decode(s.tokens)) for t, s in zip(tasks, samples, strict=True)
-        ]
-        exact = [
-            self.decode(s.tokens).strip() == t.answer for t, s in zip(tasks, samples, strict=True)
-        ]
+        samples = self.generate([self.encode(t.prompt) for t in tasks], greedy)
+        texts = [self.decode(s.tokens) for s in samples]
+        rs = [self.env.reward(t, x) for t, x in zip(tasks, texts, strict=True)]
+        exact = [x.strip() == t.answer for t, x in zip(tasks, texts, strict=True)]
         return {
             "eval_reward_mean": sum(rs) / len(rs),
             "eval_exact_pct": 100.0 * sum(exact) / len(exact),
@@ -225,28 +242,33 @@ class RLRun:
             self.probe.update_weights(sd, version)
 
     def sft_warmup(self) -> None:
-        """Supervised steps on reference answers (its own AdamW; the RL schedule untouched)."""
+        """Supervised steps on reference answers: torchtitan's AdamW with the recipe's
+        settings at a constant rl.sft_warmup_lr, its own state (dropped after); the RL
+        optimizer and schedule untouched."""
         n = self.rl.sft_warmup_steps
         if n == 0:
             return
         from torchtitan.tools.logging import logger
 
-        opt = torch.optim.AdamW(self.policy.model.parameters(), lr=self.rl.sft_warmup_lr)
-        warm = PolicyTrainer(
-            self.policy.model, opt, max_norm=self.policy.max_norm, pad_id=self.eos or 0
+        pol, eng = self.policy, self.policy.engine
+        main = eng.optimizers, eng.lr_schedulers
+        eng.optimizers, eng.lr_schedulers = steps.recipe_optimizer(
+            self.job.recipe, pol.model, lr=self.rl.sft_warmup_lr
         )
         ce = get_loss("cross_entropy")
-        for i in range(n):
-            tasks = self.tasks("train", self.rl.prompts_per_step * self.rl.group_size, -2 - i)
-            rows = []
-            for t in tasks:
-                ans = self.tok.encode(t.answer, add_bos=False, add_eos=False) + [self.eos]
-                rows.append(Rollout(self.encode(t.prompt), ans, [0.0] * len(ans)))
-            c, _ = warm.score(rows)
-            loss = warm.forward_backward(c, warm.loss_batch(c, None), ce)
-            warm.optim_step()
-            if (i + 1) % 20 == 0 or i + 1 == n:
-                logger.info(f"rl: sft warmup {i + 1}/{n} loss {loss:.4f}")
+        try:
+            for i in range(n):
+                rows = []
+                for t in self.tasks("train", self.rl.prompts_per_step * self.rl.group_size, -2 - i):
+                    ans = self.tok.encode(t.answer, add_bos=False, add_eos=False) + [self.eos]
+                    rows.append(Rollout(self.encode(t.prompt), ans, [0.0] * len(ans)))
+                c = collate(rows, pol.pad_id, pol.device)
+                loss = pol.forward_backward(c, pol.loss_batch(c, None), ce)
+                pol.optim_step()
+                if (i + 1) % 20 == 0 or i + 1 == n:
+                    logger.info(f"rl: sft warmup {i + 1}/{n} loss {loss:.4f}")
+        finally:
+            eng.optimizers, eng.lr_schedulers = main
 
     # -- one update ----------------------------------------------------------------------
     def train_on(self, batch: Batch, step: int) -> dict[str, float]:
@@ -255,10 +277,12 @@ class RLRun:
         c, old = self.policy.score(batch.rollouts)
         lag = (step - 1) - c.versions
         if self.probe is not None:
-            rs = batch.rollouts
-            probe = self.probe.score(
-                [r.prompt for r in rs], [r.completion for r in rs], self.rl.temperature
+            rs, T = batch.rollouts, self.rl.temperature
+            spans = steps.split_rows(
+                [len(r.prompt + r.completion) for r in rs], self.microbatch_tokens
             )
+            probe = [lp for lo, hi in spans for lp in self.probe.score(
+                [r.prompt for r in rs[lo:hi]], [r.completion for r in rs[lo:hi]], T)]  # fmt: skip
             mm = mismatch_stats(
                 probe, [row[m > 0].tolist() for row, m in zip(old, c.mask, strict=True)]
             )
@@ -267,8 +291,16 @@ class RLRun:
             mm = mismatch_stats(c.sampling_logprobs, old, same) if bool(same.any()) else {}
         behav = mismatch_stats(c.sampling_logprobs, old, c.mask)
         lb = self.policy.loss_batch(c, old)
-        loss = self.policy.forward_backward(c, lb, self.loss_fn)
-        grad_norm = self.policy.optim_step()
+        try:
+            # pi_old was scored under these very weights: the engine's first pass is it.
+            loss = self.policy.forward_backward(c, lb, self.loss_fn, logprobs=old)
+            grad_norm = self.policy.optim_step()
+        except steps.NonFiniteError as e:
+            bad = [f" (the reward of a completion of {self.decode(r.prompt)!r} is {r.reward})"
+                   for r in batch.rollouts if not math.isfinite(r.reward)] + [""]  # fmt: skip
+            key = "rl.reward" if self.rl.reward else "rl.env"
+            raise steps.NonFiniteError(f"update {step}: {e.detail}{bad[0]}",
+                                       file=self.job.recipe.source, key=key) from None  # fmt: skip
         out = {
             "loss": loss,
             "grad_norm": grad_norm,
@@ -279,15 +311,6 @@ class RLRun:
         }
         out.update(mm)
         return out
-
-
-def _mean_over_ranks(values: dict[str, float], world: int) -> dict[str, float]:
-    if world == 1 or not values:
-        return values
-    keys = sorted(values)
-    t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
-    torch.distributed.all_reduce(t)
-    return {k: float(v) / world for k, v in zip(keys, t.tolist(), strict=True)}
 
 
 def run(job: Any) -> dict[str, Any] | None:
@@ -312,15 +335,18 @@ def run(job: Any) -> dict[str, Any] | None:
 def _train(job: Any, trainer: Any) -> dict[str, Any] | None:
     from torchtitan.tools.logging import logger
 
+    from launch.stop_request import save_full_checkpoint
+
     trainer.checkpointer.load(step=-1)
     start = trainer.step  # updates already done (restored from a checkpoint)
     r = RLRun(job, trainer)
     rl = r.rl
+    mp = r.mp
+    mp.start(start)  # as TitanscaleTrainer.batch_generator does for pretraining
     if start == 0:
         r.sft_warmup()
     r.attach_reference()
     r.push_weights(start)
-    mp = r.mp
     errors_total = 0
     wait_total = busy_total = 0.0
     q: queue.Queue[Batch | BaseException] = queue.Queue()
@@ -346,21 +372,24 @@ def _train(job: Any, trainer: Any) -> dict[str, Any] | None:
     if eval_stats:
         logger.info(f"rl: held-out before RL: {eval_stats}")
         mp.write_event("rl_eval", step=start, **eval_stats)
+    guard = steps.StepGuard(job.recipe, device=trainer.device)
     done = start  # the weights in memory are exactly version `done`
+    stopped = False
     try:
         for step in range(start + 1, r.steps + 1):
             t0 = time.perf_counter()
-            if thread is None:
-                item: Batch | BaseException = r.make_batch(step)
-            else:
-                item = q.get()
-            if isinstance(item, BaseException):
-                raise item
-            batch = item
-            t_wait = time.perf_counter() - t0
-            stats = r.train_on(batch, step)
-            done = trainer.step = step
-            r.push_weights(step)
+            with guard.step(step):
+                if thread is None:
+                    item: Batch | BaseException = r.make_batch(step)
+                else:
+                    item = q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                batch = item
+                t_wait = time.perf_counter() - t0
+                stats = r.train_on(batch, step)
+                done = trainer.step = step
+                r.push_weights(step)
             t_busy = time.perf_counter() - t0 - t_wait
             wait_total += t_wait
             busy_total += t_busy
@@ -378,7 +407,7 @@ def _train(job: Any, trainer: Any) -> dict[str, Any] | None:
                 "generated_tokens": float(batch.new_tokens),
                 **{k: v for k, v in stats.items() if k not in ("loss", "grad_norm")},
             }
-            extra = _mean_over_ranks(extra, r.world)
+            extra = steps.mean_over_ranks(extra)
             trainer.checkpointer.save(step, last_step=(step == r.steps))
             if step % rl.eval_every == 0 or step == r.steps:
                 ev = r.evaluate()
@@ -396,22 +425,31 @@ def _train(job: Any, trainer: Any) -> dict[str, Any] | None:
                     f"{extra.get('policy_lag', float('nan')):.2f} wait {extra['trainer_wait_pct']:.0f}% "
                     f"kl {extra.get('train_infer_kl', float('nan')):.2e}"
                 )
+            # The launcher asks (time limit near): a resumable checkpoint of this update, then
+            # exit for the requeue (launch/job.sbatch). Without checkpoints: keep training.
+            if step < r.steps and guard.stop_here(
+                step, partial(save_full_checkpoint, trainer.checkpointer, step)
+            ):
+                mp.write_event("stopped", step=step)
+                stopped = True
+                break
     except BaseException:
         stop.set()
         # Nothing trained is lost: keep the last completed update (when checkpoints are on).
-        if done > start and trainer.checkpointer.enable:
-            trainer.step = done
-            trainer.checkpointer.save(done, last_step=True)
+        # A step refused by the non-finite guard never touched the weights: `done` is good.
+        if done > start and save_full_checkpoint(trainer.checkpointer, done):
             logger.info(f"rl: stopped after update {done}; saved a checkpoint of it")
         raise
     finally:
         stop.set()
+        guard.close()
         if thread is not None:
             thread.join(timeout=60)
     mp.write_event(
         "rl_summary",
         mode=rl.mode,
-        updates=r.steps - start,
+        updates=done - start,
+        stopped=stopped,
         trainer_wait_pct=100.0 * wait_total / max(wait_total + busy_total, 1e-9),
         rollout_errors=errors_total,
     )

@@ -1,35 +1,14 @@
-"""Per-token log-probabilities from a torchtitan decoder (the trainer's side of RL).
-
-The trainer scores (prompt + completion) rows with the model's own full forward, the same
-path pretraining and SFT train through (attention masks from `get_attention_masks`, so the
-dense backend on CPU and flex on GPU). Rows are right-padded: causal attention means padding
-after a row's last token never changes that row's logits.
-"""
+"""Per-token log-probabilities of (prompt + completion) rows through the model's own full
+forward (runtime.steps: the path pretraining trains through, float32 log-softmax in chunks);
+rows right-padded, which causal attention makes harmless. Weights as plain tensors."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from runtime.steps import Rows, forward_logits, logprobs_of
 
-def forward_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """(B, L) tokens -> (B, L, V) logits, each row one document starting at position 0."""
-    B, L = tokens.shape
-    positions = torch.arange(L, device=tokens.device).unsqueeze(0).expand(B, L)
-    masks = None
-    get_masks = getattr(model, "get_attention_masks", None)
-    if get_masks is not None:
-        masks = get_masks(positions=positions)
-    # torchtitan's trainer sets `_skip_lm_head` when its chunked loss applies the head itself;
-    # RL needs the logits, so the head runs inside this forward (FSDP unshards it there).
-    skip = getattr(model, "_skip_lm_head", False)
-    if skip:
-        model._skip_lm_head = False  # type: ignore[assignment]
-    try:
-        return model(tokens, positions, masks)
-    finally:
-        if skip:
-            model._skip_lm_head = True  # type: ignore[assignment]
+__all__ = ["forward_logits", "full_state_dict", "token_logprobs"]
 
 
 def token_logprobs(
@@ -37,11 +16,8 @@ def token_logprobs(
 ) -> torch.Tensor:
     """(B, L) tokens -> (B, L-1): log p(tokens[:, t+1] | tokens[:, :t+1]) at `temperature`
     (the distribution the generator samples from before top-p), in float32."""
-    logits = forward_logits(model, tokens)[:, :-1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = F.log_softmax(logits, dim=-1)
-    return logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+    rows = Rows(tokens[:, :-1], tokens[:, 1:])
+    return logprobs_of(forward_logits(model, rows.inputs), rows.targets, temperature)
 
 
 def full_state_dict(

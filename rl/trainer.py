@@ -1,11 +1,13 @@
-"""The trainer's side of RL on one model: rollouts -> padded tensors -> loss -> update.
+"""The trainer's side of RL on one model: rollouts -> padded rows -> loss -> update.
 
-`PolicyTrainer` wraps a (possibly FSDP-sharded) torchtitan model with torchtitan's optimizer
-and LR-scheduler containers. Three ways to get gradients, all through the same forward:
-- `forward_backward(rollouts, loss_fn)`: a built-in or user loss of (logprobs, batch);
-- `forward_backward_grads(rollouts, grads_fn)`: "gradients from outside": the user gets the
+`PolicyTrainer` puts a (possibly FSDP-sharded) torchtitan model and its optimizer and
+LR-scheduler containers on the post-training step layer (runtime.steps.StepEngine:
+microbatches under the token budget, gradient accumulation, the non-finite guard). Three
+ways to get gradients, all through the same forward:
+- `forward_backward(c, batch, loss_fn)`: a built-in or user loss of (logprobs, batch);
+- `forward_backward_grads(c, batch, grads_fn)`: "gradients from outside": the user gets the
   detached logprobs and returns d loss / d logprobs per token, which are backpropagated;
-- then `optim_step()` (gradient clipping, optimizer, scheduler, zero_grad).
+- then `optim_step()` (clipping, the guard, optimizer, scheduler, zero_grad).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from typing import Any
 
 import torch
 
-from rl.losses import LossBatch, LossFn, backward_from_logprob_grads
-from rl.policy import token_logprobs
+from rl.losses import LossBatch, LossFn
+from runtime.steps import Rows, StepEngine, shifted_rows
 
 
 @dataclass
@@ -35,7 +37,7 @@ class Rollout:
 
 @dataclass
 class Collated:
-    tokens: torch.Tensor  # (B, L) prompt + completion, right-padded
+    rows: Rows  # (B, L-1) inputs/targets: prompt + completion, right-padded
     mask: torch.Tensor  # (B, L-1) 1 on completion tokens (as predicted positions)
     sampling_logprobs: torch.Tensor  # (B, L-1), 0 off the mask
     advantages: torch.Tensor  # (B,)
@@ -43,8 +45,8 @@ class Collated:
 
 
 def collate(rollouts: Sequence[Rollout], pad_id: int, device: torch.device) -> Collated:
-    L = max(len(r.prompt) + len(r.completion) for r in rollouts)
-    B = len(rollouts)
+    lengths = [len(r.prompt) + len(r.completion) for r in rollouts]
+    B, L = len(rollouts), max(lengths)
     tokens = torch.full((B, L), pad_id, dtype=torch.long)
     mask = torch.zeros(B, L - 1)
     slp = torch.zeros(B, L - 1)
@@ -55,7 +57,7 @@ def collate(rollouts: Sequence[Rollout], pad_id: int, device: torch.device) -> C
         mask[b, p - 1 : p - 1 + c] = 1.0
         slp[b, p - 1 : p - 1 + c] = torch.tensor(r.sampling_logprobs, dtype=torch.float32)
     return Collated(
-        tokens.to(device),
+        shifted_rows(tokens.to(device), lengths),
         mask.to(device),
         slp.to(device),
         torch.tensor([r.advantage for r in rollouts], dtype=torch.float32, device=device),
@@ -64,44 +66,37 @@ def collate(rollouts: Sequence[Rollout], pad_id: int, device: torch.device) -> C
 
 
 class PolicyTrainer:
+    """A policy on the step layer; `engine_kw`: StepEngine's max_norm, temperature,
+    microbatch_rows, dp_group."""
+
     def __init__(
         self,
         model: torch.nn.Module,
         optimizers: Any,
         lr_schedulers: Any = None,
         *,
-        max_norm: float = 1.0,
-        temperature: float = 1.0,
         pad_id: int = 0,
         reference: torch.nn.Module | None = None,
+        microbatch_tokens: int = 2**62,  # default: one microbatch
+        **engine_kw: Any,
     ) -> None:
-        self.model = model
-        self.optimizers = optimizers
-        self.lr_schedulers = lr_schedulers
-        self.max_norm = max_norm
-        self.temperature = temperature
-        self.pad_id = pad_id
-        self.reference = reference
+        self.model, self.pad_id, self.reference = model, pad_id, reference
+        self.engine = StepEngine(model, optimizers, lr_schedulers,
+                                 microbatch_tokens=microbatch_tokens, label="rl", **engine_kw)  # fmt: skip
 
     @property
     def device(self) -> torch.device:
-        p = next(self.model.parameters())
-        return p.device
+        return next(self.model.parameters()).device
 
-    def _logprobs(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-        return token_logprobs(model, tokens, temperature=self.temperature)
-
-    @torch.no_grad()
     def score(self, rollouts: Sequence[Rollout]) -> tuple[Collated, torch.Tensor]:
         """The trainer's logprobs of the sampled tokens under the current weights (pi_old)."""
         c = collate(rollouts, self.pad_id, self.device)
-        return c, self._logprobs(self.model, c.tokens)
+        return c, self.engine.logprobs(c.rows)
 
     def loss_batch(self, c: Collated, old_logprobs: torch.Tensor | None) -> LossBatch:
         ref = None
         if self.reference is not None:
-            with torch.no_grad():
-                ref = self._logprobs(self.reference, c.tokens)
+            ref = self.engine.logprobs(c.rows, model=self.reference)
         return LossBatch(
             mask=c.mask,
             advantages=c.advantages,
@@ -111,14 +106,12 @@ class PolicyTrainer:
         )
 
     def forward_backward(
-        self, c: Collated, batch: LossBatch, loss_fn: LossFn, *, scale: float = 1.0
+        self, c: Collated, batch: LossBatch, loss_fn: LossFn, *, logprobs: Any = None
     ) -> float:
-        logprobs = self._logprobs(self.model, c.tokens)
-        loss = loss_fn(logprobs, batch)
-        if loss.dim() != 0:
-            raise ValueError(f"the loss must be a scalar, got shape {tuple(loss.shape)}")
-        (loss * scale).backward()
-        return float(loss.detach())
+        """`logprobs`: the rows' logprobs under the current weights if already scored (the
+        loop's pi_old): the engine then skips its first pass."""
+        fn = lambda lp: loss_fn(lp, batch)  # noqa: E731
+        return self.engine.forward_backward(c.rows, fn, logprobs=logprobs)[0]
 
     def forward_backward_grads(
         self,
@@ -126,18 +119,8 @@ class PolicyTrainer:
         batch: LossBatch,
         grads_fn: Callable[[torch.Tensor, LossBatch], torch.Tensor],
     ) -> None:
-        logprobs = self._logprobs(self.model, c.tokens)
-        grads = grads_fn(logprobs.detach().clone(), batch)
-        backward_from_logprob_grads(logprobs, grads)
+        grads = grads_fn(self.engine.logprobs(c.rows).clone(), batch)
+        self.engine.backward_logprob_grads(c.rows, grads)
 
     def optim_step(self) -> float:
-        from torchtitan.distributed import utils as dist_utils
-
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = dist_utils.clip_grad_norm_(params, self.max_norm, foreach=True)
-        self.optimizers.step()
-        if self.lr_schedulers is not None:
-            self.lr_schedulers.step()
-        self.optimizers.zero_grad()
-        gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        return float(gn)
+        return self.engine.optim_step()

@@ -213,11 +213,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def safe_dcp_load(state_dict: dict[str, Any], checkpoint_id: str) -> None:
+def safe_dcp_load(state_dict: dict[str, Any], checkpoint_id: str, *, no_dist: bool = False) -> None:
     dcp.load(
         state_dict,
         storage_reader=SafeFileSystemReader(checkpoint_id),
         planner=SafeLoadPlanner(),
+        no_dist=no_dist,
     )
 
 
@@ -497,6 +498,122 @@ def disk_full_message(
     )
 
 
+def commit_folder(
+    tmp: str, final: str, step: int, crcs: dict[str, int], *, verify: bool = True
+) -> None:
+    """Manifest, then one rename of `tmp` to `final` (replacing a damaged one only once the
+    new one is complete), fsync of the parent; with `verify`, the committed DCP checkpoint
+    is read back (metadata, sizes) and moved aside with an OSError if it fails."""
+    write_manifest(tmp, step, crcs)
+    old = None
+    if os.path.exists(final):
+        # A damaged step-N that a fallback skipped: replace it only once the new
+        # one is complete.
+        old = final + ".replaced"
+        if os.path.exists(old):
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(os.path.dirname(final) or ".")
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+    if verify:
+        # Read back what was committed (metadata, sizes; the CRC32s were computed from the
+        # written files): only a checkpoint that passes counts.
+        problems = verify_checkpoint(final, checksums=False)
+        if problems:
+            aside = set_aside(final)
+            raise OSError(
+                errno.EIO,
+                f"the committed checkpoint fails verification ({'; '.join(problems)}); "
+                f"moved aside to {aside}",
+            )
+    logger.info(f"Checkpoint committed: {final}")
+
+
+def all_crcs(folder: str) -> dict[str, int]:
+    """CRC32 of every file of `folder` except the manifest."""
+    return {
+        n: crc32_file(os.path.join(folder, n))
+        for n in sorted(os.listdir(folder))
+        if os.path.isfile(os.path.join(folder, n)) and n != MANIFEST
+    }
+
+
+def save_states(
+    folder: str,
+    states: dict[str, Any],
+    *,
+    checksums: bool = True,
+    key: str = "",
+    file: str = "",
+    in_place: bool = False,
+) -> None:
+    """Write `states` (tensors, plain data, Stateful objects) as one verified checkpoint
+    folder, committed as the manager commits a step (`.partial`, CRC32s, manifest, fsync,
+    rename, read-back): for states outside a run's step-N series (the RL reference policy,
+    a service adapter's training state). One process writes it (no collective). A failed
+    write is one line naming `key` (CheckpointError), the partial folder removed.
+    `in_place`: write into the existing `folder`, which the caller renames into place (the
+    service's storage); the manifest then covers every file already in it too."""
+    final = folder.rstrip("/")
+    tmp = final if in_place else final + PARTIAL
+    if not in_place:
+        shutil.rmtree(tmp, ignore_errors=True)
+    flat = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in states.items()}
+    try:
+        with single_process():
+            dcp.save(flat, checkpoint_id=tmp, no_dist=True)
+        crcs = all_crcs(tmp) if checksums else {}
+        if in_place:
+            write_manifest(tmp, -1, crcs)
+        else:
+            commit_folder(tmp, final, -1, crcs)
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+        if not in_place:
+            shutil.rmtree(tmp, ignore_errors=True)
+        found = write_failure(e)
+        if found is None:
+            raise
+        raise CheckpointError(
+            f"writing {final} failed: {found[1]}", file=file or None, key=key or None
+        ) from None
+
+
+@contextlib.contextmanager
+def single_process() -> Any:
+    """DCP warns that it assumes one process when told so (no_dist): that is the intent."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def load_states(
+    folder: str, states: dict[str, Any], *, checksums: bool = True, key: str = "", file: str = ""
+) -> None:
+    """Load a `save_states` folder into `states` after verifying it (manifest, sizes,
+    checksums, no code run from the file): a damaged or missing one is one line naming
+    `key`. Stateful values get `load_state_dict`, tensors are loaded in place."""
+    problems = verify_checkpoint(folder, checksums=checksums)
+    if problems:
+        raise CheckpointError(
+            f"{folder} is damaged: {'; '.join(problems)}", file=file or None, key=key or None
+        )
+    flat = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in states.items()}
+    try:
+        with single_process():
+            safe_dcp_load(flat, folder, no_dist=True)
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(
+            f"{folder} does not load: {describe_error(e)}", file=file or None, key=key or None
+        ) from None
+    for k, v in states.items():
+        if hasattr(v, "load_state_dict"):
+            v.load_state_dict(flat[k])
+
+
 # ---------------------------------------------------------------------------- the manager
 
 
@@ -544,45 +661,15 @@ class AtomicCheckpointManager(CheckpointManager):
     def _commit(
         self, tmp: str, final: str, step: int, crcs: dict[str, int], *, dcp: bool = True
     ) -> None:
-        """Rank 0: manifest, then one rename of `tmp` to `final` (replacing a damaged one);
-        a DCP checkpoint (not an HF export) is then read back and counts as verified."""
-        write_manifest(tmp, step, crcs)
-        old = None
-        if os.path.exists(final):
-            # A damaged step-N that a fallback skipped: replace it only once the new
-            # one is complete.
-            old = final + ".replaced"
-            if os.path.exists(old):
-                shutil.rmtree(old)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(os.path.dirname(final) or ".")
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
-        if not dcp:
-            logger.info(f"Checkpoint committed: {final}")
-            return
-        # Read back what was committed (metadata, sizes; the CRC32s were computed from the
-        # written files): only a checkpoint that passes counts for pruning.
-        problems = verify_checkpoint(final, checksums=False)
-        if problems:
-            aside = set_aside(final)
-            raise OSError(
-                errno.EIO,
-                f"the committed checkpoint fails verification ({'; '.join(problems)}); "
-                f"moved aside to {aside}",
-            )
-        self._verified_step = max(step, -1 if self._verified_step is None else self._verified_step)
-        logger.info(f"Checkpoint committed: {final}")
+        """Rank 0: `commit_folder`; a committed DCP checkpoint (not an HF export) counts as
+        verified for pruning."""
+        commit_folder(tmp, final, step, crcs, verify=dcp)
+        if dcp:
+            prev = -1 if self._verified_step is None else self._verified_step
+            self._verified_step = max(step, prev)
 
     def _all_crcs(self, folder: str) -> dict[str, int]:
-        if not self.checksums:
-            return {}
-        return {
-            n: crc32_file(os.path.join(folder, n))
-            for n in sorted(os.listdir(folder))
-            if os.path.isfile(os.path.join(folder, n)) and n != MANIFEST
-        }
+        return all_crcs(folder) if self.checksums else {}
 
     def _commit_when_written(self, fut: Future, tmp: str, final: str, step: int) -> None:
         """Done-callback of an async save (rank 0, in the saving thread)."""
@@ -860,6 +947,11 @@ class AtomicCheckpointManager(CheckpointManager):
         return saved
 
     # --- load
+
+    def newest_step_folder(self) -> str | None:
+        """The newest committed `step-N` folder (what a resume tries first), or None."""
+        steps = committed_steps(self.folder) if self.local else []
+        return self._create_checkpoint_id(steps[-1]) if steps else None
 
     def _find_load_step(self, folder: str = "") -> int:
         if not self.local:

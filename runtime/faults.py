@@ -4,16 +4,21 @@
     TITANSCALE_FAULT="hang:rank=1:step=3"             rank 1 stops answering in step 3
     TITANSCALE_FAULT="kill:rank=0:step=4:at=save"     die while the step-4 checkpoint is written
     TITANSCALE_FAULT="kill:rank=1:step=5,hang:rank=0:step=9"   several, comma-separated
+    TITANSCALE_FAULT="stop:step=2"                   the launcher's stop request arrives in
+                                                     step 2 (what SIGUSR1 does in job.sbatch)
 
 Fields: `rank` (global rank; omitted = every rank), `step` (required), `at` = `step`
 (mid-step: after the batch is fetched and the token count all-reduced, before forward and
 backward) or `save` (after the checkpoint's data is written, before it is committed), and
 `restart` (the torchelastic restart count on which to fire; default 0, so a job restarted
-by `torchrun --max-restarts` does not fault again).
+by `torchrun --max-restarts` does not fault again). `stop` creates the file named by
+$TITANSCALE_STOP_FILE (launch.stop_request), as the batch script's SIGUSR1 trap does, so
+the run checkpoints and stops at its next stop check: a deterministic requeue in tests.
 
 Unset (the normal case) costs one list test per seam. A malformed value is a ConfigError
 before training (`runtime.session.prepare`). The seams are
-`TitanscaleTrainer.forward_backward_step` and `AtomicCheckpointManager.dcp_save`.
+`TitanscaleTrainer.forward_backward_step`, `runtime.steps.StepGuard.step` (the post-training
+loops) and `AtomicCheckpointManager.dcp_save`.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 from core.launch_env import launch_env
 
 ENV = "TITANSCALE_FAULT"
-KINDS = ("kill", "hang")
+KINDS = ("kill", "hang", "stop")
 POINTS = ("step", "save")
 
 
@@ -112,6 +117,15 @@ def inject(point: str, step: int) -> None:
             # SIGKILL: no exception handlers, no atexit, no flush, like a node losing power
             # or the OOM killer.
             os.kill(os.getpid(), signal.SIGKILL)
+        if f.kind == "stop":
+            from pathlib import Path
+
+            from launch.stop_request import ENV as STOP_ENV
+
+            path = os.environ.get(STOP_ENV, "")
+            if path:
+                Path(path).touch()
+            continue
         if f.kind == "hang":
             # Stops answering without dying; sleeps in short slices so that a watchdog
             # thread can still run and report where this rank is.

@@ -152,25 +152,22 @@ class TitanscaleMetrics(MetricsProcessor):
         )
         self.jsonl_path = os.path.join(dump_folder, "metrics.jsonl")
         self.summary_path = os.path.join(dump_folder, "summary.json")
-        self._jsonl = None
-        if config.jsonl and self.is_metrics_rank:
-            os.makedirs(dump_folder, exist_ok=True)
-            # Append: a restarted or requeued job continues the same file; `event` lines mark
-            # each start so a reader can drop steps that a restart replays.
-            self._jsonl = open(self.jsonl_path, "a", buffering=1)  # noqa: SIM115
-            # A process killed mid-line leaves no newline; start on a fresh line so the
-            # next record stays parseable (read_trajectory skips the torn one).
-            if self._jsonl.tell() > 0:
-                with open(self.jsonl_path, "rb") as f:
-                    f.seek(-1, os.SEEK_END)
-                    if f.read(1) != b"\n":
-                        self._jsonl.write("\n")
+        self._jsonl = JsonlLog(self.jsonl_path) if config.jsonl and self.is_metrics_rank else None
 
     def write_event(self, event: str, **fields: Any) -> None:
         if self._jsonl is not None:
-            rec = {"event": event, "time": time.time(), **fields}
-            self._jsonl.write(json.dumps(rec) + "\n")
-            self._jsonl.flush()
+            self._jsonl.event(event, **fields)
+
+    def start(self, resumed_from_step: int, **fields: Any) -> None:
+        """This process starts after step `resumed_from_step` (0: fresh): the `start` event
+        (read_trajectory drops the steps a restart replays) and the summary's warmup origin."""
+        self.last_logged_step = self.start_step = resumed_from_step
+        env = launch_env()
+        self.write_event("start", resumed_from_step=resumed_from_step,
+                         restart_count=env.restart_count,
+                         slurm_restart_count=env.slurm_restart_count,
+                         world_size=self.parallel_dims.world_size,
+                         wall=time.strftime("%Y-%m-%dT%H:%M:%S"), **fields)  # fmt: skip
 
     def log(
         self,
@@ -228,7 +225,7 @@ class TitanscaleMetrics(MetricsProcessor):
             rec.update({k: v for k, v in extra_metrics.items() if isinstance(v, (int, float))})
         self.records.append(rec)
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(rec) + "\n")
+            self._jsonl.write(rec)
         self.logger.log({k: v for k, v in rec.items() if isinstance(v, (int, float))}, step)
         mfu_s = f"{mfu:.1f}%" if mfu is not None else "n/a"
         if self.is_metrics_rank:
@@ -337,13 +334,108 @@ def _wandb_env(config: TitanscaleMetrics.Config, kwargs: dict[str, Any]) -> None
     )
     if rank != metrics_rank and not config.save_for_all_ranks:
         return
-    os.environ["WANDB_PROJECT"] = config.wandb_project
-    if config.wandb_entity:
-        os.environ["WANDB_TEAM"] = config.wandb_entity
-    if config.wandb_run_name:
-        os.environ["WANDB_RUN_NAME"] = config.wandb_run_name
-    os.environ["WANDB_RUN_ID"] = wandb_run_id(kwargs.get("dump_folder", "./outputs"))
+    wandb_env(
+        config.wandb_project,
+        config.wandb_entity,
+        config.wandb_run_name,
+        kwargs.get("dump_folder", "./outputs"),
+    )
+
+
+def wandb_env(project: str, entity: str, run_name: str, dump_folder: str) -> None:
+    """The environment torchtitan's WandBLogger reads (one run id per output folder)."""
+    os.environ["WANDB_PROJECT"] = project
+    if entity:
+        os.environ["WANDB_TEAM"] = entity
+    if run_name:
+        os.environ["WANDB_RUN_NAME"] = run_name
+    os.environ["WANDB_RUN_ID"] = wandb_run_id(dump_folder)
     os.environ.setdefault("WANDB_RESUME", "allow")  # same id again = continue that run
+
+
+class JsonlLog:
+    """metrics.jsonl, appended (a restarted or requeued job continues the same file; `start`
+    events mark each start so a reader can drop the steps a restart replays), one flushed
+    line per record."""
+
+    def __init__(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.path = path
+        self._f = open(path, "a", buffering=1)  # noqa: SIM115
+        # A process killed mid-line leaves no newline; start on a fresh line so the next
+        # record stays parseable (read_trajectory skips the torn one).
+        if self._f.tell() > 0:
+            with open(path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    self._f.write("\n")
+
+    def write(self, rec: dict[str, Any]) -> None:
+        self._f.write(json.dumps(rec) + "\n")
+
+    def event(self, event: str, **fields: Any) -> None:
+        self.write({"event": event, "time": time.time(), **fields})
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class StepMetrics:
+    """metrics.jsonl + TensorBoard + W&B (torchtitan's loggers, under <dump>/tb/<time>) for
+    the post-training loops outside torchtitan's Trainer ([[adapters]] jobs). Only `rank` 0
+    writes. `log(rec, step, tag)` writes the record to metrics.jsonl and its numbers as
+    scalars `tag/name` (a per-adapter namespace) to TensorBoard and W&B."""
+
+    def __init__(self, section: Any, dump_folder: str, *, rank: int, run_name: str) -> None:
+        from datetime import datetime
+
+        from torchtitan.components.metrics import (
+            LoggerContainer,
+            TensorBoardLogger,
+            WandBLogger,
+        )
+
+        self.rank = rank
+        self.jsonl = (
+            JsonlLog(os.path.join(dump_folder, "metrics.jsonl"))
+            if section.jsonl and rank == 0
+            else None
+        )
+        self.loggers = LoggerContainer()
+        if rank == 0 and (section.tensorboard or section.wandb):
+            log_dir = os.path.join(dump_folder, "tb", datetime.now().strftime("%Y%m%d-%H%M"))
+            if section.wandb:
+                wandb_env(
+                    section.wandb_project,
+                    section.wandb_entity,
+                    section.wandb_run_name or run_name,
+                    dump_folder,
+                )
+                self.loggers.add_logger(WandBLogger(log_dir))
+            if section.tensorboard:
+                self.loggers.add_logger(TensorBoardLogger(log_dir))
+
+    def log(self, rec: dict[str, Any], step: int, *, tag: str = "") -> None:
+        if self.jsonl is not None:
+            self.jsonl.write(rec)
+        nums = {
+            (f"{tag}/{k}" if tag else k): v
+            for k, v in rec.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"
+        }
+        if self.rank == 0 and nums:
+            self.loggers.log(nums, step)
+
+    def write_event(self, event: str, **fields: Any) -> None:
+        if self.jsonl is not None:
+            self.jsonl.event(event, **fields)
+
+    def close(self) -> None:
+        self.loggers.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.jsonl = None
 
 
 def read_trajectory(path: str | os.PathLike) -> list[dict[str, Any]]:

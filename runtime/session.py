@@ -26,11 +26,13 @@ from core.launch_env import (
 )
 from core.models import model_shape
 from parallel.cluster import Cluster, load_cluster
+from parallel.memory import posttrain_load
 from parallel.planner import apply_plan, best_plan
 from recipe.loader import blamed, check_recipe, effective_shape, load_recipe
 from recipe.schema import Recipe
 from runtime.build import KernelChoice, build_trainer_config, choose_kernels
 from runtime.platform import BRIDGED, Platform, check_pipeline_step
+from runtime.steps import check_posttrain_keys, choose_microbatch_tokens
 
 # Below this much free space in the output folder a checkpoint write is likely to fail
 # half-way; refuse to start instead.
@@ -48,6 +50,7 @@ class Job:
     world_size: int
     cluster: Cluster | None = None  # sized to this launch; its fabric feeds the startup check
     plan: str | None = None  # the planner's choice, when parallel.auto
+    microbatch_tokens: int = 0  # RL / [[adapters]]: the token budget (runtime.steps)
 
 
 def _launch_env() -> int:
@@ -108,14 +111,17 @@ def check_environment(recipe: Recipe) -> None:
             file=f,
             key=key,
         )
-    ckpt = Path(recipe.checkpoint_dir)
-    if not recipe.checkpoint.resume and ckpt.is_dir() and any(ckpt.glob("step-*")):
-        raise ConfigError(
-            f"{ckpt} holds checkpoints but resume = false; move them away or set resume = true "
-            "(refusing to overwrite them)",
-            file=f,
-            key="checkpoint.resume",
-        )
+    # [[adapters]] checkpoint each adapter under <output_dir>/adapters/<name>.
+    folders = [Path(recipe.checkpoint_dir)]
+    folders += [Path(recipe.output_dir) / "adapters" / a.name for a in recipe.adapters]
+    for ckpt in folders:
+        if not recipe.checkpoint.resume and ckpt.is_dir() and any(ckpt.glob("step-*")):
+            raise ConfigError(
+                f"{ckpt} holds checkpoints but resume = false; move them away or set resume = "
+                "true (refusing to overwrite them)",
+                file=f,
+                key="checkpoint.resume",
+            )
     if recipe.checkpoint.export_hf:
         _probe_writable(Path(recipe.export_dir), file=f, key="checkpoint.export_folder")
         from runtime.hf import check_export_target, export_run_id, export_steps
@@ -412,6 +418,7 @@ def _prepare(recipe: Recipe) -> Job:
             key="checkpoint.async_mode",
         )
     kernels = choose_kernels(recipe, platform, layout)
+    check_posttrain_keys(recipe, layout)
     if platform.is_cpu:
         from recipe.model_checks import check_dense_attention_memory, check_host_memory
 
@@ -442,8 +449,11 @@ def _prepare(recipe: Recipe) -> Job:
         recipe, layout, platform=platform, kernels=kernels, tokenizer_path=tokenizer_path
     )
     check_checkpoint_fit(recipe, config)
+    # RL / [[adapters]]: the token budget, or one line saying what the job needs (memory).
+    tokens = choose_microbatch_tokens(recipe, layout, platform) if posttrain_load(recipe) else 0
     require_launch_vars()
-    return Job(recipe, layout, platform, kernels, tokenizer_path, config, world_size, cluster, plan)
+    return Job(recipe, layout, platform, kernels, tokenizer_path, config, world_size, cluster,
+               plan, tokens)  # fmt: skip
 
 
 def run(job: Job, trainer_cls: type | None = None, **trainer_kwargs: Any) -> dict[str, Any] | None:

@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -35,7 +34,8 @@ from launch.stop_request import StopOnRequest
 from parallel.fabric import Fabric
 from runtime import faults
 from runtime.metrics import TitanscaleMetrics
-from runtime.watchdog import RankTimeoutError, StepWatchdog, default_store, looks_like_timeout
+from runtime.steps import watched_step
+from runtime.watchdog import StepWatchdog, default_store
 
 
 class TitanscaleTrainer(StopOnRequest, Trainer):
@@ -87,24 +87,10 @@ class TitanscaleTrainer(StopOnRequest, Trainer):
         assert isinstance(metrics, TitanscaleMetrics)
         # First call happens inside the first train_step of this process, after any
         # checkpoint load: self.step is already the step being run.
-        resumed_from = self.step - 1
-        metrics.last_logged_step = resumed_from
-        metrics.start_step = resumed_from
-        metrics.write_event(
-            "start",
-            resumed_from_step=resumed_from,
-            restart_count=launch_env().restart_count,
-            slurm_restart_count=launch_env().slurm_restart_count,
-            world_size=self.parallel_dims.world_size,
-            layout={
-                "pp": self.parallel_dims.pp,
-                "dp_replicate": self.parallel_dims.dp_replicate,
-                "dp_shard": self.parallel_dims.dp_shard,
-                "cp": self.parallel_dims.cp,
-                "tp": self.parallel_dims.tp,
-            },
-            wall=time.strftime("%Y-%m-%dT%H:%M:%S"),
-        )
+        pd = self.parallel_dims
+        layout = {"pp": pd.pp, "dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard,
+                  "cp": pd.cp, "tp": pd.tp}  # fmt: skip
+        metrics.start(self.step - 1, layout=layout)
         for input_dict, labels in super().batch_generator(data_iterable):
             delta = input_dict.pop(LOSS_WEIGHT_DELTA, None)
             if delta is not None:
@@ -140,19 +126,9 @@ class TitanscaleTrainer(StopOnRequest, Trainer):
         wd = self.watchdog
         if wd is None:
             return super().train_step(data_iterator)
-        wd.begin(self.step)
-        try:
+        # e.g. DataloaderExhaustedError passes through (torchtitan's loop handles it).
+        with watched_step(wd, self.step, self.parallel_dims.world_size):
             super().train_step(data_iterator)
-        except Exception as e:
-            wd.disarm()  # e.g. DataloaderExhaustedError, which torchtitan's loop handles
-            if self.parallel_dims.world_size > 1 and looks_like_timeout(e):
-                msg = wd.collective_failed(self.step, e)
-                from torchtitan.tools.logging import logger
-
-                logger.error(msg)
-                raise RankTimeoutError(msg) from e
-            raise
-        wd.end()
 
     def forward_backward_step(self, **kwargs: Any) -> torch.Tensor:
         faults.inject("step", self.step)

@@ -1,49 +1,38 @@
 """The backend on torchtitan: one frozen base model, LoRA adapters that take turns on it.
 
-Built from a recipe through the same pieces as train.py: torchtitan's model registry, the
-project's kernel choice (`kernels.registry.apply_kernels`: dense attention on CPU, flex on
-GPU) and torchtitan's `LoRAConverter`, which turns every targeted `Linear` into a LoRA linear
-with a frozen base. Losses are the RL layer's (`rl.losses`, sum-aggregated as Tinker defines
-them), per-token logprobs its `rl.policy.forward_logits`, sampling its KV-cache
-`rl.generator.Generator`.
-
-Several adapters, one base: each adapter owns its own LoRA tensors (rank, seed, targets) and
-its own AdamW state; before an adapter's operation its tensors are bound into the converted
-modules by reference (no copy), so the base is shared and never trained. Operations run one
-at a time (the scheduler's worker), so adapters take turns and an adapter's numbers never
-depend on the others: running four sessions at once gives each the losses it gets alone.
-A module an adapter does not target (train_mlp / train_attn / train_unembed = false) gets a
-rank-0 pair: its LoRA branch adds exactly zero.
-
-The adapter mechanics are the SFT layer's (`posttrain.lora`: `lora_modules`, `bind_adapter`;
-`posttrain.adapters.load_base` loads the base from `checkpoint.load_from`, else the base is
-initialised from `training.seed`). Per-adapter rank and targets are this module's addition
-(Tinker clients choose them); the scale is alpha / rank with alpha from the recipe's `[lora]`.
-Not done: PEFT key names in saved adapter weights (posttrain.lora.export_peft does it for
-recipe-shaped adapters), multi-GPU sharding of the base (the service holds one device). The
-sampler holds one deep copy of the model (a second base in memory).
+Built as train.py builds a model (torchtitan's registry, `kernels.registry.apply_kernels`,
+torchtitan's `LoRAConverter` on every Linear: the base frozen); the base is loaded from
+`checkpoint.load_from` (`posttrain.adapters.load_base`) or initialised from `training.seed`.
+Each adapter owns its LoRA tensors (rank, seed, targets: `posttrain.lora.init_adapter`, the
+one initialisation; an untargeted module gets an exactly-zero rank-0 pair) and a step engine
+(runtime.steps: torchtitan's AdamW container, microbatches under `microbatch_tokens`, the
+non-finite guard, a 400 that leaves the adapter as it was); its tensors are bound into the
+shared base by reference for each operation. Operations run one at a time (the scheduler's
+worker), so an adapter's numbers never depend on the others. Losses are `rl.losses`'
+(sum-aggregated, as Tinker defines them), sampling `rl.generator.Generator` (one deep copy of
+the model). `save_state` writes the adapter (safetensors) and its optimizer state (DCP) with
+one manifest over the folder, verified by `load_state`. Not done: PEFT key names in saved
+adapter weights, multi-GPU sharding of the base.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from posttrain.lora import bind_adapter, lora_modules
+from posttrain.lora import AdapterWeights, bind_adapter, init_adapter, lora_modules
 from rl.generator import Generator
 from rl.generator import SamplingParams as GenParams
 from rl.losses import BUILTIN_LOSSES, LossBatch, LossConfig
-from rl.policy import forward_logits
+from runtime.steps import IGNORE_INDEX, NonFiniteError, Rows, StepEngine
 from service import proto
 from service.backend import BaseModelInfo
 from service.errors import ServiceError, bad_request
@@ -76,14 +65,12 @@ def _targets(spec: LoraSpec, fqn: str) -> bool:
 @dataclass
 class _Adapter:
     spec: LoraSpec
-    params: dict[str, nn.Parameter]  # "<module>.lora_a.weight" [rank, in], ".lora_b" [out, rank]
-    opt: torch.optim.Optimizer
+    weights: AdapterWeights  # "<module>.lora_a.weight" [rank, in], ".lora_b" [out, rank]
+    engine: StepEngine  # its own torchtitan AdamW container; the client sets the lr
 
-    def trainable(self) -> list[nn.Parameter]:
-        return [p for p in self.params.values() if p.requires_grad]
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {k: p.detach().cpu().contiguous() for k, p in self.params.items() if p.requires_grad}
+    @property
+    def params(self) -> dict[str, nn.Parameter]:
+        return self.weights.params
 
 
 @dataclass
@@ -151,13 +138,14 @@ class TitanLoraBackend:
         devices: int = 1,
         tokenizer_dir: str | None = None,
         eos_ids: tuple[int, ...] = (),
+        microbatch_tokens: int = 2**62,
     ):
         self.model = model
+        self.microbatch_tokens = microbatch_tokens  # per forward/backward (runtime.steps)
         self.info = info
         self.alpha = alpha
         self.devices = devices
         self.device = next(model.parameters()).device
-        self.modules = dict(lora_modules(model))
         for p in model.parameters():
             p.requires_grad_(False)  # the base is frozen; adapters bring their own tensors
         self.adapters: dict[str, _Adapter] = {}
@@ -182,40 +170,40 @@ class TitanLoraBackend:
             # build_lora_model does next (the first torchtitan import of `tools.serve`).
             os.environ["TORCHDYNAMO_DISABLE"] = "1"
         model, info = build_lora_model(recipe, device, served)
+        from runtime.platform import Platform
+        from runtime.steps import choose_microbatch_tokens
+
+        tokens = choose_microbatch_tokens(recipe, None, Platform.detect(), service=True)
         if served is None:
-            return cls(model, info, alpha=recipe.lora.alpha)
+            return cls(model, info, alpha=recipe.lora.alpha, microbatch_tokens=tokens)
         return cls(model, info, alpha=recipe.lora.alpha, tokenizer_dir=served.tokenizer_dir,
-                   eos_ids=served.eos_ids)  # fmt: skip
+                   eos_ids=served.eos_ids, microbatch_tokens=tokens)  # fmt: skip
 
     def base_model(self) -> BaseModelInfo:
         return self.info
 
     # --- adapters -----------------------------------------------------------------------------
 
-    def _new_tensors(self, spec: LoraSpec, gen: torch.Generator) -> dict[str, nn.Parameter]:
-        out = {}
-        dt = next(self.model.parameters()).dtype
-        for fqn, m in self.modules.items():
-            w = m.weight
-            out_f, in_f = w.shape
-            r = spec.rank if _targets(spec, fqn) else 0
-            ta = torch.empty(r, in_f, dtype=torch.float32)
-            if r:  # the init torchtitan's LoRALinear uses: kaiming-uniform A, zero B
-                bound = 1.0 / math.sqrt(in_f)  # kaiming_uniform_(a=sqrt(5)) on [r, in]
-                ta.uniform_(-bound, bound, generator=gen)
-            tb = torch.zeros(out_f, r, dtype=dt, device=self.device)
-            out[f"{fqn}.lora_a.weight"] = nn.Parameter(ta.to(self.device, dt), requires_grad=r > 0)
-            out[f"{fqn}.lora_b.weight"] = nn.Parameter(tb, requires_grad=r > 0)
-        return out
+    def _weights(self, spec: LoraSpec, seed: int) -> AdapterWeights:
+        return init_adapter(self.model, seed, rank=spec.rank, targets=lambda n: _targets(spec, n))
 
     def create_adapter(self, adapter: str, spec: LoraSpec) -> None:
-        gen = torch.Generator().manual_seed(
-            spec.seed if spec.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        from torchtitan.components.optimizer import default_adamw
+
+        seed = spec.seed if spec.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        weights = self._weights(spec, seed)
+        if not any(p.requires_grad for p in weights.parameters()):
+            raise bad_request("lora_config", "an adapter must train mlp, attn or unembed")
+        # Hyper-parameters are the client's, set at each optim_step (Tinker's AdamParams).
+        opt = default_adamw(lr=1e-4, eps=1e-12, weight_decay=0.0).build(model_parts=[weights])
+        engine = StepEngine(
+            self.model,
+            opt,
+            microbatch_tokens=self.microbatch_tokens,
+            named_params=[(n, p) for n, p in weights.named_parameters() if p.requires_grad],
+            label=f"adapter {adapter}",
         )
-        params = self._new_tensors(spec, gen)
-        trainable = [p for p in params.values() if p.requires_grad]
-        opt = torch.optim.AdamW(trainable, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
-        self.adapters[adapter] = _Adapter(spec, params, opt)
+        self.adapters[adapter] = _Adapter(spec, weights, engine)
 
     def drop_adapter(self, adapter: str) -> None:
         self.adapters.pop(adapter, None)
@@ -235,30 +223,23 @@ class TitanLoraBackend:
 
     # --- training -----------------------------------------------------------------------------
 
-    def _batch(self, data: list[Datum]):
+    def _batch(self, data: list[Datum]) -> tuple[Rows, torch.Tensor, dict[str, torch.Tensor]]:
         B, L = len(data), max(d.tokens.size for d in data)
         tokens = torch.zeros(B, L, dtype=torch.long)
-        targets = torch.zeros(B, L, dtype=torch.long)
-        valid = torch.zeros(B, L, dtype=torch.float32)
+        targets = torch.full((B, L), IGNORE_INDEX, dtype=torch.long)
         extra: dict[str, torch.Tensor] = {}
         for i, d in enumerate(data):
             n = d.tokens.size
             tokens[i, :n] = torch.from_numpy(d.tokens)
             targets[i, :n] = torch.from_numpy(d.inputs["target_tokens"])
-            valid[i, :n] = 1.0
             for k, v in d.inputs.items():
-                if k == "target_tokens":
-                    continue
-                extra.setdefault(k, torch.zeros(B, L, dtype=torch.float32))[i, :n] = (
-                    torch.from_numpy(v)
-                )
+                if k != "target_tokens":
+                    x = extra.setdefault(k, torch.zeros(B, L, dtype=torch.float32))
+                    x[i, :n] = torch.from_numpy(v)
         dev = self.device
-        return (
-            tokens.to(dev),
-            targets.to(dev),
-            valid.to(dev),
-            {k: v.to(dev) for k, v in extra.items()},
-        )
+        rows = Rows(tokens.to(dev), targets.to(dev), None, [d.tokens.size for d in data])
+        valid = (targets != IGNORE_INDEX).float().to(dev)  # the datums' own positions
+        return rows, valid, {k: v.to(dev) for k, v in extra.items()}
 
     def forward_backward(
         self,
@@ -272,64 +253,76 @@ class TitanLoraBackend:
         ad = self._adapter(adapter)
         cfg = _loss_config(loss_fn, loss_config)
         self._bind(self.model, ad.params, ad.spec.rank)
-        tokens, targets, valid, extra = self._batch(data)
-        with torch.set_grad_enabled(not forward_only):
-            logits = forward_logits(self.model, tokens).float()
-            logp = F.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-            if loss_fn == "cross_entropy":
-                batch = LossBatch(mask=extra.get("weights", valid) * valid)
-            else:
-                batch = LossBatch(
-                    mask=valid,
-                    advantages=extra["advantages"],
-                    sampling_logprobs=extra["logprobs"],
-                    ratio_mask=extra.get("sequence_ratio_mask"),
-                )
-            loss = BUILTIN_LOSSES[loss_fn](logp, batch, cfg)
-            if not forward_only:
-                loss.backward()
+        rows, valid, extra = self._batch(data)
+        if loss_fn == "cross_entropy":
+            batch = LossBatch(mask=extra.get("weights", valid) * valid)
+        else:
+            batch = LossBatch(
+                mask=valid,
+                advantages=extra["advantages"],
+                sampling_logprobs=extra["logprobs"],
+                ratio_mask=extra.get("sequence_ratio_mask"),
+            )
+
+        def loss_of(lp: torch.Tensor) -> torch.Tensor:
+            return BUILTIN_LOSSES[loss_fn](lp, batch, cfg)
+
+        try:
+            loss, logp = ad.engine.forward_backward(rows, loss_of, backward=not forward_only)
+        except NonFiniteError as e:
+            raise bad_request("loss_fn_inputs", e.detail) from None
         lp = logp.detach().cpu().numpy()
         outputs = [
             {"logprobs": lp[i, : d.tokens.size].astype(np.float32)} for i, d in enumerate(data)
         ]
-        return FwdBwdResult(outputs, {"loss:sum": float(loss.detach())})
+        return FwdBwdResult(outputs, {"loss:sum": loss})
 
     def optim_step(self, adapter: str, params: AdamParams) -> dict[str, float]:
         ad = self._adapter(adapter)
-        ps = ad.trainable()
-        norm = 0.0
-        if params.grad_clip_norm > 0:
-            norm = float(torch.nn.utils.clip_grad_norm_(ps, params.grad_clip_norm))
-        for g in ad.opt.param_groups:
-            g.update(
-                lr=params.learning_rate,
-                betas=(params.beta1, params.beta2),
-                eps=params.eps,
-                weight_decay=params.weight_decay,
-            )
-        ad.opt.step()
-        ad.opt.zero_grad(set_to_none=True)
+        for opt in ad.engine.optimizers:
+            for g in opt.param_groups:
+                g.update(
+                    lr=params.learning_rate,
+                    betas=(params.beta1, params.beta2),
+                    eps=params.eps,
+                    weight_decay=params.weight_decay,
+                )
+        ad.engine.max_norm = params.grad_clip_norm  # 0: no clipping (the norm is still checked)
+        try:
+            norm = ad.engine.optim_step()
+        except NonFiniteError as e:
+            raise bad_request("optim_step", e.detail) from None
         return {"grad_norm:mean": norm} if params.grad_clip_norm > 0 else {}
 
     # --- checkpoints --------------------------------------------------------------------------
 
     def _write_adapter(self, ad: _Adapter, folder: Path) -> None:
-        save_file(ad.state(), str(folder / "adapter_model.safetensors"))
+        state = {k: p.detach().cpu().contiguous() for k, p in ad.params.items() if p.requires_grad}
+        save_file(state, str(folder / "adapter_model.safetensors"))
         targets = sorted({_category(k) for k, p in ad.params.items() if p.requires_grad})
         (folder / "adapter_config.json").write_text(
             json.dumps({"r": ad.spec.rank, "lora_alpha": self.alpha, "targets": targets}, indent=1)
         )
 
     def save_state(self, adapter: str, folder: Path) -> None:
+        from runtime.checkpoint import save_states
+
         ad = self._adapter(adapter)
         self._write_adapter(ad, folder)
-        torch.save(ad.opt.state_dict(), folder / "optimizer.pt")
+        # DCP files and a manifest (sizes, CRC32s) over the whole folder, weights included;
+        # the storage renames the folder into place.
+        save_states(str(folder), {"optimizer": ad.engine.optimizers}, in_place=True)
 
     def _read_adapter(self, folder: Path) -> dict[str, torch.Tensor]:
         return load_file(str(folder / "adapter_model.safetensors"), device=str(self.device))
 
     def load_state(self, adapter: str, folder: Path, *, optimizer: bool) -> None:
+        from runtime.checkpoint import CheckpointError, load_states, verify_checkpoint
+
         ad = self._adapter(adapter)
+        problems = verify_checkpoint(str(folder))
+        if problems:  # names files inside the checkpoint only, never the server's path
+            raise bad_request("path", f"the checkpoint is damaged: {'; '.join(problems)}")
         state = self._read_adapter(folder)
         with torch.no_grad():
             for k, p in ad.params.items():
@@ -338,10 +331,15 @@ class TitanLoraBackend:
                 if k not in state or state[k].shape != p.shape:
                     raise bad_request("path", f"checkpoint lacks a matching {k}")
                 p.copy_(state[k])
-        if optimizer:
-            ad.opt.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
-        else:
-            ad.opt.state.clear()
+        opts = ad.engine.optimizers
+        if not optimizer:
+            for opt in opts:
+                opt.state.clear()
+            return
+        try:
+            load_states(str(folder), {"optimizer": opts}, checksums=False)  # verified above
+        except CheckpointError:
+            raise bad_request("path", "the optimizer state does not load") from None
 
     def save_sampler_weights(self, adapter: str, folder: Path) -> None:
         self._write_adapter(self._adapter(adapter), folder)
@@ -362,7 +360,7 @@ class TitanLoraBackend:
     def load_sampler(self, folder: Path, spec: LoraSpec) -> str:
         state = self._read_adapter(folder)
         # untargeted modules: the rank-0 pair of a fresh adapter of this shape
-        shape = self._new_tensors(replace(spec, seed=0), torch.Generator().manual_seed(0))
+        shape = self._weights(spec, 0).params
         for k, p in shape.items():  # a targeted tensor missing is a damaged checkpoint, not 0
             if p.requires_grad and (k not in state or state[k].shape != p.shape):
                 raise ServiceError(422, f"sampler weights lack a matching {k}")
@@ -395,7 +393,7 @@ class TitanLoraBackend:
         gen = self._gen()
         if handle is None:  # the base model: rank-0 everywhere
             none = LoraSpec(rank=1, train_mlp=False, train_attn=False, train_unembed=False)
-            rank, params_ = 0, dict[str, torch.Tensor](self._new_tensors(none, torch.Generator()))
+            rank, params_ = 0, dict[str, torch.Tensor](self._weights(none, 0).params)
         else:
             snap = self._samplers.get(handle)
             if snap is None:

@@ -83,7 +83,43 @@ def predict_recipe(recipe, cluster, stack: str = "torchtitan") -> tuple[dict, ob
             **extra,
         }
     )
+    pt = posttrain_prediction(recipe, layout, cluster, stack)
+    if pt is not None:
+        # What runs is the post-training job, not a pretraining step: its memory replaces
+        # the pretraining estimate in the fit verdict.
+        out["posttrain"] = pt
+        out["memory_fits"] = pt["memory_fits"]
+        out["memory_breakdown_gib"] = pt["memory_breakdown_gib"]
     return out, pred
+
+
+def posttrain_prediction(recipe, layout, cluster, stack: str = "torchtitan") -> dict | None:
+    """RL and [[adapters]] jobs: memory per GPU with their microbatches (the token budget:
+    training.microbatch_tokens, or the largest that fits this GPU), the generator's copies
+    (the probe's too in async RL), the KL reference and the KV cache; None otherwise."""
+    from dataclasses import replace
+
+    from parallel.memory import fit_microbatch_tokens, posttrain_load, posttrain_memory
+    from parallel.workload import workload_from_recipe
+
+    pt = posttrain_load(recipe)
+    if pt is None:
+        return None
+    w = workload_from_recipe(recipe, layout, cluster, stack)
+    hbm = cluster.hbm_bytes
+    chosen = recipe.training.microbatch_tokens
+    tokens = chosen or fit_microbatch_tokens(w, pt, hbm, cluster.gpu) or pt.microbatch_tokens
+    est = posttrain_memory(w, replace(pt, microbatch_tokens=tokens))
+    need = est.required_gib_on(cluster.gpu)
+    return {
+        "kind": "rl" if recipe.rl.enabled else "adapters",
+        "microbatch_tokens": tokens,
+        "microbatch_tokens_from": "training.microbatch_tokens" if chosen else "memory model",
+        "memory_gib_per_gpu": round(need, 2),
+        "memory_fits": need <= hbm / 2**30,
+        "memory_breakdown_gib": {k: round(v, 2) for k, v in est.breakdown_gib().items()},
+        "needs": est.describe(cluster.gpu),
+    }
 
 
 def _mean(xs: list[float]) -> float:
@@ -334,6 +370,13 @@ def main(argv: list[str] | None = None) -> None:
     for k, v in out["breakdown"].items():
         if v:
             print(f"    {k:<22} {v:9.4f} s")
+    pt = out.get("posttrain")
+    if pt:
+        verdict = "fits" if pt["memory_fits"] else "DOES NOT FIT"
+        print(
+            f"  {pt['kind']} job: {pt['needs']} ({pt['microbatch_tokens_from']}); "
+            f"{cluster.hbm_bytes / 2**30:.1f} GiB per {cluster.gpu}: {verdict}"
+        )
 
 
 if __name__ == "__main__":

@@ -50,3 +50,18 @@ def write_adapter_recipe(d: Path) -> str:
     path = d / "recipe.toml"
     path.write_text(RECIPE.format(root=ROOT, d=d))
     return str(path)
+
+
+def adapter_weights(folder: Path) -> dict:
+    """An adapter checkpoint's A/B tensors (a DCP step folder under adapters/<name>), read
+    with the project's safe reader (no code from the file)."""
+    import torch
+    from torch.distributed.checkpoint import load as dcp_load
+
+    from runtime.checkpoint import SafeFileSystemReader
+
+    meta = SafeFileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    skip = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+    sd = {k: torch.empty(m.size) for k, m in meta.items() if not k.startswith(skip)}
+    dcp_load(sd, storage_reader=SafeFileSystemReader(str(folder)), no_dist=True)
+    return sd

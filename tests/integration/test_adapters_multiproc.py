@@ -13,13 +13,12 @@ import pytest
 import torch
 
 from posttrain.lora import base_state
-from tests.helpers.adapter_recipe import STEPS, write_adapter_recipe
+from tests.helpers.adapter_recipe import STEPS, adapter_weights, write_adapter_recipe
 from tests.helpers.runs import ROOT, child_env, free_port, train_main_error
 
 
 def _final(out, name: str) -> dict[str, torch.Tensor]:
-    path = out / "adapters" / name / f"step-{STEPS[name]}" / "adapter.pt"
-    return torch.load(path, weights_only=True)["params"]
+    return adapter_weights(out / "adapters" / name / f"step-{STEPS[name]}")
 
 
 def _losses(out, name: str) -> list[float]:

@@ -153,7 +153,7 @@ RL_MAX = [
 ]  # fmt: skip
 RL_MID = [
     *RL_COMMON, "rl.clip_low=5e-324", "rl.clip_high=1.0", "rl.tis_cap=1.0", "rl.seed=1",
-    "rl.sft_warmup_steps=0",
+    "rl.sft_warmup_steps=0", "training.microbatch_tokens=1",  # one row per microbatch
 ]  # fmt: skip
 SFT_RUN = [
     *SFT, "training.steps=1", "training.warmup_steps=0", "training.seq_len=64", "model.layers=1",

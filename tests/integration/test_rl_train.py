@@ -50,7 +50,8 @@ def test_async_run_metrics_and_skipped_reward_errors(tmp_path):
     )
     traj = read_trajectory(out / "metrics.jsonl")
     assert [r["step"] for r in traj] == [1, 2, 3, 4]
-    assert (out / "rl_reference.pt").is_file()  # the KL reference, kept for a resume
+    # the KL reference, kept for a resume: a verified checkpoint folder
+    assert (out / "rl_reference" / "manifest.json").is_file()
     for r in traj:
         for k in ("reward_mean", "policy_lag", "trainer_wait_pct", "behaviour_kl"):
             assert k in r, k

@@ -175,14 +175,15 @@ def test_failing_step_fails_its_future_and_service_keeps_serving(server):
     (server.tenant_dir() / run_id / "weights" / "broken" / "adapter_model.safetensors").write_bytes(
         b"not a safetensors file"
     )
-    with pytest.raises(tinker.RequestFailedError, match="load|safetensors|header|Error"):
+    # The manifest's CRC32 catches it: a client error naming the damaged file, no server path.
+    with pytest.raises(tinker.RequestFailedError, match="damaged.*adapter_model") as e:
         sc.create_training_client_from_state(path).result()
+    assert str(server.storage) not in str(e.value)
     # The same session and a new one keep working.
     assert _train(tc, [sft_datum(SEQ, 2)], 1)[0] > 0
     other = client(server)
     t2 = other.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=1).result()
     assert _train(t2, [sft_datum(SEQ, 2)], 1)[0] > 0
-    assert "service.op failed" in server.log_text()  # logged with its traceback
     sc.close("success").result()
     other.close("success").result()
 

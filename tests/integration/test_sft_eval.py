@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from data.chat import ChatRenderer, Example
-from posttrain.evaluate import exact_match, model_logits
+from posttrain.evaluate import exact_match
+from runtime.steps import forward_logits
 from tests.helpers.doc_mask import build_model
 
 
@@ -19,7 +20,7 @@ def _greedy(model, prompt: list[int], k: int) -> list[int]:
     for _ in range(k):  # the naive loop: a full forward per new token
         x = torch.tensor([ids])
         pos = torch.arange(len(ids))[None]
-        ids.append(int(model_logits(model, x, pos)[0, -1].argmax()))
+        ids.append(int(forward_logits(model, x, pos)[0, -1].argmax()))
     return ids[len(prompt) :]
 
 
