@@ -149,6 +149,7 @@ def _run(reward: str, on_error: str):
                      f"rl.on_error={on_error}", "rl.prompts_per_step=3"]).rl  # fmt: skip
     r = object.__new__(RLRun)
     r.rl, r.rank, r.tok, r.eos, r.generator = rl, 0, _Tok(), 2, _Gen()
+    r.microbatch_tokens = 1 << 20  # generation in one chunk (the loop splits by this budget)
     r.env = make_env(rl.env, rl.reward, timeout_s=rl.hook_timeout_s)
     r.sampling = SamplingParams(max_tokens=2, n=rl.group_size)
     return r
