@@ -118,8 +118,17 @@ def _saved_adapter(path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, Any
     """(adapter tensor shapes, data-position fingerprint) of the DCP checkpoint `path`, read
     before it is loaded (metadata, and the one small JSON item; no code run from the file).
     None when they cannot be read: the checkpoint manager's verification reports that."""
-    from runtime.checkpoint import SafeFileSystemReader, safe_dcp_load, single_process
+    from torch.distributed.checkpoint.api import CheckpointException
 
+    from runtime.checkpoint import (
+        SafeFileSystemReader,
+        safe_dcp_load,
+        single_process,
+        verify_checkpoint,
+    )
+
+    if verify_checkpoint(path, checksums=False):  # damaged: the manager's to report
+        return None
     try:
         md = SafeFileSystemReader(path).read_metadata()
         shapes = {
@@ -132,7 +141,8 @@ def _saved_adapter(path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, Any
         with single_process():
             safe_dcp_load(sd, path, no_dist=True)
         data = json.loads(sd["dataloader"]["json"]).get("fingerprint", {})
-    except Exception:  # unreadable: damage, which the manager's verified load handles
+    except (Exception, CheckpointException):  # DCP's is a BaseException; unreadable is
+        # damage, which the manager's verified load reports (or falls back past)
         return None
     return shapes, data
 

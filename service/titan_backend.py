@@ -48,6 +48,14 @@ from service.types import (
 )
 
 
+def _has_moments(folder: Path) -> bool:
+    """Whether the checkpoint in `folder` holds optimizer state per parameter (DCP metadata)."""
+    from runtime.checkpoint import SafeFileSystemReader
+
+    md = SafeFileSystemReader(str(folder)).read_metadata()
+    return any(k.startswith("optimizer.state.") for k in md.state_dict_metadata)
+
+
 def _category(fqn: str) -> str:
     if ".attention." in fqn:
         return "attn"
@@ -332,7 +340,9 @@ class TitanLoraBackend:
                     raise bad_request("path", f"checkpoint lacks a matching {k}")
                 p.copy_(state[k])
         opts = ad.engine.optimizers
-        if not optimizer:
+        if not optimizer or not _has_moments(folder):
+            # A state saved before its first optim_step has no AdamW moments (torch does not
+            # initialise them while gradients are pending): it resumes as "no moments yet".
             for opt in opts:
                 opt.state.clear()
             return

@@ -116,11 +116,14 @@ def test_rl_non_finite_reward_keeps_last_good_checkpoint(tmp_path):
     sets = RL_TINY + [
         "checkpoint.interval=1",
         "rl.reward=tests.integration._rl_rewards:nan_after",
+        "rl.on_error=fail",  # (skip: the guard drops the NaN-rewarded group and counts it)
     ]
-    p = train(out, sets, recipe="recipes/rl_debug.toml", env={"RL_TEST_NAN_AFTER": "12"})
+    p = train(
+        out, sets, recipe="recipes/rl_debug.toml", env={"RL_TEST_NAN_AFTER": "13"}
+    )  # +1: rl.loop.check scores one task
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert p.returncode == 2 and len(errors) == 1, p.stderr[-3000:]
-    assert "update 3" in errors[0] and "nan" in errors[0], errors
+    assert "rl.reward: reward " in errors[0] and "returned nan" in errors[0], errors
     assert "Traceback" not in p.stderr
     ckpts = sorted(os.listdir(out / "checkpoint"))
     assert ckpts[-1] == "step-2", ckpts  # the two good updates; nothing from the third

@@ -3,8 +3,10 @@
 A first job trains adapters a and b one step each and saves them; resuming it with another
 `lora.rank`, with the two sources swapped, or over a damaged adapter checkpoint used to end
 in a tensor-copy traceback, the data position's ValueError or an unpickling error. Now
-`posttrain.adapter_checks.resume_problem` names the key before anything is loaded, and the
-saved adapters are left as they were. A 300-character adapter name is refused at recipe load
+`posttrain.adapter_checks.resume_problem` names the key before anything is loaded (from the
+DCP checkpoint's metadata and data position), and the saved adapters are left as they were:
+a misfit is not damage, so nothing is moved aside. A damaged checkpoint is the verified
+manager's (runtime.checkpoint): with no older one to fall back to, one line. A 300-character adapter name is refused at recipe load
 (it used to reach the first save: OSError, File name too long).
 """
 
@@ -35,7 +37,7 @@ def trained(tmp_path_factory):
     for o in [*TINY, _adapters(d)]:
         base += ["--set", o]
     train.main(base)
-    assert (d / "out" / "adapters" / "a" / "step-1" / "adapter.pt").is_file()
+    assert (d / "out" / "adapters" / "a" / "step-1" / ".metadata").is_file()
     return d, base
 
 
@@ -43,7 +45,7 @@ def _refused(argv, capsys, key: str, *needles: str) -> str:
     code, lines = train_main_error(argv, capsys)
     assert code == 2 and len(lines) == 1, lines
     assert f": {key}: " in lines[0], lines[0]
-    assert lines[0].startswith("error: --set ") or key == "checkpoint.resume", lines[0]
+    assert lines[0].startswith("error: --set ") or key == "checkpoint.folder", lines[0]
     for n in needles:
         assert n in lines[0], (n, lines[0])
     return lines[0]
@@ -51,10 +53,11 @@ def _refused(argv, capsys, key: str, *needles: str) -> str:
 
 def test_resume_with_another_rank_is_one_line(trained, capsys):
     d, base = trained
-    before = (d / "out" / "adapters" / "a" / "step-1" / "adapter.pt").read_bytes()
+    step = d / "out" / "adapters" / "a" / "step-1"
+    before = {p.name: p.read_bytes() for p in step.iterdir()}
     _refused([*base, "--set", "lora.rank=4"], capsys, "lora.rank",
              "lora.rank = 16, the recipe has 4")  # fmt: skip
-    assert (d / "out" / "adapters" / "a" / "step-1" / "adapter.pt").read_bytes() == before
+    assert {p.name: p.read_bytes() for p in step.iterdir()} == before  # nothing moved aside
     record_case("adapter jobs", "resume with another lora.rank")
 
 
@@ -71,10 +74,11 @@ def test_resume_over_a_damaged_adapter_checkpoint_is_one_line(trained, capsys, t
     d, base = trained
     out = tmp_path / "out"
     shutil.copytree(d / "out", out)
-    p = out / "adapters" / "b" / "step-1" / "adapter.pt"
+    step = out / "adapters" / "b" / "step-1"
+    p = max((f for f in step.iterdir() if f.suffix == ".distcp"), key=lambda f: f.stat().st_size)
     p.write_bytes(p.read_bytes()[:100])
     argv = [*base, "--set", f"job.output_dir={out}"]
-    _refused(argv, capsys, "checkpoint.resume", "adapter.pt is not readable")
+    _refused(argv, capsys, "checkpoint.folder", "step-1", "damaged")
     record_case("adapter jobs", "damaged adapter checkpoint")
 
 
