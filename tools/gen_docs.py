@@ -408,4 +408,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from tools.cli import run
+
+    run(main)

@@ -8,6 +8,7 @@ documented but not enforced, and a "refused at load" claim the probing would get
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 import typing
 from dataclasses import dataclass, field
@@ -29,8 +30,11 @@ def generated() -> dict:
 
 def test_generated_docs_are_current(generated):
     for path, text in generated.items():
-        assert path.read_text() == text, (
-            f"{path.relative_to(ROOT)} is stale: run `python -m tools.gen_docs` and commit it"
+        old = path.read_text()
+        diff = list(difflib.unified_diff(old.splitlines(), text.splitlines(), lineterm=""))
+        assert old == text, (
+            f"{path.relative_to(ROOT)} is stale: run `python -m tools.gen_docs` and commit it\n"
+            + "\n".join(diff[:30])
         )
 
 
