@@ -625,7 +625,7 @@ def test_bad_recipes_through_train_py_subprocess(tmp_path):
         (
             '[[adapters]]\nname = "ok"\nsource = "d.jsonl"\n[[adapters]]\nname = "a b"\n'
             'source = "d.jsonl"\n',
-            r"adapters\[1\]\.name: expected a name of letters, digits, _ or -",
+            r"adapters\[1\]\.name: expected a name of ASCII letters, digits, _ or -",
         ),
         ('[[adapters]]\nname = "x"\nsource = "d.jsonl"\nsteps = -2\n', r"adapters\[0\]\.steps"),
     ],
