@@ -39,6 +39,22 @@ def seed_checkpoint(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def fast_reference(tmp_path_factory, seed_checkpoint) -> dict[int, float]:
+    """step -> loss of the 1-process reference run every layout test compares with: the debug
+    recipe, FAST settings (seq 128, 5 steps), global batch 4, from the seed checkpoint.
+    Shared by tests/integration/test_multiproc_layouts.py and test_placed_mesh_multiproc.py."""
+    from tests.helpers.runs import FAST, read_losses, run_train
+
+    out = tmp_path_factory.mktemp("fast_reference")
+    run_train(
+        out, [*FAST, "training.local_batch_size=4", f"checkpoint.load_from={seed_checkpoint}"]
+    )
+    losses = read_losses(out)
+    assert sorted(losses) == [1, 2, 3, 4, 5]
+    return losses
+
+
 @pytest.fixture(autouse=True)
 def _isolated_root_logging():
     """Handlers a test adds to the root logger (torchtitan's init_logger binds one to the

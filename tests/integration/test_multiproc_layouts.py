@@ -51,14 +51,8 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, seed_checkpoint) -> dict[int, float]:
-    out = tmp_path_factory.mktemp("ref")
-    run_train(
-        out, [*FAST, "training.local_batch_size=4", f"checkpoint.load_from={seed_checkpoint}"]
-    )
-    losses = read_losses(out)
-    assert sorted(losses) == [1, 2, 3, 4, 5]
-    return losses
+def reference(fast_reference) -> dict[int, float]:
+    return fast_reference  # the 1-process run (tests/conftest.py), shared with placed meshes
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
