@@ -93,6 +93,44 @@ def steady(step_times: list[float], skip: int, drop_last: int = 0) -> float | No
     return statistics.median(xs) if xs else None
 
 
+def steady_cpu(marks: list[float], skip: int, drop_last: int = 0) -> float | None:
+    """CPU seconds per step from cumulative CPU readings at the end of each step (marks[i]
+    after step i + 1): the mean over the steps after `skip` (and without the last
+    `drop_last`). CPU time counts the work, not the waiting: it is what a loaded machine
+    distorts least (wall time on a shared core grows with the other jobs' load)."""
+    end = len(marks) - 1 - drop_last
+    if end <= skip - 1 or skip < 1:
+        return None
+    return (marks[end] - marks[skip - 1]) / (end - skip + 1)
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of one process (all its threads), from /proc; 0 when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of `pid` and every process below it (a server and the workers it runs)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += proc_cpu_s(p)
+        todo += children.get(p, [])
+    return total
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -179,7 +217,13 @@ class Ctx:
     def worker(self, name: str, wargs: dict[str, Any], *, python: str | None = None,
                timeout: float = 900) -> dict[str, Any]:  # fmt: skip
         log = self.log(name)
-        cmd = [python or self.py, str(Path(__file__).resolve()), "--worker", name, json.dumps(wargs)]
+        cmd = [
+            python or self.py,
+            str(Path(__file__).resolve()),
+            "--worker",
+            name,
+            json.dumps(wargs),
+        ]
         load0 = self.load()
         wall = run_logged(cmd, log, self.env, timeout)
         out = worker_result(log)
@@ -262,18 +306,46 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def ts_train(ctx: Ctx, name: str, recipe: str, sets: list[str]) -> dict[str, Any]:
-    """One train.py run; its per-step times and losses from metrics.jsonl."""
+    """One train.py run; its per-step times and losses from metrics.jsonl, and its CPU time
+    at the end of each step (read from /proc when the step's record appears)."""
     out_dir = ctx.runs / f"{ctx.n_run + 1:03d}_{name}"
     cmd = [ctx.py, "train.py", "--recipe", recipe, "--set", f"job.output_dir={out_dir}"]
     for s in sets:
         cmd += ["--set", s]
     log = ctx.log(name)
     load0 = ctx.load()
-    wall = run_logged(cmd, log, ctx.env, 1200)
-    recs = read_metrics(out_dir / "metrics.jsonl")
+    metrics = out_dir / "metrics.jsonl"
+    cpu_at: dict[int, float] = {}
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=ctx.env, stdout=f, stderr=subprocess.STDOUT)
+        pos, buf = 0, b""
+        while True:
+            done = proc.poll() is not None
+            if metrics.exists():
+                with metrics.open("rb") as m:
+                    m.seek(pos)
+                    chunk = m.read()
+                pos += len(chunk)
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    r = json.loads(line) if line.strip() else {}
+                    if "step" in r and "loss" in r and "event" not in r:
+                        cpu_at[r["step"]] = proc_cpu_s(proc.pid)
+            if done:
+                break
+            time.sleep(0.01)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RunFailed(
+            f"exit {proc.returncode} ({log}):\n{log.read_text(errors='replace')[-2500:]}"
+        )
+    recs = read_metrics(metrics)
     steps = [r for r in recs if "step" in r and "loss" in r and "event" not in r]
     result = {
         "step_times": [r["step_time_s"] for r in steps],
+        "cpu_marks": [cpu_at.get(r["step"], float("nan")) for r in steps],
         "losses": [r["loss"] for r in steps],
         "process_wall_s": wall,
         "load_before": load0,
@@ -304,14 +376,15 @@ def interleave(ctx: Ctx, ours, peer) -> tuple[list[dict], list[dict]]:
 # -- pairs -----------------------------------------------------------------------------------
 def sft_pair(ctx: Ctx, *, lora: bool, packed: bool) -> dict[str, Any]:
     q = ctx.quick
-    steps = 6 if q else 20
+    steps = 6 if q else 12
     skip = 2 if q else 3
-    # Rows of 256 pairs (recipes/sft_debug.toml). Packed, titanscale's row is cut to a whole
-    # number of examples (10 x 25 pairs = 250): its bfd packer holds back rows that are not
-    # full (within 256 // 512 = 0 pairs) for a later round, so a 250/256 row would leave
-    # later than TRL's and the first batches would hold other examples.
+    # Rows of up to 256 pairs (recipes/sft_debug.toml). Packed, titanscale's row holds a whole
+    # number of examples exactly (8 x 25 pairs = 200; seq_len must be a multiple of 8): its
+    # bfd packer holds back rows that are not full (within 256 // 512 = 0 pairs) for a later
+    # round, so with a partly filled row the first batches would hold other examples than
+    # TRL's, whose packer emits rows in order.
     pairs = ctx.example_tokens - 1
-    per_row = 256 // pairs if packed else 1  # examples per row
+    per_row = next(k for k in range(256 // pairs, 0, -1) if k * pairs % 8 == 0) if packed else 1
     seq_len = per_row * pairs if packed else 256
     batch = 4 if packed else 8  # rows per step
     lr = 3e-3 if lora else 1e-4
@@ -360,6 +433,8 @@ def sft_pair(ctx: Ctx, *, lora: bool, packed: bool) -> dict[str, Any]:
     trained_per_step = batch * per_row * 6  # 5 letters + EOS (the completion)
     t_ours = summarize([steady(r["step_times"], skip) for r in ours])
     t_peer = summarize([steady(r["step_times"], skip) for r in peer])
+    c_ours = summarize([steady_cpu(r["cpu_marks"], skip) for r in ours])
+    c_peer = summarize([steady_cpu(r["cpu_marks"], skip) for r in peer])
     loss0 = [ours[0]["losses"][0], peer[0]["losses"][0]]
     lossN = [ours[0]["losses"][-1], peer[0]["losses"][-1]]
     # Every repeat is the same computation: its step-0 loss must be bit-stable per side.
@@ -387,6 +462,11 @@ def sft_pair(ctx: Ctx, *, lora: bool, packed: bool) -> dict[str, Any]:
         "ours_tokens_per_s": tokens_per_step / t_ours["median"],
         "peer_tokens_per_s": tokens_per_step / t_peer["median"],
         "ratio": t_peer["median"] / t_ours["median"],
+        "ours_cpu_s_per_step": c_ours,
+        "peer_cpu_s_per_step": c_peer,
+        "ours_tokens_per_cpu_s": tokens_per_step / c_ours["median"],
+        "peer_tokens_per_cpu_s": tokens_per_step / c_peer["median"],
+        "cpu_ratio": c_peer["median"] / c_ours["median"],
         "loss_step0": {"ours": loss0[0], "peer": loss0[1], "abs_diff": abs(loss0[0] - loss0[1])},
         "loss_stepN": {"ours": lossN[0], "peer": lossN[1], "step": steps},
         "loss_step0_spread_over_repeats": loss0_spread,
@@ -412,9 +492,14 @@ def gen_pair(ctx: Ctx) -> dict[str, Any]:
         "threads": ctx.threads,
     }
     r = ctx.worker("gen", wargs)
-    out: dict[str, Any] = {"config": wargs, "greedy_identical": r["greedy_identical"]}
+    out: dict[str, Any] = {
+        "config": wargs,
+        "greedy_identical": r["greedy_identical"],
+        "prompt_lengths": r["prompt_lengths"],
+    }
     for mode in ("greedy", "sampled"):
         a, b = summarize(r[f"ours_{mode}_s"]), summarize(r[f"peer_{mode}_s"])
+        ca, cb = summarize(r[f"ours_{mode}_cpu_s"]), summarize(r[f"peer_{mode}_cpu_s"])
         toks = r[f"{mode}_tokens"]
         out[mode] = {
             "ours_s": a,
@@ -423,6 +508,9 @@ def gen_pair(ctx: Ctx) -> dict[str, Any]:
             "ours_tokens_per_s": toks / a["median"],
             "peer_tokens_per_s": toks / b["median"],
             "ratio": b["median"] / a["median"],
+            "ours_cpu_s": ca,
+            "peer_cpu_s": cb,
+            "cpu_ratio": cb["median"] / ca["median"],
         }
     out["load"] = [r["load_before"], r["load_after"]]
     return out
@@ -430,7 +518,7 @@ def gen_pair(ctx: Ctx) -> dict[str, Any]:
 
 def grpo_pair(ctx: Ctx) -> dict[str, Any]:
     q = ctx.quick
-    steps = 3 if q else 10
+    steps = 3 if q else 8
     prompts = 4 if q else 16
     group = 8
     lr = 1e-4
@@ -468,6 +556,8 @@ def grpo_pair(ctx: Ctx) -> dict[str, Any]:
     # evaluation inside its timed step, so it is excluded too.
     t_ours = summarize([steady(r["step_times"], 1, drop_last=1) for r in ours])
     t_peer = summarize([steady(r["step_times"], 1) for r in peer])
+    c_ours = summarize([steady_cpu(r["cpu_marks"], 1, drop_last=1) for r in ours])
+    c_peer = summarize([steady_cpu(r["cpu_marks"], 1) for r in peer])
 
     def evals(r: dict) -> tuple[float, float]:
         ev = [e for e in r["events"] if e.get("event") == "rl_eval"]
@@ -478,6 +568,9 @@ def grpo_pair(ctx: Ctx) -> dict[str, Any]:
         "ours_step_s": t_ours,
         "peer_step_s": t_peer,
         "ratio": t_peer["median"] / t_ours["median"],
+        "ours_cpu_s_per_step": c_ours,
+        "peer_cpu_s_per_step": c_peer,
+        "cpu_ratio": c_peer["median"] / c_ours["median"],
         "heldout_reward": {
             "ours_before": summarize([evals(r)[0] for r in ours]),
             "ours_after": summarize([evals(r)[1] for r in ours]),
@@ -626,7 +719,7 @@ def dpo_data(ctx: Ctx, n: int) -> list[dict[str, list[int]]]:
 
 def dpo_pair(ctx: Ctx, serve: Server) -> dict[str, Any]:
     q = ctx.quick
-    steps = 3 if q else 10
+    steps = 3 if q else 8
     pairs_per_step = 8
     lr, beta = 1e-3, 0.1
     data = dpo_data(ctx, steps * pairs_per_step)
@@ -643,17 +736,24 @@ def dpo_pair(ctx: Ctx, serve: Server) -> dict[str, Any]:
     }
     ours, peer = interleave(
         ctx,
-        lambda: ctx.worker("tinker_dpo", {**common, "url": serve.url}),
+        lambda: ctx.worker(
+            "tinker_dpo", {**common, "url": serve.url, "server_pid": serve.proc.pid}
+        ),
         lambda: ctx.worker("trl_dpo", {**common, "hf": ctx.base_hf}),
     )
     t_ours = summarize([steady(r["step_times"], 1) for r in ours])
     t_peer = summarize([steady(r["step_times"], 1) for r in peer])
+    c_ours = summarize([steady_cpu(r["cpu_marks"], 1) for r in ours])
+    c_peer = summarize([steady_cpu(r["cpu_marks"], 1) for r in peer])
     o, p = ours[0], peer[0]
     return {
         "config": {**common, "lora": LORA, "pairs_per_step": pairs_per_step},
         "ours_step_s": t_ours,
         "peer_step_s": t_peer,
         "ratio": t_peer["median"] / t_ours["median"],
+        "ours_cpu_s_per_step": c_ours,
+        "peer_cpu_s_per_step": c_peer,
+        "cpu_ratio": c_peer["median"] / c_ours["median"],
         "loss_step0": {
             "ours": o["losses"][0],
             "peer": p["losses"][0],
@@ -674,10 +774,10 @@ def service_pair(ctx: Ctx, serve: Server, serve_start_s: float) -> dict[str, Any
     q = ctx.quick
     wargs = {
         "data": ctx.sft_tokens,
-        "steps": 4 if q else 10,
+        "steps": 4 if q else 8,
         "batch": 8,
         "lr": 1e-3,
-        "samples": 2 if q else 5,
+        "samples": 3 if q else 5,
         "max_tokens": 16,
         "threads": ctx.threads,
     }
@@ -695,18 +795,27 @@ def service_pair(ctx: Ctx, serve: Server, serve_start_s: float) -> dict[str, Any
     try:
         ours, peer = interleave(
             ctx,
-            lambda: ctx.worker("tinker_script", {**wargs, "url": serve.url}),
-            lambda: ctx.worker("tinker_script", {**wargs, "url": sky.url}, python=python),
+            lambda: ctx.worker(
+                "tinker_script", {**wargs, "url": serve.url, "server_pid": serve.proc.pid}
+            ),
+            lambda: ctx.worker(
+                "tinker_script",
+                {**wargs, "url": sky.url, "server_pid": sky.proc.pid},
+                python=python,
+            ),
         )
     except RunFailed as e:
         out["skyrl"] = f"skyrl-tx failed during the script: {str(e)[-1500:]}"
         return out
     finally:
         sky.stop()
-    for key, skip in (("train_step_s", 1), ("sample_s", 1)):
-        a = summarize([steady(r[key], skip) for r in ours])
-        b = summarize([steady(r[key], skip) for r in peer])
-        out[key] = {"ours": a, "peer": b, "ratio": b["median"] / a["median"]}
+    for key, marks in (("train_step_s", "train_cpu_marks"), ("sample_s", "sample_cpu_marks")):
+        a = summarize([steady(r[key], 1) for r in ours])
+        b = summarize([steady(r[key], 1) for r in peer])
+        ca = summarize([steady_cpu(r[marks], 1) for r in ours])
+        cb = summarize([steady_cpu(r[marks], 1) for r in peer])
+        out[key] = {"ours": a, "peer": b, "ratio": b["median"] / a["median"], "ours_cpu": ca,
+                    "peer_cpu": cb, "cpu_ratio": cb["median"] / ca["median"]}  # fmt: skip
     out["first_call_s"] = {
         "ours": summarize([r["train_step_s"][0] for r in ours]),
         "peer": summarize([r["train_step_s"][0] for r in peer]),
@@ -723,15 +832,27 @@ def service_pair(ctx: Ctx, serve: Server, serve_start_s: float) -> dict[str, Any
 
 # -- workers (peers.py --worker NAME ARGS): one side of a pair in its own process ---------
 class StepClock:
-    """Wall time per optimizer step from a transformers TrainerCallback's hooks."""
+    """Wall time per optimizer step, and this process's CPU time at the end of each
+    (`cpu_marks`; plus a server's process tree when `server_pid` is given: the service
+    pairs, where the work runs there)."""
 
-    def __init__(self) -> None:
+    def __init__(self, server_pid: int | None = None) -> None:
+        self.server_pid = server_pid
         self.t = time.perf_counter()
         self.times: list[float] = []
+        self.cpu_marks: list[float] = []
+
+    def cpu(self) -> float:
+        own = time.process_time()
+        return own + (tree_cpu_s(self.server_pid) if self.server_pid else 0.0)
+
+    def start(self) -> None:
+        self.t = time.perf_counter()
 
     def tick(self) -> None:
         now = time.perf_counter()
         self.times.append(now - self.t)
+        self.cpu_marks.append(self.cpu())
         self.t = now
 
 
@@ -740,7 +861,7 @@ def _callback(clock: StepClock):
 
     class Clock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
-            clock.t = time.perf_counter()
+            clock.start()
 
         def on_step_end(self, args, state, control, **kw):
             clock.tick()
@@ -836,7 +957,12 @@ def w_trl_sft(a: dict) -> dict:
     )
     first = trainer.get_train_dataloader().__iter__().__next__()
     trainer.train()
-    return {"step_times": clock.times, "losses": losses, "first_batch_shape": list(first["input_ids"].shape)}
+    return {
+        "step_times": clock.times,
+        "cpu_marks": clock.cpu_marks,
+        "losses": losses,
+        "first_batch_shape": list(first["input_ids"].shape),
+    }
 
 
 def w_hf_full(a: dict) -> dict:
@@ -848,7 +974,9 @@ def w_hf_full(a: dict) -> dict:
     for x in Path(a["data"]).read_text().splitlines():
         r = json.loads(x)
         ids, m = r["input_ids"], r["completion_mask"]
-        rows.append({"input_ids": ids, "labels": [t if k else -100 for t, k in zip(ids, m)]})
+        rows.append(
+            {"input_ids": ids, "labels": [t if k else -100 for t, k in zip(ids, m, strict=True)]}
+        )
     ds = datasets.Dataset.from_list(rows)
     tok = AutoTokenizer.from_pretrained(a["hf"])
     clock, losses = StepClock(), []
@@ -874,7 +1002,7 @@ def w_hf_full(a: dict) -> dict:
         callbacks=[_callback(clock)],
     )
     trainer.train()
-    return {"step_times": clock.times, "losses": losses}
+    return {"step_times": clock.times, "cpu_marks": clock.cpu_marks, "losses": losses}
 
 
 def _titan_model(dcp: str):
@@ -882,7 +1010,6 @@ def _titan_model(dcp: str):
     checkpoint (single process: torch.distributed.checkpoint without a process group)."""
     import warnings
 
-    import torch
     import torch.distributed.checkpoint as dcp_api
 
     from recipe.loader import load_recipe
@@ -905,13 +1032,25 @@ def w_gen(a: dict) -> dict:
     import torch
     from transformers import AutoTokenizer, GenerationConfig
 
+    from data.chat import make_renderer
     from rl.envs import make_env
     from rl.generator import Generator, SamplingParams
 
     torch.set_num_threads(a["threads"])
     tok = AutoTokenizer.from_pretrained(a["hf"])
-    tasks = make_env("arithmetic").tasks("train", a["prompts"], seed=1)
-    prompts = [[tok.bos_token_id] + tok(t.prompt, add_special_tokens=False)["input_ids"] for t in tasks]
+    # Half arithmetic prompts (what the base was trained on), half letter-sorting chat prompts
+    # of 3-5 letters (other lengths: left padding on both sides).
+    n_ar = a["prompts"] // 2
+    tasks = make_env("arithmetic").tasks("train", n_ar, seed=1)
+    prompts = [
+        [tok.bos_token_id] + tok(t.prompt, add_special_tokens=False)["input_ids"] for t in tasks
+    ]
+    renderer = make_renderer(a["hf"])
+    lines = (ROOT / "data" / "tasks" / "letter_sort" / "train.jsonl").read_text().splitlines()
+    for line in lines[: a["prompts"] - n_ar]:
+        prompts.append(
+            renderer.prompt_ids([{"role": "user", "content": json.loads(line)["prompt"]}])
+        )
     gen = Generator(_titan_model(a["dcp"]), dtype=torch.float32, pad_id=tok.pad_token_id)
     hf = _hf_model(a["hf"]).eval()
     hf.generation_config.eos_token_id = None  # fixed length on both sides (no stop token)
@@ -940,8 +1079,12 @@ def w_gen(a: dict) -> dict:
             out = hf.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
         return out[:, P:].tolist()
 
-    res: dict[str, Any] = {k: [] for k in ("ours_greedy_s", "peer_greedy_s", "ours_sampled_s",
-                                           "peer_sampled_s")}  # fmt: skip
+    res: dict[str, Any] = {
+        f"{who}_{mode}_{unit}": []
+        for who in ("ours", "peer")
+        for mode in ("greedy", "sampled")
+        for unit in ("s", "cpu_s")
+    }
     ours(True), peer(True)  # warm-up (first-call allocations), not timed
     for r in range(a["repeats"] + 1):
         for mode, greedy in (("greedy", True), ("sampled", False)):
@@ -949,20 +1092,26 @@ def w_gen(a: dict) -> dict:
             if r % 2:
                 order.reverse()
             for who, fn in order:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 out = fn(greedy)
-                dt = time.perf_counter() - t0
+                dt, dc = time.perf_counter() - t0, time.process_time() - c0
                 if r > 0:  # repeat 0 is a second warm-up
                     res[f"{who}_{mode}_s"].append(dt)
+                    res[f"{who}_{mode}_cpu_s"].append(dc)
                 if mode == "greedy":
                     res[f"_{who}_greedy_out"] = out
                 lengths = {len(x) for x in out}
                 assert lengths == {T}, f"{who} {mode}: completion lengths {lengths}, expected {T}"
     a_out, b_out = res.pop("_ours_greedy_out"), res.pop("_peer_greedy_out")
-    same = sum(x == y for x, y in zip(a_out, b_out))
-    first_diff = [next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), None)
-                  for x, y in zip(a_out, b_out)]  # fmt: skip
-    res["greedy_identical"] = {"rows": len(a_out), "identical": same, "first_difference_at": first_diff}
+    same = sum(x == y for x, y in zip(a_out, b_out, strict=True))
+    first_diff = [next((j for j, (u, v) in enumerate(zip(x, y, strict=True)) if u != v), None)
+                  for x, y in zip(a_out, b_out, strict=True)]  # fmt: skip
+    res["greedy_identical"] = {
+        "rows": len(a_out),
+        "identical": same,
+        "first_difference_at": first_diff,
+    }
+    res["prompt_lengths"] = sorted({len(p) for p in prompts})
     res["greedy_tokens"] = len(prompts) * T
     res["sampled_tokens"] = len(prompts) * G * T
     return res
@@ -974,7 +1123,9 @@ def _heldout_reward(model, tok, env) -> float:
     import torch
 
     tasks = env.tasks("eval", 10_000, seed=0)
-    prompts = [[tok.bos_token_id] + tok(t.prompt, add_special_tokens=False)["input_ids"] for t in tasks]
+    prompts = [
+        [tok.bos_token_id] + tok(t.prompt, add_special_tokens=False)["input_ids"] for t in tasks
+    ]
     P = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), P), tok.pad_token_id)
     mask = torch.zeros_like(ids)
@@ -988,7 +1139,7 @@ def _heldout_reward(model, tok, env) -> float:
             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         )  # fmt: skip
     rs = []
-    for t, row in zip(tasks, out[:, P:].tolist()):
+    for t, row in zip(tasks, out[:, P:].tolist(), strict=True):
         text = tok.decode(row, skip_special_tokens=True)
         rs.append(env.reward(t, text))
     return sum(rs) / len(rs)
@@ -1011,7 +1162,9 @@ def w_trl_grpo(a: dict) -> dict:
     rewards: list[float] = []
 
     def reward(prompts, completions, answer, **kw):
-        rs = [env.reward(Task(p, x), c) for p, c, x in zip(prompts, completions, answer)]
+        rs = [
+            env.reward(Task(p, x), c) for p, c, x in zip(prompts, completions, answer, strict=True)
+        ]
         rewards.extend(rs)
         return rs
 
@@ -1041,8 +1194,8 @@ def w_trl_grpo(a: dict) -> dict:
     )  # fmt: skip
     trainer.train()
     after = _heldout_reward(trainer.model, tok, env)
-    return {"step_times": clock.times, "heldout_before": before, "heldout_after": after,
-            "rewards": rewards}  # fmt: skip
+    return {"step_times": clock.times, "cpu_marks": clock.cpu_marks, "heldout_before": before,
+            "heldout_after": after, "rewards": rewards}  # fmt: skip
 
 
 def w_trl_dpo(a: dict) -> dict:
@@ -1052,7 +1205,9 @@ def w_trl_dpo(a: dict) -> dict:
     from trl import DPOConfig, DPOTrainer
 
     data = json.loads(Path(a["data"]).read_text())
-    ds = datasets.Dataset.from_list([{k: d[k] for k in ("prompt", "chosen", "rejected")} for d in data])
+    ds = datasets.Dataset.from_list(
+        [{k: d[k] for k in ("prompt", "chosen", "rejected")} for d in data]
+    )
     tok = AutoTokenizer.from_pretrained(a["hf"])
     clock, losses, metrics = StepClock(), [], []
 
@@ -1084,6 +1239,7 @@ def w_trl_dpo(a: dict) -> dict:
     trainer.train()
     return {
         "step_times": clock.times,
+        "cpu_marks": clock.cpu_marks,
         "losses": losses,
         "logps_chosen": metrics[0]["logps/chosen"],
         "logps_rejected": metrics[0]["logps/rejected"],
@@ -1125,26 +1281,34 @@ def w_tinker_dpo(a: dict) -> dict:
         rows = data[s * B : (s + 1) * B]
         ds = []
         for d in rows:  # [chosen, rejected] per pair
-            ds += [datum(d["prompt_ids"], d["chosen_ids"]), datum(d["prompt_ids"], d["rejected_ids"])]
+            ds += [
+                datum(d["prompt_ids"], d["chosen_ids"]),
+                datum(d["prompt_ids"], d["rejected_ids"]),
+            ]
         batches.append(ds)
 
     def seq_logps(ds, logprobs) -> list[torch.Tensor]:
         return [
             (lp * torch.tensor(d.loss_fn_inputs["weights"].tolist())).sum()
-            for d, lp in zip(ds, logprobs)
+            for d, lp in zip(ds, logprobs, strict=True)
         ]
 
     refs = []
     for ds in batches:  # the policy is the base until the first optim_step
         out = tc.forward(ds, "cross_entropy").result()
-        refs.append([float(x) for x in seq_logps(ds, [o["logprobs"].to_torch() for o in out.loss_fn_outputs])])
-    clock, losses, first = StepClock(), [], {}
+        refs.append(
+            [
+                float(x)
+                for x in seq_logps(ds, [o["logprobs"].to_torch() for o in out.loss_fn_outputs])
+            ]
+        )
+    clock, losses, first = StepClock(a["server_pid"]), [], {}
     beta, lr, N = a["beta"], a["lr"], a["steps"]
-    clock.t = time.perf_counter()
+    clock.start()
     for s, ds in enumerate(batches):
         ref = torch.tensor(refs[s])
 
-        def dpo_loss(data_, logprobs):
+        def dpo_loss(data_, logprobs, ref=ref):
             lp = torch.stack(seq_logps(data_, logprobs))
             c, r = lp[0::2], lp[1::2]
             margin = (c - ref[0::2]) - (r - ref[1::2])
@@ -1160,8 +1324,8 @@ def w_tinker_dpo(a: dict) -> dict:
         clock.tick()
         losses.append(float(res.metrics["dpo_loss"]))
     sc.close("success").result() if hasattr(sc, "close") else None
-    return {"step_times": clock.times, "losses": losses, "logps_chosen": first["chosen"],
-            "logps_rejected": first["rejected"]}  # fmt: skip
+    return {"step_times": clock.times, "cpu_marks": clock.cpu_marks, "losses": losses,
+            "logps_chosen": first["chosen"], "logps_rejected": first["rejected"]}  # fmt: skip
 
 
 def w_tinker_script(a: dict) -> dict:
@@ -1183,25 +1347,27 @@ def w_tinker_script(a: dict) -> dict:
         )
     sc, base = _tinker_client(a["url"])
     tc = sc.create_lora_training_client(base_model=base, rank=LORA["rank"], seed=0)
-    train_s, sample_s, losses = [], [], []
+    train, sample, losses = StepClock(a["server_pid"]), StepClock(a["server_pid"]), []
+    train.start()
     for _ in range(a["steps"]):
-        t0 = time.perf_counter()
         fb = tc.forward_backward(data, "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=a["lr"], beta1=ADAM["beta1"],
                                        beta2=ADAM["beta2"], eps=ADAM["eps"])).result()  # fmt: skip
-        train_s.append(time.perf_counter() - t0)
+        train.tick()
         lp = np.concatenate([np.asarray(o["logprobs"].tolist()) for o in fb.loss_fn_outputs])
         w = np.concatenate([np.asarray(d.loss_fn_inputs["weights"].tolist()) for d in data])
         losses.append(float(-(lp * w).sum() / w.sum()))
+        train.start()  # the loss bookkeeping above is not the service's time
     sampler = tc.save_weights_and_get_sampling_client(name="peers")
     prompt = types.ModelInput.from_ints(rows[0]["input_ids"][: rows[0]["completion_mask"].index(1)])
+    sample.start()
     for _ in range(a["samples"]):
-        t0 = time.perf_counter()
         sampler.sample(prompt=prompt, num_samples=8,
                        sampling_params=types.SamplingParams(max_tokens=a["max_tokens"],
                                                             temperature=1.0)).result()  # fmt: skip
-        sample_s.append(time.perf_counter() - t0)
-    return {"train_step_s": train_s, "sample_s": sample_s, "losses": losses,
+        sample.tick()
+    return {"train_step_s": train.times, "train_cpu_marks": train.cpu_marks,
+            "sample_s": sample.times, "sample_cpu_marks": sample.cpu_marks, "losses": losses,
             "sdk": f"tinker {tinker.__version__}"}  # fmt: skip
 
 
@@ -1248,12 +1414,10 @@ def versions(skyrl_python: str | None) -> dict[str, str]:
         )
         p = subprocess.run([skyrl_python, "-c", code], capture_output=True, text=True)
         out["skyrl_venv"] = p.stdout.strip() or p.stderr.strip()[-200:]
-    try:
-        out["titanscale_commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        pass
+    git = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    )
+    out["titanscale_commit"] = git.stdout.strip()
     return out
 
 
@@ -1267,12 +1431,164 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def fmt_s(s: dict) -> str:
+def fmt_s(s: dict, digits: int = 3) -> str:
     if s["median"] is None:
         return "n/a"
     if s["n"] == 1:
-        return f"{s['median']:.3f}"
-    return f"{s['median']:.3f} [{s['min']:.3f}-{s['max']:.3f}]"
+        return f"{s['median']:.{digits}f}"
+    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
+
+
+def _loss0(r: dict, required: bool = True) -> str:
+    l0 = r.get("loss_step0")
+    if not l0:
+        return ""
+    mark = "" if l0["abs_diff"] < TOL or not required else " **(> 1e-4)**"
+    return f"{l0['ours']:.6f} / {l0['peer']:.6f} ({l0['abs_diff']:.1e}){mark}"
+
+
+def ratio_rows(P: dict[str, Any]) -> list[tuple[str, str, str, str, str, float, float, str]]:
+    """(pair, ours, peer, ours' figure, peer's figure, wall ratio, CPU ratio, step-0 loss)."""
+    rows = []
+    for key, ours, peer in (
+        ("sft_lora_packed", "LoRA SFT, packing bfd", "TRL SFTTrainer + PEFT, packing bfd"),
+        ("sft_lora_unpacked", "LoRA SFT, packing none", "TRL SFTTrainer + PEFT, no packing"),
+        ("full_ft", "full fine-tune, packing none", "transformers Trainer"),
+    ):
+        r = P.get(key)
+        if r and "error" not in r:
+            rows.append((key, ours, peer, f"{r['ours_tokens_per_s']:,.0f} tok/s "
+                         f"({r['ours_tokens_per_cpu_s']:,.0f}/CPU-s)",
+                         f"{r['peer_tokens_per_s']:,.0f} tok/s ({r['peer_tokens_per_cpu_s']:,.0f}/CPU-s)",
+                         r["ratio"], r["cpu_ratio"], _loss0(r)))  # fmt: skip
+    g = P.get("generate")
+    if g and "error" not in g:
+        for mode in ("greedy", "sampled"):
+            r = g[mode]
+            rows.append((f"generate, {mode}", "rl.generator.Generator",
+                         "transformers generate (KV cache)", f"{r['ours_tokens_per_s']:,.0f} tok/s",
+                         f"{r['peer_tokens_per_s']:,.0f} tok/s", r["ratio"], r["cpu_ratio"], ""))  # fmt: skip
+    r = P.get("grpo")
+    if r and "error" not in r:
+        rows.append(("grpo", "train.py, recipes/rl_debug.toml", "TRL GRPOTrainer",
+                     f"{fmt_s(r['ours_step_s'])} s/update", f"{fmt_s(r['peer_step_s'])} s/update",
+                     r["ratio"], r["cpu_ratio"], ""))  # fmt: skip
+    r = P.get("dpo")
+    if r and "error" not in r:
+        rows.append(("dpo", "tools.serve, forward_backward_custom", "TRL DPOTrainer + PEFT",
+                     f"{fmt_s(r['ours_step_s'])} s/step", f"{fmt_s(r['peer_step_s'])} s/step",
+                     r["ratio"], r["cpu_ratio"], _loss0(r)))  # fmt: skip
+    s = P.get("service", {})
+    for key, what in (
+        ("train_step_s", "forward_backward + optim_step"),
+        ("sample_s", "sample, 8 x 16 tokens"),
+    ):
+        if key in s:
+            r = s[key]
+            rows.append((f"service: {what}", "tools.serve", "skyrl-tx Tinker server",
+                         f"{fmt_s(r['ours'])} s", f"{fmt_s(r['peer'])} s", r["ratio"],
+                         r["cpu_ratio"], _loss0(s, False) if key == "train_step_s" else ""))  # fmt: skip
+    return rows
+
+
+FINDINGS = """
+## Findings
+
+(filled in below)
+"""
+
+
+def details(P: dict[str, Any]) -> list[str]:
+    """Per pair: what was run, the loss agreement, quality figures, start-up costs."""
+    L = ["", "## Per pair", ""]
+    for key in ("sft_lora_packed", "sft_lora_unpacked", "full_ft"):
+        r = P.get(key)
+        if not r or "error" in r:
+            continue
+        c = r["config"]
+        ln = r["loss_stepN"]
+        L.append(
+            f"- **{key}**: {c['steps']} steps ({c['warmup_steps_excluded']} warm-up steps not "
+            f"timed), {c['rows_per_step']} rows x {c['examples_per_row']} examples = "
+            f"{c['tokens_per_step']} tokens per step ({c['trained_tokens_per_step']} trained), "
+            f"lr {c['lr']}, no warmup then linear decay, AdamW betas (0.9, 0.95), clip 1.0, "
+            f"float32; titanscale rows of {c['seq_len_titanscale_pairs']} next-token pairs"
+            + (
+                " (each batch cut after its last trained pair, rounded up to 8: "
+                "data.loader.trim_padding)"
+                if "unpacked" in key or key == "full_ft"
+                else ""
+            )
+            + f", the peer's max_length {c['max_length_peer_tokens']} tokens. Step-0 loss "
+            f"{_loss0(r)}; the same in every repeat on each side (spread "
+            f"{r['loss_step0_spread_over_repeats']:.1e}). Loss after step {ln['step']}: "
+            f"{ln['ours']:.4f} ours, {ln['peer']:.4f} peer. Process wall (start-up, training, "
+            f"exit): {fmt_s(r['process_wall_s']['ours'], 1)} s ours, "
+            f"{fmt_s(r['process_wall_s']['peer'], 1)} s peer."
+        )
+    g = P.get("generate")
+    if g and "error" not in g:
+        gi, c = g["greedy_identical"], g["config"]
+        L.append(
+            f"- **generate**: {c['prompts']} prompts (lengths {g['prompt_lengths']} tokens: half "
+            f"arithmetic, half letter-sorting chat prompts, left-padded), {c['max_new']} new "
+            f"tokens per row with no stop token, float32, KV cache on both sides; sampled: "
+            f"{c['group']} samples per prompt at temperature 1 (transformers: top_k 0). Greedy "
+            f"outputs identical in {gi['identical']} of {gi['rows']} rows (first differing "
+            f"position per row: {gi['first_difference_at']})."
+        )
+    r = P.get("grpo")
+    if r and "error" not in r:
+        c, h = r["config"], r["heldout_reward"]
+        L.append(
+            f"- **grpo**: arithmetic (rl/envs.py), {c['steps']} updates of {c['prompts']} prompts "
+            f"x {c['group']} samples, max 4 new tokens, lr {c['lr']}, clip 0.2 / 0.28, no KL, "
+            "token-mean loss (TRL loss_type 'dapo'), group-normalized advantages, one optimizer "
+            "step per batch, full weights. Held-out reward (greedy, all 55 held-out prompts): "
+            f"ours {fmt_s(h['ours_before'])} -> {fmt_s(h['ours_after'])}, TRL "
+            f"{fmt_s(h['peer_before'])} -> {fmt_s(h['peer_after'])} (ours: titanscale's rl_eval; "
+            "TRL: transformers generate on its trained model; the two evaluators agree on the "
+            "base, the 'before' column). Mean training reward "
+            f"{fmt_s(r['train_reward_mean']['ours'])} ours, {fmt_s(r['train_reward_mean']['peer'])} "
+            "TRL. The first update is not timed, nor titanscale's last (it runs the held-out "
+            "evaluation inside its timed step)."
+        )
+    r = P.get("dpo")
+    if r and "error" not in r:
+        lp = r["logps_step0"]
+        ln = r["loss_stepN"]
+        L.append(
+            f"- **dpo**: letter-sorting pairs (chosen = sorted, rejected = reversed), "
+            f"{r['config']['pairs_per_step']} pairs per step, beta {r['config']['beta']}, "
+            f"LoRA rank {LORA['rank']} alpha {LORA['alpha']:g}, lr {r['config']['lr']} linear "
+            "decay. titanscale: tinker SDK against tools.serve, reference log-probs from "
+            "`forward` before training, the DPO loss in forward_backward_custom (the SDK "
+            "computes it client-side and sends per-token gradients). Step 0: loss "
+            f"{_loss0(r)} (policy = reference: ln 2 on both sides); sequence log-probs "
+            f"chosen {lp['logps_chosen']['ours']:.5f} / {lp['logps_chosen']['peer']:.5f} "
+            f"(diff {lp['logps_chosen']['abs_diff']:.1e}), rejected "
+            f"{lp['logps_rejected']['ours']:.5f} / {lp['logps_rejected']['peer']:.5f} (diff "
+            f"{lp['logps_rejected']['abs_diff']:.1e}). Loss after step {ln['step']}: "
+            f"{ln['ours']:.4f} ours, {ln['peer']:.4f} TRL. CPU: the service's process plus the "
+            "client's against TRL's one process."
+        )
+    s = P.get("service")
+    if s and "train_step_s" in s:
+        f = s["first_call_s"]
+        L.append(
+            f"- **service**: the same script (peers.py `w_tinker_script`: LoRA rank {LORA['rank']}, "
+            f"{s['config']['steps']} x (forward_backward of {s['config']['batch']} examples + "
+            f"optim_step), save_weights_and_get_sampling_client, {s['config']['samples']} x "
+            f"sample(8 x {s['config']['max_tokens']} tokens)); SDK {s['sdk']['ours']} against "
+            f"tools.serve, {s['sdk']['peer']} against skyrl-tx (0.3.0 predates the SDK's "
+            "/api/v1/client/config; tools.serve needs the newer SDK's protobuf requests). "
+            f"Step-0 loss {_loss0(s, False)}. First forward_backward + optim_step (not in the ratios): "
+            f"{fmt_s(f['ours'], 1)} s ours, {fmt_s(f['peer'], 1)} s skyrl-tx (JAX compiles). "
+            f"Server start to healthy: {s['tools_serve_start_s']:.0f} s tools.serve, "
+            f"{s.get('skyrl_start_s', float('nan')):.0f} s skyrl-tx (its engine process loads "
+            "the model after that)."
+        )
+    return L
 
 
 def write_report(results: dict[str, Any], out: Path) -> None:
@@ -1282,71 +1598,39 @@ def write_report(results: dict[str, Any], out: Path) -> None:
     L: list[str] = [
         "# titanscale side by side with its peers (CPU)",
         "",
-        f"`{m['command']}` on {m['date']} ({m['wall_minutes']:.1f} min). Machine: {m['machine']}; "
-        f"{m['threads']} thread(s) per process, one process at a time. Load average (1 min) seen "
-        f"at the start of each run: {m['load_min']:.1f}-{m['load_max']:.1f} (median "
-        f"{m['load_median']:.1f}): other jobs shared the 2 cores, so each pair's two sides were "
-        "interleaved (ours, peer, peer, ours, ...) and figures are medians over repeats "
-        "[min-max].",
+        f"`{m['command']}`, {m['date']}, {m['wall_minutes']:.1f} minutes. {m['machine']}; "
+        f"{m['threads']} thread(s) per process, one process at a time, {m['repeats']} "
+        "repeat(s) per side, the sides interleaved (ours, peer, peer, ours, ...).",
+        "",
+        f"Load average (1 min) at the start of each run: {m['load_min']:.1f} to "
+        f"{m['load_max']:.1f}, median {m['load_median']:.1f}, on 2 cores: other jobs shared "
+        "the machine. Wall times therefore depend on the moment; CPU time (user + system of "
+        "the processes doing the work: train.py, the peer's process, the server's process tree "
+        "plus its client) counts the work itself and is the figure to compare. Both are given.",
         "",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + ".",
         "",
-        "Base: the debug Llama (6 layers, dim 256, vocabulary 2048, float32) trained by "
-        f"`train.py` for {m['base_steps']} steps on the arithmetic task's train split, saved as "
-        "a DCP checkpoint (titanscale's side) and exported to a Hugging Face folder (the "
-        "peers' side). SFT data: the 5-letter questions of data/tasks/letter_sort "
-        "(recipes/sft_debug.toml's task; 26 tokens each), tokenized once by titanscale's "
-        "renderer and given to the peers as token ids.",
+        f"skyrl-tx install (its own venv, it pins transformers < 5): `{m['skyrl_install']}`.",
         "",
-        "## Ratios (ours / peer; > 1 = titanscale faster)",
+        "## Ratios: ours / peer (> 1 = titanscale faster)",
         "",
-        "| pair | titanscale | peer | ours | peer | ratio | step-0 loss ours / peer (abs diff) |",
-        "|---|---|---|---|---|---|---|",
+        "Median over repeats [min-max]; per run, the median step after the warm-up steps (wall) "
+        "or the mean CPU seconds per step over the same steps.",
+        "",
+        "| pair | titanscale | peer | ours | peer | wall ratio | CPU ratio | step-0 loss ours / peer (abs diff) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-
-    def row(name, ours_label, peer_label, a, b, ratio, loss=""):
-        L.append(f"| {name} | {ours_label} | {peer_label} | {a} | {b} | **{ratio:.2f}** | {loss} |")
-
-    for key, label, peer in (
-        ("sft_lora_packed", "LoRA SFT, packing on", "TRL SFTTrainer + PEFT, packing (bfd)"),
-        ("sft_lora_unpacked", "LoRA SFT, packing off", "TRL SFTTrainer + PEFT, no packing"),
-        ("full_ft", "full fine-tune (packing off)", "transformers Trainer"),
-    ):
-        if key in P and "error" not in P[key]:
-            r = P[key]
-            l0 = r["loss_step0"]
-            row(key, label, peer, f"{r['ours_tokens_per_s']:,.0f} tok/s",
-                f"{r['peer_tokens_per_s']:,.0f} tok/s", r["ratio"],
-                f"{l0['ours']:.6f} / {l0['peer']:.6f} ({l0['abs_diff']:.1e})")  # fmt: skip
-    if "generate" in P and "error" not in P["generate"]:
-        for mode in ("greedy", "sampled"):
-            r = P["generate"][mode]
-            row(f"generate ({mode})", "rl.generator.Generator", "transformers generate (KV cache)",
-                f"{r['ours_tokens_per_s']:,.0f} tok/s", f"{r['peer_tokens_per_s']:,.0f} tok/s",
-                r["ratio"])  # fmt: skip
-    if "grpo" in P and "error" not in P["grpo"]:
-        r = P["grpo"]
-        row("grpo", "train.py rl_debug", "TRL GRPOTrainer", f"{fmt_s(r['ours_step_s'])} s/step",
-            f"{fmt_s(r['peer_step_s'])} s/step", r["ratio"])  # fmt: skip
-    if "dpo" in P and "error" not in P["dpo"]:
-        r = P["dpo"]
-        l0 = r["loss_step0"]
-        row("dpo", "tools.serve + forward_backward_custom", "TRL DPOTrainer + PEFT",
-            f"{fmt_s(r['ours_step_s'])} s/step", f"{fmt_s(r['peer_step_s'])} s/step", r["ratio"],
-            f"{l0['ours']:.6f} / {l0['peer']:.6f} ({l0['abs_diff']:.1e})")  # fmt: skip
-    s = P.get("service", {})
-    if "train_step_s" in s:
-        for key, what in (("train_step_s", "fb + optim"), ("sample_s", "sample x8")):
-            r = s[key]
-            row(f"service ({what})", "tools.serve", "skyrl-tx Tinker server",
-                f"{fmt_s(r['ours'])} s", f"{fmt_s(r['peer'])} s", r["ratio"])  # fmt: skip
+    for name, ours, peer, a, b, wr, cr, loss in ratio_rows(P):
+        L.append(f"| {name} | {ours} | {peer} | {a} | {b} | {wr:.2f} | **{cr:.2f}** | {loss} |")
     L.append("")
     for name, r in P.items():
         if isinstance(r, dict) and "error" in r:
-            L.append(f"- **{name} did not run**: {r['error']}")
+            L.append(f"- **{name} did not run**: {r['error'][-600:]}")
+    s = P.get("service", {})
     if isinstance(s.get("skyrl"), str):
         L.append(f"- **service / skyrl-tx**: {s['skyrl']}")
-    L += ["", *results.get("notes", [])]
+    L += details(P)
+    L += ["", FINDINGS.strip()]
     out.with_suffix(".md").write_text("\n".join(L) + "\n")
 
 
@@ -1355,10 +1639,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--worker", nargs=2, metavar=("NAME", "ARGS_JSON"), help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="smoke test: few steps, 1 repeat")
-    ap.add_argument("--repeats", type=int, default=None, help="repeats per pair (default 3; quick 1)")
+    ap.add_argument(
+        "--repeats", type=int, default=None, help="repeats per pair (default 2; quick 1)"
+    )
     ap.add_argument("--pairs", default=",".join(PAIRS), help=f"subset of {','.join(PAIRS)}")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    ap.add_argument("--base-steps", type=int, default=None, help="base training steps (150; quick 30)")
+    ap.add_argument(
+        "--base-steps", type=int, default=None, help="base training steps (150; quick 30)"
+    )
     ap.add_argument("--out", default="benchmarks/peers", help="writes OUT.md and OUT.json")
     ap.add_argument("--work", default="outputs/peers", help="base cache and run folders")
     ap.add_argument(
@@ -1375,7 +1663,7 @@ def main() -> None:
     if unknown:
         ap.error(f"--pairs: unknown {unknown}; expected a subset of {','.join(PAIRS)}")
     if args.repeats is None:
-        args.repeats = 1 if args.quick else 3
+        args.repeats = 1 if args.quick else 2
     if args.base_steps is None:
         args.base_steps = 30 if args.quick else 150
     t_start = time.perf_counter()
@@ -1401,7 +1689,11 @@ def main() -> None:
                 else:
                     if serve is None:
                         serve, serve_start = start_serve(ctx)
-                    r = dpo_pair(ctx, serve) if name == "dpo" else service_pair(ctx, serve, serve_start)
+                    r = (
+                        dpo_pair(ctx, serve)
+                        if name == "dpo"
+                        else service_pair(ctx, serve, serve_start)
+                    )
             except RunFailed as e:
                 r = {"error": str(e)[-3000:]}
                 print(f"[peers] {name} failed: {r['error']}", flush=True)
