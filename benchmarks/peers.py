@@ -259,7 +259,7 @@ def prepare(ctx: Ctx) -> None:
             "data.packing=bfd",
             f"training.steps={steps}",
             "training.lr=3e-3",
-            "training.warmup_steps=10",
+            f"training.warmup_steps={min(10, steps // 2)}",
             "training.local_batch_size=4",
             f"checkpoint.interval={steps}",
             "checkpoint.export_hf=true",
@@ -1421,16 +1421,6 @@ def versions(skyrl_python: str | None) -> dict[str, str]:
     return out
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def fmt_s(s: dict, digits: int = 3) -> str:
     if s["median"] is None:
         return "n/a"
@@ -1492,9 +1482,86 @@ def ratio_rows(P: dict[str, Any]) -> list[tuple[str, str, str, str, str, float, 
 
 
 FINDINGS = """
-## Findings
+## Where titanscale was slower, why, and what it takes
 
-(filled in below)
+Profiles: py-spy 0.4.3 (`py-spy record -f raw -r 100 -- python train.py ...`, the `bench`
+group), shares of the samples inside the training step; CPU seconds per step read from /proc
+as in the table. Measured on the same machine and load as the ratios above, 2026-12-03.
+
+Fixed on this branch (the ratios above include the fixes):
+
+1. **Dense CPU attention compiled its masks for every new batch shape** (all pairs on CPU).
+   torchtitan builds each BlockMask with a `torch.compile`d `create_block_mask`; on CPU the
+   inductor compile took 8 s for the first shape and 27 s when a second shape made torch
+   recompile with dynamic shapes (under load). GRPO's rollout lengths change every update,
+   so its first two updates took 22-24 s each (4 x 8 rollouts; TRL: 0.7 s), and
+   tools.serve's first forward_backward took 25 s. The dense backend reads only the mask's
+   `mask_mod`: it now gets a BlockMask of index tensors (all tiles partial) built in
+   microseconds, no compile (`kernels/dense_attention.py`, `tests/unit/test_dense_masks.py`).
+   The service's first forward_backward + optim_step is now ~0.4 s (skyrl-tx: 10-30 s of JAX
+   compiles).
+2. **`packing = "none"` padded every row to seq_len.** 26-token examples at seq_len 256 cost
+   10x their tokens: LoRA SFT without packing ran at 0.10-0.17 of TRL's speed (TRL pads to the
+   longest row of the batch). Each batch is now cut after its last trained pair, rounded up to
+   8 (`data.loader.trim_padding`, enabled by `runtime.build.padding_trim` where shapes may vary;
+   loss and gradients unchanged, tested against the full rows and, here, TRL's step-0 loss).
+
+Measured, not fixed here (other owners' files this round; proposed fixes for the lead):
+
+3. **FSDP2 on a single process** (full fine-tune 0.65, LoRA without packing 0.72). torchtitan's
+   `parallelize_llama` applies `fully_shard` even at dp_shard 1 (for its mixed-precision
+   policy). In a one-process full fine-tune step, FSDP's hooks and gradient copies
+   (post-backward `foreach_reduce` copy-in/copy-out of every gradient, unshard waits) are 20%
+   of the step's samples. With `apply_fsdp_to_decoder` made a no-op (an experiment, not on this
+   branch): CPU per step 0.208 -> 0.151 s full fine-tune (-27%), 0.152 -> 0.135 s LoRA (-11%),
+   losses bit-identical over 20 steps, checkpoint saved. What it takes: in `runtime/build.py`,
+   wrap `parallelize_fn` (as `keep_frozen` does) to skip `apply_fsdp_to_decoder` when the
+   world size is 1 and parameters, compute and reductions are all float32 (no mixed-precision
+   policy to install); then check resume from a DCP checkpoint, `[[adapters]]` and RL paths.
+   Owner: eng (runtime step layer).
+4. **The padding cut rounds up to 8** because torchtitan's `ChunkedLossWrapper` splits each row
+   into 8 equal chunks: 26-token examples become 32-token rows (+23% tokens against TRL's 26;
+   on realistic lengths, hundreds of tokens, this is < 3%). Chunking also costs its own
+   overhead (8 lm_head + loss calls per step; 12% of a full fine-tune step including the
+   lm_head work itself). What it takes: one chunk when a microbatch's logits are small
+   (`local_batch_size x seq_len x vocab x 4 bytes` under ~64 MiB), taken from one function that
+   `runtime/build.py`'s loss config, `recipe/model_checks.check_loss_chunks` and
+   `padding_trim` all use. Not done here: it changes the loss summation of every small run and
+   the seq_len rule existing tests pin.
+5. **GRPO recomputes pi_old with a full extra forward** (0.88; was 0.56 with 4 prompts before
+   fix 1). Per update (py-spy over 12 updates of 16 x 8 rollouts): backward 35%, training
+   forward 22%, `PolicyTrainer.score` (no-grad forward for the old log-probs) 19%, generation
+   19%, FSDP hooks 4%, optimizer 1%. With one optimizer step per batch and every sample at lag
+   0 (`mode = "sync"`), pi_old equals the training forward's log-probs detached; TRL skips the
+   extra forward in that case (`num_iterations = 1`). What it takes: in `RLRun.train_on`
+   (rl/loop.py) and `PolicyTrainer` (rl/trainer.py), when sync and lag 0, take old log-probs
+   and the mismatch statistics from the training forward: about -19% per update, i.e. ~1.1x
+   TRL. Owner: eng.
+6. **Greedy decoding sorts the vocabulary** (generate greedy 0.78; sampled 0.95). Greedy is
+   nucleus sampling with top_p = 1e-9 (`rl/generator.py` `_sample`): a full sort of every
+   row's distribution per token (18% of greedy decoding CPU) plus a multinomial draw (7%);
+   transformers takes an argmax. What it takes: an argmax path in `_sample` when top_p keeps
+   only the top token (or an explicit greedy flag). The RL loop's held-out evaluation decodes
+   this way (the service maps temperature 0 to temperature 1e-6 instead: no sort, but still a
+   softmax and a multinomial draw per token). Owner: clients.
+
+Faster than the peer (not profiled further): LoRA SFT with packing (TRL + PEFT: separate
+q/k/v adapters, padding-free attention over one flattened row), DPO through the service (both
+sides run two forwards and one backward per step; TRL's reference forward is the PEFT model
+with its adapters disabled), and the Tinker service against skyrl-tx (its model runs in JAX on
+CPU; its first calls compile for 10-30 s, which the ratios exclude).
+
+Notes on the comparison: TRL's `gradient_checkpointing` (its default True) is off on the peer
+side, as titanscale's `activation_checkpoint = "none"`; AdamW betas (0.9, 0.95) on both sides;
+the LR schedules are the same (no warmup, linear decay to 0: torchtitan's step t uses
+lr x (1 - (t - 1) / T), transformers' step k = t - 1 uses lr x (T - k) / T). titanscale's LoRA
+adapts the fused wqkv with one A for q, k and v (PEFT: separate q/k/v adapters): same rank,
+alpha and modules, different parametrization, hence equal losses at step 0 (B = 0) and close
+but different ones after. The packed pair cuts titanscale's rows at 200 pairs (8 examples)
+because its bfd packer holds back rows that are not full, which would put other examples than
+TRL's in the first batches. TRL's bfd packing on CPU is exact only because transformers
+builds a block-diagonal mask from the position ids when no KV cache is passed (TRL passes
+`use_cache=False`); a forward with the cache on attends across the packed documents.
 """
 
 
@@ -1658,6 +1725,8 @@ def main() -> None:
     if args.worker:
         run_worker(*args.worker)
         return
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.bench_data_scale import cpu_name
     pairs = [p.strip() for p in args.pairs.split(",") if p.strip()]
     unknown = [p for p in pairs if p not in PAIRS]
     if unknown:
@@ -1668,7 +1737,10 @@ def main() -> None:
         args.base_steps = 30 if args.quick else 150
     t_start = time.perf_counter()
     ctx = Ctx(args)
-    prepare(ctx)
+    try:
+        prepare(ctx)
+    except RunFailed as e:
+        raise SystemExit(f"peers: the base could not be prepared: {e}") from None
     results: dict[str, Any] = {"pairs": {}}
     serve: Server | None = None
     serve_start = 0.0
@@ -1709,7 +1781,7 @@ def main() -> None:
         "command": cmd.strip(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "wall_minutes": (time.perf_counter() - t_start) / 60,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({cpu_model()}), "
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({cpu_name()}), "
         f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, no GPU",
         "threads": args.threads,
         "repeats": args.repeats,
