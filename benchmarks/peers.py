@@ -1486,7 +1486,7 @@ FINDINGS = """
 
 Profiles: py-spy 0.4.3 (`py-spy record -f raw -r 100 -- python train.py ...`, the `bench`
 group), shares of the samples inside the training step; CPU seconds per step read from /proc
-as in the table. Measured on the same machine and load as the ratios above, 2026-12-03.
+as in the table. Measured on this machine on 2026-12-03, at load averages of 7 to 10.
 
 Fixed on this branch (the ratios above include the fixes):
 
@@ -1498,8 +1498,8 @@ Fixed on this branch (the ratios above include the fixes):
    tools.serve's first forward_backward took 25 s. The dense backend reads only the mask's
    `mask_mod`: it now gets a BlockMask of index tensors (all tiles partial) built in
    microseconds, no compile (`kernels/dense_attention.py`, `tests/unit/test_dense_masks.py`).
-   The service's first forward_backward + optim_step is now ~0.4 s (skyrl-tx: 10-30 s of JAX
-   compiles).
+   The service's first forward_backward + optim_step now takes under 0.5 s (skyrl-tx: 7-30 s
+   of JAX compiles).
 2. **`packing = "none"` padded every row to seq_len.** 26-token examples at seq_len 256 cost
    10x their tokens: LoRA SFT without packing ran at 0.10-0.17 of TRL's speed (TRL pads to the
    longest row of the batch). Each batch is now cut after its last trained pair, rounded up to
@@ -1508,7 +1508,7 @@ Fixed on this branch (the ratios above include the fixes):
 
 Measured, not fixed here (other owners' files this round; proposed fixes for the lead):
 
-3. **FSDP2 on a single process** (full fine-tune 0.65, LoRA without packing 0.72). torchtitan's
+3. **FSDP2 on a single process** (full fine-tune and LoRA without packing). torchtitan's
    `parallelize_llama` applies `fully_shard` even at dp_shard 1 (for its mixed-precision
    policy). In a one-process full fine-tune step, FSDP's hooks and gradient copies
    (post-backward `foreach_reduce` copy-in/copy-out of every gradient, unshard waits) are 20%
@@ -1528,17 +1528,18 @@ Measured, not fixed here (other owners' files this round; proposed fixes for the
    `runtime/build.py`'s loss config, `recipe/model_checks.check_loss_chunks` and
    `padding_trim` all use. Not done here: it changes the loss summation of every small run and
    the seq_len rule existing tests pin.
-5. **GRPO recomputes pi_old with a full extra forward** (0.88; was 0.56 with 4 prompts before
-   fix 1). Per update (py-spy over 12 updates of 16 x 8 rollouts): backward 35%, training
-   forward 22%, `PolicyTrainer.score` (no-grad forward for the old log-probs) 19%, generation
-   19%, FSDP hooks 4%, optimizer 1%. With one optimizer step per batch and every sample at lag
+5. **GRPO recomputes pi_old with a full extra forward** (CPU ratio 0.56 with 4 prompts per
+   update before fix 1; 0.8-0.9 after, 16 prompts). Per update (py-spy over 12 updates of
+   16 x 8 rollouts): backward 35%, training forward 22%, `PolicyTrainer.score` (no-grad
+   forward for the old log-probs) 19%, generation 19%, FSDP hooks 4%, optimizer 1%. With one optimizer step per batch and every sample at lag
    0 (`mode = "sync"`), pi_old equals the training forward's log-probs detached; TRL skips the
    extra forward in that case (`num_iterations = 1`). What it takes: in `RLRun.train_on`
    (rl/loop.py) and `PolicyTrainer` (rl/trainer.py), when sync and lag 0, take old log-probs
    and the mismatch statistics from the training forward: about -19% per update, i.e. ~1.1x
-   TRL. Owner: eng.
-6. **Greedy decoding sorts the vocabulary** (generate greedy 0.78; sampled 0.95). Greedy is
-   nucleus sampling with top_p = 1e-9 (`rl/generator.py` `_sample`): a full sort of every
+   TRL. Owner: eng. (Held-out reward after 8 updates moves by about one prompt in 55 on
+   either side: too few updates to compare learning, only the cost per update.)
+6. **Greedy decoding sorts the vocabulary** (generate, greedy; sampled is near parity).
+   Greedy is nucleus sampling with top_p = 1e-9 (`rl/generator.py` `_sample`): a full sort of every
    row's distribution per token (18% of greedy decoding CPU) plus a multinomial draw (7%);
    transformers takes an argmax. What it takes: an argmax path in `_sample` when top_p keeps
    only the top token (or an explicit greedy flag). The RL loop's held-out evaluation decodes
@@ -1727,6 +1728,7 @@ def main() -> None:
         return
     sys.path.insert(0, str(ROOT))
     from benchmarks.bench_data_scale import cpu_name
+
     pairs = [p.strip() for p in args.pairs.split(",") if p.strip()]
     unknown = [p for p in pairs if p not in PAIRS]
     if unknown:
