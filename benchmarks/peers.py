@@ -886,7 +886,7 @@ def _hf_args(a: dict, **extra: Any) -> dict[str, Any]:
         logging_steps=1,
         save_strategy="no",
         report_to="none",
-        use_cpu=True,
+        use_cpu=device() == "cpu",
         bf16=False,
         fp16=False,
         seed=0,
@@ -895,6 +895,14 @@ def _hf_args(a: dict, **extra: Any) -> dict[str, Any]:
         disable_tqdm=True,
         **extra,
     )
+
+
+def device() -> str:
+    """Where the peers run: CUDA when this machine has it, as train.py and tools.serve choose
+    (only the CPU path has run: no GPU was lent)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _hf_model(path: str):
@@ -1051,8 +1059,10 @@ def w_gen(a: dict) -> dict:
         prompts.append(
             renderer.prompt_ids([{"role": "user", "content": json.loads(line)["prompt"]}])
         )
-    gen = Generator(_titan_model(a["dcp"]), dtype=torch.float32, pad_id=tok.pad_token_id)
-    hf = _hf_model(a["hf"]).eval()
+    dev = device()
+    titan = _titan_model(a["dcp"]).to(dev)
+    gen = Generator(titan, dtype=torch.float32, pad_id=tok.pad_token_id)
+    hf = _hf_model(a["hf"]).to(dev).eval()
     hf.generation_config.eos_token_id = None  # fixed length on both sides (no stop token)
     P = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), P), tok.pad_token_id)
@@ -1060,6 +1070,7 @@ def w_gen(a: dict) -> dict:
     for i, p in enumerate(prompts):
         ids[i, P - len(p) :] = torch.tensor(p)
         mask[i, P - len(p) :] = 1
+    ids, mask = ids.to(dev), mask.to(dev)
     T, G = a["max_new"], a["group"]
 
     def ours(greedy: bool):
@@ -1135,7 +1146,8 @@ def _heldout_reward(model, tok, env) -> float:
     model.eval()
     with torch.no_grad():
         out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+            input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+            max_new_tokens=4, do_sample=False,
             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         )  # fmt: skip
     rs = []
