@@ -14,24 +14,36 @@ from parallel.memory import (
     memory_profile,
     stage_layers,
 )
+from parallel.stacks import load_stack
 from parallel.workload import Workload
 
-# The documented error (docs/perf_model.md, benchmarks/calibration.md): the torchtitan
-# 2024-12 memory column within 20% each; the 2025-06 H200 rows (newer torch / torchao,
-# 27-29% below our count, cause not identified) within 30%; the mean within 12%.
-MEMORY_TOL = {"tt2412": 0.20, "tt2506h200": 0.30}
+# The documented error (docs/perf_model.md, benchmarks/calibration.md, benchmarks/dryrun.md).
+# The model describes what recipes run: torchtitan 0.3.0 on torch 2.14 (chunked loss, fused
+# CUDA RMSNorm), checked rank by rank against tools.dryrun. The 2025-06 H200 rows ran close
+# to that: within 10%. The 2024-12 rows ran a torchtitan that scored the whole sequence's
+# logits at once: they are checked with that stack (loss_chunks = 1), within 30% each (the
+# 70B FSDP32 x TP8 FP8 rows, tensorwise FP8 + compile + async TP of 2024, are the ones past
+# 20%: 24-28% above the model); the mean within 12%.
+MEMORY_TOL = {"tt2412": 0.30, "tt2506h200": 0.10}
 MEMORY_MEAN_TOL = 0.12
 MEM_ROWS = [r for r in rows() if r.memory_gib]
+# What each source's software kept that today's torchtitan does not.
+SOURCE_STACK = {"tt2412": {"loss_chunks": 1}}
+
+
+def row_estimate(row):
+    st = load_stack(row.workload.stack).with_(**SOURCE_STACK.get(row.source, {}))
+    return estimate_memory(row.workload, st)
 
 
 @pytest.mark.parametrize("row", MEM_ROWS, ids=lambda r: r.name)
 def test_published_memory_rows(row):
-    got = estimate_memory(row.workload).reserved_gib
+    got = row_estimate(row).reserved_gib
     assert abs(got / row.memory_gib - 1) <= MEMORY_TOL[row.source], (got, row.memory_gib)
 
 
 def test_published_memory_mean():
-    errs = [abs(estimate_memory(r.workload).reserved_gib / r.memory_gib - 1) for r in MEM_ROWS]
+    errs = [abs(row_estimate(r).reserved_gib / r.memory_gib - 1) for r in MEM_ROWS]
     assert len(errs) >= 12 and sum(errs) / len(errs) <= MEMORY_MEAN_TOL
 
 
