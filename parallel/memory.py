@@ -3,7 +3,8 @@
 What is counted (bytes, per GPU, on the pipeline rank that needs the most):
 - states: FSDP2 keeps fp32 master weights, fp32 gradients and AdamW's two fp32 moments,
   sharded over dp_shard x cp (torchtitan's `fsdp` mesh); tp and pp split the model first.
-  16 bytes per parameter / (tp x pp x dp_shard x cp). HSDP replicas hold full copies.
+  16 bytes per parameter / (tp x pp x dp_shard x cp); 12 at the peak when the step frees
+  its gradients (no CUDA graphs, no accumulation). HSDP replicas hold full copies.
 - unsharded: without PP, FSDP gathers one block at a time (reshard after forward): two
   blocks' bf16 weights in flight (current + prefetch) and one block's bf16 gradient plus
   its fp32 reduce-scatter input. With PP, torchtitan does not reshard after forward and
@@ -153,8 +154,8 @@ def inflight_stage_microbatches(w: Workload, rank: int) -> float:
     Units: one stage's activations for one microbatch, held from its forward until its
     weight gradient. GPipe holds all m; 1F1B holds p - rank; Interleaved1F1B warms up
     (v-1)p + 2(p-1-rank) chunks and holds one more (torch's order). The zero-bubble
-    schedules hold p x v on every rank (ZBV, DualPipeV: 2p), not fewer on later ranks:
-    they defer weight gradients instead (`deferred_weight_grads`). Checked against torch's
+    schedules hold p x v on every rank (ZBV: 2p; DualPipeV 2p + 1), not fewer on later
+    ranks: they defer weight gradients instead (`deferred_weight_grads`). Checked against torch's
     own schedule orders in tests/unit/test_dryrun.py (tools.dryrun measured the ZBV ranks:
     benchmarks/dryrun.md).
     """
@@ -166,7 +167,9 @@ def inflight_stage_microbatches(w: Workload, rank: int) -> float:
         return m * v
     if v == 1:
         return min(m, p - rank)
-    if sched in ("ZBVZeroBubble", "DualPipeV", "InterleavedZeroBubble"):
+    if sched == "DualPipeV":  # its overlapped F+B runs the forward first: one more
+        return min(m * v, 2 * p + 1)
+    if sched in ("ZBVZeroBubble", "InterleavedZeroBubble"):
         return min(m * v, p * v)
     return min(m * v, (v - 1) * p + 2 * (p - 1 - rank) + 1)
 
@@ -212,14 +215,31 @@ def zbv_order(p: int, m: int, rank: int) -> list[tuple[int, str, int]]:
 def deferred_weight_grads(w: Workload, rank: int) -> float:
     """Stage-microbatches whose input gradient has run but whose weight gradient waits
     (zero-bubble schedules), at the rank's peak: they keep the gradients of every linear's
-    output besides their activations. InterleavedZeroBubble: rank + 1; DualPipeV: about
-    rank + 1; ZBV: up to 2 x rank + 1 (torch's order, `zbv_order`)."""
+    output besides their activations. InterleavedZeroBubble and DualPipeV: rank + 1; ZBV:
+    2 x rank + 1 (torch's order, `zbv_order`). The most at once; `held_and_deferred` gives
+    what coincides with the peak."""
     p, m, v = w.layout.pp, w.microbatches, w.stages_per_rank
     if p == 1 or w.pp_schedule not in ("ZBVZeroBubble", "DualPipeV", "InterleavedZeroBubble"):
         return 0
     if w.pp_schedule == "ZBVZeroBubble":
         return _zbv_peak(p, m, rank, act=0.0, grads=1.0)[1]
     return min(m * v, rank + 1)
+
+
+def held_and_deferred(w: Workload, rank: int, act: float, grads: float) -> tuple[float, float]:
+    """(held, deferred) stage-microbatches at the moment `act x held + grads x deferred` is
+    largest on pipeline rank `rank` (`act`, `grads`: bytes per stage-microbatch). ZBV:
+    replayed from torch's order; DualPipeV: the corners of torch's order for m >= 2p
+    (2p + 1 held and none deferred; 2p and 1 below the last rank; p and rank + 1 from the
+    second rank on; tests/unit/test_dryrun.py replays torch's); the others: the two maxima
+    (InterleavedZeroBubble: an upper bound, they need not coincide)."""
+    p, m = w.layout.pp, w.microbatches
+    if p > 1 and w.pp_schedule == "ZBVZeroBubble":
+        return _zbv_peak(p, m, rank, act, grads)
+    if p > 1 and w.pp_schedule == "DualPipeV" and m >= 2 * p:
+        corners = [(2 * p + 1, 0)] + [(2 * p, 1)] * (rank < p - 1) + [(p, rank + 1)] * (rank > 0)
+        return max(corners, key=lambda c: act * c[0] + grads * c[1])
+    return inflight_stage_microbatches(w, rank), deferred_weight_grads(w, rank)
 
 
 def _zbv_peak(p: int, m: int, rank: int, act: float, grads: float) -> tuple[int, int]:
@@ -393,6 +413,12 @@ def _memory_for_rank(w: Workload, rank: int, st: Stack) -> MemoryEstimate:
         unsharded = params * (elt + max(st.grad_reduce_bytes, elt))
     else:
         states = params * STATE_BYTES_PER_PARAM  # divided by the FSDP shard count in `at`
+        if not (w.cuda_graphs or w.grad_accum > 1):
+            # torchtitan frees the gradients at each step (zero_grad(set_to_none=True) unless
+            # CUDA graphs keep them) and the sharded fp32 ones are made by the reduce-scatter
+            # after the peak; with accumulation the first microstep's are there (measured:
+            # tools.dryrun, llama3_70b_h100's ranks hold none at their peak).
+            states = params * (STATE_BYTES_PER_PARAM - 4)
         if p > 1:
             # No reshard after forward under PP; gradients accumulate unsharded in fp32.
             unsharded = params * (ag_bytes + grad_bytes)
@@ -406,13 +432,7 @@ def _memory_for_rank(w: Workload, rank: int, st: Stack) -> MemoryEstimate:
     # input (seq-sharded); and what a deferred weight gradient keeps besides them.
     stage_act = mean_layers_per_stage * per_layer_tok * tokens + tokens * 2 * s.dim / t
     stage_wgrad = mean_layers_per_stage * layer_weight_grad_bytes(w) * tokens
-    inflight: float
-    deferred: float
-    if p > 1 and w.pp_schedule == "ZBVZeroBubble":  # the two peak together (torch's order)
-        inflight, deferred = _zbv_peak(p, w.microbatches, rank, stage_act, stage_wgrad)
-    else:
-        inflight = inflight_stage_microbatches(w, rank)
-        deferred = deferred_weight_grads(w, rank)
+    inflight, deferred = held_and_deferred(w, rank, stage_act, stage_wgrad)
     activations = inflight * stage_act + deferred * stage_wgrad + recv_buffer_bytes(w, rank)
     # Backward recomputes one checkpointed layer at a time (measured: without AC the peak
     # comes at the start of backward, before any layer's workspace).

@@ -94,10 +94,9 @@ def _scaled_recipe(recipe, world: int, notes: list[str]):
     fixed = par.dp_replicate * par.cp * par.tp * par.pp
     if world % fixed:
         raise ConfigError(
-            f"{world:,} GPUs cannot keep the recipe's dp_replicate x cp x tp x pp = {fixed} "
-            f"(it does not divide the world size)",
-            file=recipe.source,
-            key="parallel.world_size",
+            f"{world:,} GPUs cannot keep {recipe.source}'s dp_replicate x cp x tp x pp = "
+            f"{fixed} (it does not divide the world size)",
+            key="--nodes",
         )
     dp = world // fixed * par.dp_replicate
     notes.append(f"world {world:,} (the recipe declares {par.world_size:,}): dp_shard "
@@ -785,8 +784,8 @@ def _trainer_class():
 
 def _trainer_config(job: DryRunJob, caps, out_dir: str):
     """runtime.build's Trainer.Config for the job on the profile's GPU, then the dry run's
-    few changes: eager (compile, async TP and CUDA graphs off), no checkpoint, validation,
-    metrics files, tokenizer or data."""
+    few changes: eager (compile and async TP off; torchtitan captures no CUDA graph off a
+    GPU), no checkpoint, validation, metrics files, tokenizer or data."""
     from kernels.registry import check_kernels
     from runtime.build import build_trainer_config
     from runtime.platform import Platform
@@ -799,7 +798,8 @@ def _trainer_config(job: DryRunJob, caps, out_dir: str):
     )
     cfg.compile.enable = False
     cfg.compile.enable_async_tensor_parallel = False
-    cfg.training.disable_cuda_graphs = True
+    # disable_cuda_graphs stays as built: torchtitan runs the step eagerly off CUDA, and the
+    # setting decides whether the step frees its gradients (zero_grad(set_to_none=...)).
     cfg.checkpoint.enable = False
     cfg.validator.enable = False
     cfg.metrics.enable_tensorboard = False
@@ -836,8 +836,9 @@ def simulate(job: DryRunJob, rank: int, boundary: _Boundary) -> dict[str, Any]:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % job.cluster.gpus_per_node),
                       WORLD_SIZE=str(job.world_size))  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="dryrun-") as out_dir:
-        cfg, kernels = _trainer_config(job, caps, out_dir)
         with fake_world(job.world_size, rank, caps, boundary):
+            # Inside: the FP8 / MXFP8 converters check the (emulated) GPU when built.
+            cfg, kernels = _trainer_config(job, caps, out_dir)
             trainer = _trainer_class()(cfg)
             built = time.perf_counter() - t0
             # Steady state: AdamW's moments exist before the step (created at step 1).
@@ -845,7 +846,8 @@ def simulate(job: DryRunJob, rank: int, boundary: _Boundary) -> dict[str, Any]:
             for p in params:
                 p.grad = torch.zeros_like(p)
             trainer.optimizers.step()
-            trainer.optimizers.zero_grad(set_to_none=True)
+            # As the step leaves them: freed, or kept and zeroed under CUDA graphs.
+            trainer.optimizers.zero_grad(set_to_none=cfg.training.disable_cuda_graphs)
             trainer.metrics_processor.should_log = lambda step: False  # no loss value to log
             trainer.step = 1
             memory = _memory_tracker_class()()

@@ -249,5 +249,6 @@ def test_planner_prices_memory_on_the_stack():
             pp_microbatches=p.microbatches if p.layout.pp > 1 else 0,
             ac=p.activation_checkpoint, linear=p.prediction.workload.linear,
             compile=r.training.compile, stack="megatron_te",
+            cuda_graphs=p.prediction.workload.cuda_graphs,
         )  # fmt: skip
         assert p.memory_gib == pytest.approx(estimate_memory(w).reserved_gib, rel=1e-9)
