@@ -19,6 +19,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -126,7 +127,7 @@ def run_case(label: str) -> dict:
 
 def store(label: str, out: dict) -> None:
     """Merge one case into dryrun.json under a lock (several drivers may run at once)."""
-    with open(str(OUT_JSON) + ".lock", "w") as lock:
+    with open(os.path.join(tempfile.gettempdir(), "dryrun_table.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         data = json.loads(OUT_JSON.read_text()) if OUT_JSON.exists() else {}
         data[label] = out

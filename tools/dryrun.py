@@ -835,51 +835,53 @@ def simulate(job: DryRunJob, rank: int, boundary: _Boundary) -> dict[str, Any]:
     t0 = time.perf_counter()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % job.cluster.gpus_per_node),
                       WORLD_SIZE=str(job.world_size))  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="dryrun-") as out_dir:
-        with fake_world(job.world_size, rank, caps, boundary):
-            # Inside: the FP8 / MXFP8 converters check the (emulated) GPU when built.
-            cfg, kernels = _trainer_config(job, caps, out_dir)
-            trainer = _trainer_class()(cfg)
-            built = time.perf_counter() - t0
-            # Steady state: AdamW's moments exist before the step (created at step 1).
-            params = [p for m in trainer.model_parts for p in m.parameters() if p.requires_grad]
-            for p in params:
-                p.grad = torch.zeros_like(p)
-            trainer.optimizers.step()
-            # As the step leaves them: freed, or kept and zeroed under CUDA graphs.
-            trainer.optimizers.zero_grad(set_to_none=cfg.training.disable_cuda_graphs)
-            trainer.metrics_processor.should_log = lambda step: False  # no loss value to log
-            trainer.step = 1
-            memory = _memory_tracker_class()()
-            memory.track_external(*trainer.model_parts, *trainer.optimizers.optimizers)
-            memory.name_modules(trainer.model_parts)
-            comms = _collective_counter_class()(axis_groups(job.layout, rank))
-            patches = _Patches()
-            post_backward = FSDPParamGroup.post_backward
+    with (
+        tempfile.TemporaryDirectory(prefix="dryrun-") as out_dir,
+        fake_world(job.world_size, rank, caps, boundary),
+    ):
+        # Inside: the FP8 / MXFP8 converters check the (emulated) GPU when built.
+        cfg, kernels = _trainer_config(job, caps, out_dir)
+        trainer = _trainer_class()(cfg)
+        built = time.perf_counter() - t0
+        # Steady state: AdamW's moments exist before the step (created at step 1).
+        params = [p for m in trainer.model_parts for p in m.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        trainer.optimizers.step()
+        # As the step leaves them: freed, or kept and zeroed under CUDA graphs.
+        trainer.optimizers.zero_grad(set_to_none=cfg.training.disable_cuda_graphs)
+        trainer.metrics_processor.should_log = lambda step: False  # no loss value to log
+        trainer.step = 1
+        memory = _memory_tracker_class()()
+        memory.track_external(*trainer.model_parts, *trainer.optimizers.optimizers)
+        memory.name_modules(trainer.model_parts)
+        comms = _collective_counter_class()(axis_groups(job.layout, rank))
+        patches = _Patches()
+        post_backward = FSDPParamGroup.post_backward
 
-            def tagged_post_backward(group, *a):
-                out = post_backward(group, *a)
-                for fp in group.fsdp_params:  # the reduce-scattered (sharded) gradients
-                    if fp.sharded_param.grad is not None:
-                        memory.tag(fp.sharded_param.grad, "grad")
-                return out
+        def tagged_post_backward(group, *a):
+            out = post_backward(group, *a)
+            for fp in group.fsdp_params:  # the reduce-scattered (sharded) gradients
+                if fp.sharded_param.grad is not None:
+                    memory.tag(fp.sharded_param.grad, "grad")
+            return out
 
-            patches.set(FSDPParamGroup, "post_backward", tagged_post_backward)
-            try:
-                with memory, comms:
-                    trainer.train_step(trainer.batch_generator(trainer.dataloader))
-            finally:
-                patches.restore()
-            after = memory.figures("current")
-            peak = memory.figures("peak")
-            sched = getattr(trainer, "pp_schedule", None)
-            held = getattr(sched, "_stages", None) or [getattr(sched, "_stage", None)]
-            stages = sorted(s.stage_index for s in held if s is not None) if sched else [0]
-            collectives = {
-                f"{axis}.{kind}": {"count": int(c), "gib": round(b / GIB, 3)}
-                for (axis, kind), (c, b) in sorted(comms.by_axis.items())
-            }
-            trainer.close()
+        patches.set(FSDPParamGroup, "post_backward", tagged_post_backward)
+        try:
+            with memory, comms:
+                trainer.train_step(trainer.batch_generator(trainer.dataloader))
+        finally:
+            patches.restore()
+        after = memory.figures("current")
+        peak = memory.figures("peak")
+        sched = getattr(trainer, "pp_schedule", None)
+        held = getattr(sched, "_stages", None) or [getattr(sched, "_stage", None)]
+        stages = sorted(s.stage_index for s in held if s is not None) if sched else [0]
+        collectives = {
+            f"{axis}.{kind}": {"count": int(c), "gib": round(b / GIB, 3)}
+            for (axis, kind), (c, b) in sorted(comms.by_axis.items())
+        }
+        trainer.close()
     return {
         "rank": rank,
         "world_size": job.world_size,
