@@ -28,11 +28,11 @@ EXTRA = {
     "gpu_slice_70b": ["--cluster=hgx_h200_ib"],  # one GPU of the lent machine's kind
 }
 # Where the memory model may stay further from the measurement, and why (benchmarks/dryrun.md).
-EXPLAINED = {
-    ("llama3_70b", 255): "DualPipeV is priced by its held and deferred maxima, which do not "
-    "coincide on the last rank: an upper bound",
-    ("llama3_70b_h100", 63): "the same DualPipeV upper bound",
-}
+LORA_SAC = (
+    "LoRA under selective AC: torchtitan's per-op policy also saves the adapters' full-width "
+    "outputs; the adapter terms are the post-training engine's (issue 23) to price"
+)
+EXPLAINED = {("sft_llama3_8b_lora", 0): LORA_SAC, ("sft_qwen3_8b_lora", 0): LORA_SAC}
 MEMORY_TOL_PCT = 10.0
 SHIPPED = sorted(p.stem for p in (ROOT / "recipes").glob("*.toml"))
 
@@ -58,6 +58,8 @@ def test_shipped_recipe_builds_and_steps_at_its_world_size(name):
     assert {0, last} <= stages, stages  # first and last stage (V schedules: both on rank 0)
     for r in out["ranks"]:
         assert "error" not in r, r
+        # What issue 28 asks to see, as keys of each rank's entry (the 405B at 512 ranks too).
+        assert {"world_size", "peak_gib", "planned_gib"} <= set(r)
         assert r["world_size"] == out["world_size"] and r["peak_gib"] > 0 and r["planned_gib"] > 0
         gpu = out["gpu"] != "cpu"
         if gpu and (name, r["rank"]) not in EXPLAINED:
@@ -65,17 +67,9 @@ def test_shipped_recipe_builds_and_steps_at_its_world_size(name):
         # FSDP's gathered bytes: torchtitan's per-block all-gathers against the perf model's
         # stage volume (the model's one home for it), within 5%, without pipelining.
         fsdp = r["collectives"].get("fsdp.all_gather")
-        if pp == 1 and fsdp and fsdp["predicted_gib"]:
+        lora = recipe.finetune.mode == "lora"  # adapters' gathers: priced by issue 23's terms
+        if pp == 1 and not lora and fsdp and fsdp["predicted_gib"]:
             assert fsdp["measured_gib"] == pytest.approx(fsdp["predicted_gib"], rel=0.05)
-
-
-def test_405b_at_512_ranks_reports_its_figures():
-    """What issue 28 asks to see, as JSON keys of each rank's entry."""
-    proc = dry_run("--recipe=recipes/llama3_405b.toml")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = json.loads(proc.stdout)["ranks"]
-    assert ranks and all({"world_size", "peak_gib", "planned_gib"} <= set(r) for r in ranks)
-    assert all(r["world_size"] == 512 for r in ranks)
 
 
 def test_70b_h100_grown_to_4096_gpus():
