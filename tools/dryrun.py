@@ -1057,16 +1057,21 @@ def check_before_launch(
         if "error" in r:
             raise ConfigError(f"rank {r['rank']} does not build or step at world "
                               f"{job.world_size:,}: {r['error']}", key="--dry-run-rank")  # fmt: skip
-        need = r["peak_gib"] * (1 + ALLOCATOR_FRAGMENTATION) + overhead
+        # The dry run is eager; a compiled job keeps less by the planner's count of what
+        # compile saves (its SwiGLU and loss fusion), taken off the measured peak.
+        saving = r["planned_gib"] - r["planned"].get("planned_gib_compiled", r["planned_gib"])
+        peak = r["peak_gib"] - saving
+        need = peak * (1 + ALLOCATOR_FRAGMENTATION) + overhead
+        how = f" ({r['peak_gib']:.1f} eager less {saving:.1f} compile saves)" if saving else ""
         if need > hbm:
             raise ConfigError(
-                f"rank {r['rank']} measured {r['peak_gib']:.1f} GiB at its peak; with the "
-                f"allocator's {ALLOCATOR_FRAGMENTATION:.0%} and {overhead:g} GiB outside it, "
-                f"{need:.1f} GiB does not fit the {hbm:.0f} GiB of a {job.cluster.gpu}",
+                f"rank {r['rank']} peaks at {peak:.1f} GiB{how}; with the allocator's "
+                f"{ALLOCATOR_FRAGMENTATION:.0%} and {overhead:g} GiB outside it, {need:.1f} "
+                f"GiB does not fit the {hbm:.0f} GiB of a {job.cluster.gpu}",
                 key="--dry-run-rank",
             )
         lines.append(f"dry run: rank {r['rank']} builds and steps at world {job.world_size:,}; "
-                     f"peak {r['peak_gib']:.1f} GiB measured (planned {r['planned_gib']:.1f}), "
+                     f"peak {peak:.1f} GiB{how} (planned {r['planned_gib'] - saving:.1f}), "
                      f"{need:.1f} of {hbm:.0f} GiB with fragmentation and overhead")  # fmt: skip
     return lines
 

@@ -1,7 +1,7 @@
 """tools.dryrun's checks before any process group, and the memory model's pipeline terms the
 dry run corrected, each against an independent reference (torch's own schedule orders,
 numpy's view of the rank mesh, torchtitan's loss config). The dry runs themselves are in
-tests/integration/test_dryrun.py; their figures in benchmarks/dryrun.md."""
+tests/integration/test_dryrun_recipes.py; their figures in benchmarks/dryrun.md."""
 
 from __future__ import annotations
 
