@@ -101,6 +101,11 @@ def layer_activation_bytes(w: Workload, mode: str | None = None, st: Stack | Non
     elif mode == "selective":
         w2_out = 2 * d  # partial sums before the reduce-scatter (full sequence)
         b = (2 * d + 2 * (qd + 2 * kv) + 2 * qd + lse + 2 * f) / t + (w2_out if t > 1 else 2 * d)
+        if w.lora_rank:
+            # A LoRA linear adds two matmuls, so the per-op policy also saves the adapter's
+            # full-width lora_b output beside each saved base output (wqkv, w1, w2); measured
+            # live at the peak by tools.dryrun on sft_llama3_8b_lora (benchmarks/dryrun.md).
+            b += 2 * (qd + 2 * kv) / t + 2 * f / t + (w2_out if t > 1 else 2 * d)
     elif not st.sp_saves_gathered:
         # Megatron-style: LN inputs and outputs (sequence-sharded), rope'd q/k/v and the
         # attention output, fc1 output (gate and up) and the SwiGLU output.

@@ -157,6 +157,32 @@ def _fewer_microbatches(recipe, layout, n: int, notes: list[str]):
     return r
 
 
+def _rl_microbatch(recipe: Any, layout: Any, cluster: Any, notes: list[str]) -> Any:
+    """RL trains on the step layer (runtime.steps), one microbatch of at most
+    `training.microbatch_tokens` tokens (0: the largest the memory model fits on the
+    profile's GPU) and `local_batch_size` rows at a time, not the Trainer's whole local
+    batch: the Trainer step is dry-run with that microbatch's rows."""
+    import copy
+
+    from parallel.memory import fit_microbatch_tokens, posttrain_load
+    from parallel.workload import workload_from_recipe
+
+    tr = recipe.training
+    pt = posttrain_load(recipe)
+    assert pt is not None  # rl.enabled
+    w = workload_from_recipe(recipe, layout)
+    tokens = tr.microbatch_tokens or fit_microbatch_tokens(w, pt, cluster.hbm_bytes, cluster.gpu)
+    rows = max(1, min(tr.local_batch_size, (tokens or tr.seq_len) // tr.seq_len))
+    r = copy.deepcopy(recipe)
+    r.training.local_batch_size = rows
+    notes.append(
+        f"rl: one step-layer microbatch of {rows} row(s) x {tr.seq_len} tokens "
+        f"({tokens:,}-token budget); the generator copies and KV cache are priced by "
+        "parallel.memory.posttrain_memory, not measured here"
+    )
+    return r
+
+
 def prepare(
     recipe_path: str,
     overrides: list[str],
@@ -211,6 +237,9 @@ def prepare(
             recipe = planned
             notes.append(f"parallel.auto: the planner's plan, {plan.describe()}")
         layout = check_recipe(recipe, world)
+        if recipe.rl.enabled:
+            recipe = _rl_microbatch(recipe, layout, cluster, notes)
+            layout = check_recipe(recipe, world)
         if microbatches is not None:
             recipe = _fewer_microbatches(recipe, layout, microbatches, notes)
             layout = check_recipe(recipe, world)

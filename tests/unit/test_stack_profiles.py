@@ -141,7 +141,9 @@ def test_lora_freezes_the_base():
     # torchtitan keeps the frozen base's fp32 parameter (4 B) and nothing else for it; the
     # adapters carry the usual 16 B/param (fp32 weight, gradient, two AdamW moments).
     assert lora.states == pytest.approx((s.total_params * 4 + adapters * 16) / 8)
-    assert lora.allocated < full.allocated
+    # Under selective AC the per-op policy also saves each adapter's full-width output
+    # (measured by tools.dryrun, benchmarks/dryrun.md), so LoRA keeps more activations.
+    assert lora.activations > full.activations
     c = load_cluster("hgx_h100_ib", nodes=1)
     w, lw = w.with_(ac="none"), lw.with_(ac="none")  # no recompute: fwd, dgrad, wgrad
     pf, pl = predict(w, c), predict(lw, c)
