@@ -67,6 +67,7 @@ def test_layout_matches_single_process(name, reference, seed_checkpoint, tmp_pat
     assert losses[5] < losses[1]
 
 
+@pytest.mark.slow  # measured: over 60 s on 2 loaded cores (#31)
 def test_checkpoint_fsdp2_resumes_as_fsdp2_tp2(reference, seed_checkpoint, tmp_path):
     """Save at world size 2 (FSDP2), resume at 4 (FSDP2 x TP2): DCP reshards on load."""
     common = [*FAST, f"checkpoint.load_from={seed_checkpoint}", "checkpoint.interval=3"]

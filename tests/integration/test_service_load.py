@@ -58,8 +58,8 @@ def _run(server, tmp, groups: list[str], tag):
 
 
 @pytest.mark.slow
-def test_four_clients_fifty_steps_each(tmp_path):
-    # One layer keeps the 400 steps of this test near a minute on two busy cores.
+def test_four_clients_twenty_steps_each(tmp_path):
+    # One layer keeps the 160 steps of this test (4 x 20, alone then together) short.
     server = start_server(tmp_path, sets=["model.layers=1", "training.seq_len=64"])
     try:
         seeds = [str(s) for s in range(CLIENTS)]
