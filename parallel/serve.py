@@ -330,3 +330,61 @@ def resource_speed(m: ServedModel, plan: ResourcePlan, cluster: Any) -> Resource
     ag = coll_time("all_gather", base, planned_spans(layout, cluster)["fsdp"], links)
     read = base / links.hbm if links.hbm > 0 else 0.0
     return ResourceSpeed(fb, ag + read, ag)
+
+
+# ----------------------------------------------------------------------------- clusters
+
+
+def resource_sizes(gpus_per_node: int, nodes: int) -> list[int]:
+    """Resource sizes worth listing: 1, 2, 4 ... GPUs within a node, then 1, 2, 4 ... whole
+    nodes up to `nodes` (FSDP over a power of two divides the blocks evenly)."""
+    out = []
+    n = 1
+    while n < gpus_per_node:
+        out.append(n)
+        n *= 2
+    k = 1
+    while k <= nodes:
+        out.append(k * gpus_per_node)
+        k *= 2
+    return out
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """A resource of `devices` GPUs of a cluster profile: its plan and (when it fits) speed."""
+
+    devices: int
+    nodes: int
+    plan: ResourcePlan
+    speed: ResourceSpeed | None
+
+    def to_json(self) -> dict[str, Any]:
+        mem = self.plan.memory
+        out: dict[str, Any] = {
+            "devices": self.devices,
+            "nodes": self.nodes,
+            "fits": self.plan.fits,
+            "memory_gib_per_device": round(mem.required_gib_on(self.plan.kind), 2),
+            "device_gib": round(self.plan.device_bytes / GIB, 1),
+            "memory_breakdown_gib": {k: round(v, 2) for k, v in mem.breakdown_gib().items()},
+            "microbatch_tokens": mem.microbatch_tokens,
+            "generator_tokens": mem.generator_tokens,
+            "concurrent_samples": self.plan.concurrent_samples,
+            "problems": [{"key": k, "why": w} for k, w in self.plan.problems],
+        }
+        if self.speed is not None:
+            out["forward_backward_tokens_per_s"] = round(
+                self.speed.forward_backward_tokens_per_s, 1
+            )
+            out["decode_step_s"] = round(self.speed.decode_step_s, 4)
+            out["decode_allgather_s"] = round(self.speed.decode_allgather_s, 4)
+        return out
+
+
+def plan_on_cluster(m: ServedModel, r: Resource, cluster: Any) -> ClusterPlan:
+    """`r` (its `devices` GPUs, whole nodes beyond one node) on cluster profile `cluster`."""
+    nodes = max(1, -(-r.devices // cluster.gpus_per_node))
+    plan = plan_resource(m, r, cluster.hbm_bytes, cluster.gpu)
+    speed = resource_speed(m, plan, cluster.with_nodes(nodes)) if plan.fits else None
+    return ClusterPlan(r.devices, nodes, plan, speed)
