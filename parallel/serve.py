@@ -27,7 +27,9 @@ out (service/distributed.py, service/titan_backend.py), and what that costs per 
 
 The generator shares the trainer's base (no second copy: weights move from trainer to
 generator by reference, the adapter snapshot included); `generators = 0` prices none of its
-memory. Time (estimates, not measurements): a forward_backward as parallel.perf prices a LoRA
+memory. On several devices it decodes with the whole base gathered once per sample request
+when that fits next to its KV cache (`whole_base_decode`: the rest of the base, transiently),
+else gathering one layer at a time for every decode step (FSDP's working set, no more). Time (estimates, not measurements): a forward_backward as parallel.perf prices a LoRA
 step on the resource's FSDP layout; a decode step all-gathers the whole base once
 (replicated decode: every device runs every row) and reads it from memory.
 """
@@ -108,6 +110,8 @@ class ResourceMemory:
     generation: float  # KV cache and decode / prompt-logprob work
     microbatch_tokens: int
     generator_tokens: int
+    gathered_base: float = 0.0  # the rest of the base, gathered for a whole sample request
+    whole_base_decode: bool = False  # decode with the base gathered once per request
 
     @property
     def resident(self) -> float:
@@ -115,7 +119,8 @@ class ResourceMemory:
 
     @property
     def allocated(self) -> float:
-        return self.resident + self.unsharded + max(self.training, self.generation)
+        decode = self.gathered_base if self.whole_base_decode else self.unsharded
+        return self.resident + max(self.unsharded + self.training, decode + self.generation)
 
     @property
     def reserved_gib(self) -> float:
@@ -132,6 +137,8 @@ class ResourceMemory:
             "sampler_snapshots": self.snapshots / GIB,
             "training_microbatch": self.training / GIB,
             "generator_kv_and_work": self.generation / GIB,
+            "gathered_base_for_decode": (self.gathered_base if self.whole_base_decode else 0.0)
+            / GIB,
             "allocator_fragmentation": self.allocated * ALLOCATOR_FRAGMENTATION / GIB,
         }
 
@@ -191,6 +198,7 @@ def resource_memory(m: ServedModel, r: Resource, mb: int, gen_tokens: int) -> Re
         generation=generation,
         microbatch_tokens=tokens,
         generator_tokens=gen_tokens if r.generators else 0,
+        gathered_base=s.total_params * b * (n - 1) / n,
     )
 
 
@@ -278,7 +286,14 @@ def plan_resource(
                  f"has {gib:.1f} GiB: lower --generator-tokens or --context, or serve with "
                  "--generators 0 (SFT only)")
             )  # fmt: skip
-    return ResourcePlan(r, resource_memory(m, r, mb, gen), device_bytes, kind, m.context, problems)
+    mem = resource_memory(m, r, mb, gen)
+    if r.generators and r.devices > 1:
+        # Decode with the whole base gathered once per request when it fits next to the KV
+        # cache: no all-gather per token (per layer and step otherwise).
+        whole = replace(mem, whole_base_decode=True)
+        if _fits(whole, device_bytes, kind):
+            mem = whole
+    return ResourcePlan(r, mem, device_bytes, kind, m.context, problems)
 
 
 def min_devices(
@@ -311,8 +326,10 @@ class ResourceSpeed:
 
 def resource_speed(m: ServedModel, plan: ResourcePlan, cluster: Any) -> ResourceSpeed:
     """forward_backward throughput as parallel.perf prices a LoRA step of one microbatch per
-    device on FSDP over the resource; a decode step as one all-gather of the base over the
-    resource plus one read of the whole base from memory (bandwidth-bound decode)."""
+    device on FSDP over the resource; a decode step as one read of the whole base from memory
+    (bandwidth-bound decode) plus, when the base is gathered layer by layer, one all-gather of
+    it (`decode_allgather_s`; with `whole_base_decode` that all-gather is paid once per
+    request instead)."""
     from core.axes import Layout
     from parallel.perf import coll_time, links_of, predict
     from parallel.workload import planned_spans
@@ -329,7 +346,8 @@ def resource_speed(m: ServedModel, plan: ResourcePlan, cluster: Any) -> Resource
     base = w.shape.total_params * m.dtype_bytes
     ag = coll_time("all_gather", base, planned_spans(layout, cluster)["fsdp"], links)
     read = base / links.hbm if links.hbm > 0 else 0.0
-    return ResourceSpeed(fb, ag + read, ag)
+    per_step = 0.0 if plan.memory.whole_base_decode else ag
+    return ResourceSpeed(fb, per_step + read, ag)
 
 
 # ----------------------------------------------------------------------------- clusters

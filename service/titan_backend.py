@@ -246,6 +246,7 @@ class TitanLoraBackend:
         group: Any = None,
         generators: int = 1,
         generator_tokens: int = 2**62,
+        whole_base_decode: bool = False,
     ):
         """`group`: the process group the base is sharded over (None: one process);
         `generators`: 0 or 1; `generator_tokens`: KV-cache positions the generator may hold
@@ -261,6 +262,10 @@ class TitanLoraBackend:
         self.devices = devices if devices is not None else self.world
         self.generators = generators
         self.generator_tokens = generator_tokens
+        # Sharded base: gather it whole once per sample request (the plan found room) rather
+        # than one layer per decode step; `_whole` is set while it is gathered.
+        self.whole_base_decode = whole_base_decode and group is not None
+        self._whole = False
         self.device = next(model.parameters()).device
         for p in model.parameters():
             p.requires_grad_(False)  # the base is frozen; adapters bring their own tensors
@@ -317,6 +322,7 @@ class TitanLoraBackend:
             group=mesh.get_group() if mesh is not None else None,
             generators=plan.resource.generators,
             generator_tokens=plan.memory.generator_tokens,
+            whole_base_decode=plan.memory.whole_base_decode,
             **kw,
         )
 
@@ -541,8 +547,33 @@ class TitanLoraBackend:
             decode = None if tok is None else lambda ids: tok.decode(ids, skip_special_tokens=False)
             # The generator decodes through the trainer's own base: no copy, no transfer (a
             # snapshot's adapter tensors are bound into it by reference for each sample).
-            self._generator = Generator(self.model, decode=decode, shared=True, gather=gathered)
+            self._generator = Generator(
+                self.model, decode=decode, shared=True, gather=self._gather_layer
+            )
         return self._generator
+
+    def _gather_layer(self, module: nn.Module) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self._whole else gathered(module)
+
+    @contextlib.contextmanager
+    def _decode_weights(self) -> Iterator[None]:
+        """The whole base gathered for one sample request (every FSDP unit, in module order:
+        the same collectives on every rank), or nothing (gathered per layer and step)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if not self.whole_base_decode:
+            yield
+            return
+        units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        for m in units:
+            m.unshard()
+        self._whole = True
+        try:
+            yield
+        finally:
+            self._whole = False
+            for m in units:
+                m.reshard()
 
     def sample(
         self,
@@ -583,7 +614,10 @@ class TitanLoraBackend:
             stop_strings=params.stop_strings,
             seed=params.seed,
         )
-        samples = gen.generate([prompt], gp)
+        scored = prompt_logprobs or topk_prompt_logprobs > 0
+        with self._decode_weights():
+            samples = gen.generate([prompt], gp)
+            scores = gen.prompt_scores(prompt, topk_prompt_logprobs) if scored else None
         seqs = [
             SampledSeq(
                 np.asarray(s.tokens, dtype=np.int32),
@@ -592,9 +626,9 @@ class TitanLoraBackend:
             )
             for s in samples
         ]
-        if not (prompt_logprobs or topk_prompt_logprobs):
+        if scores is None:
             return SampleResult(seqs)
-        lp, top_ids, top_lp = gen.prompt_scores(prompt, topk_prompt_logprobs)
+        lp, top_ids, top_lp = scores
         skip = 1 + (len(prompt) - 1 - prompt_logprobs_last_n if prompt_logprobs_last_n else 0)
         plp = np.concatenate([[np.nan], lp]).astype(np.float32)
         plp[:skip] = np.nan  # positions not scored

@@ -315,9 +315,16 @@ def _serve(args: argparse.Namespace, recipe, opts, keys, served, sock, plan) -> 
 
 def describe_plan(plan) -> str:
     m, r = plan.memory, plan.resource
+    how = ""
+    if r.devices > 1:
+        how = (
+            ", decoding with the base gathered once per request"
+            if m.whole_base_decode
+            else ", decoding with the base gathered layer by layer"
+        )
     gen = (
         f"a generator of {m.generator_tokens:,} KV-cache tokens "
-        f"({plan.concurrent_samples} full-context samples at once)"
+        f"({plan.concurrent_samples} full-context samples at once{how})"
         if r.generators
         else "no generator (--generators 0: training only)"
     )

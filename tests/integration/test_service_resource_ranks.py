@@ -1,8 +1,14 @@
-"""The model resource's dispatcher (service/distributed.py) on two gloo processes with a fake
-backend: a refusal on every rank fails that operation alone; a rank slower than the
-per-operation deadline fails the operation within the deadline and stops the resource (every
-later call fails at once with the same sentence); the slow rank then finds rank 0 gone and
-exits with one line."""
+"""A model resource's ranks on two gloo processes, without the HTTP service.
+
+The dispatcher (service/distributed.py) with a fake backend: a refusal on every rank fails
+that operation alone; a rank slower than the per-operation deadline fails the operation
+within the deadline and stops the resource (every later call fails at once with the same
+sentence); the slow rank then finds rank 0 gone and exits with one line.
+
+The sharded backend's generator (service/titan_backend.py): with the base gathered once per
+request and gathered layer by layer per decode step, the samples, their logprobs and the
+prompt logprobs equal an unsharded one-process backend's (the service test's resource uses
+whichever its plan picks, the whole base on this machine)."""
 
 from __future__ import annotations
 
@@ -36,3 +42,14 @@ def test_slow_rank_fails_the_operation_within_the_deadline():
     lost = [x for x in p.stderr.splitlines() if "resource rank 1: lost" in x]
     assert len(lost) == 1 and lost[0].startswith("error: "), p.stderr[-2000:]
     assert "Traceback" not in p.stderr
+
+
+def test_sharded_decode_equals_one_process_both_ways():
+    cmd = [sys.executable, "-m", "tools.torchrun", "--standalone", "--nproc-per-node=2",
+           str(ROOT / "tests" / "helpers" / "resource_decode_worker.py")]  # fmt: skip
+    p = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("{")))
+    for how in ("whole", "per_layer"):
+        assert out[how]["same_tokens"], out
+        assert out[how]["max_logprob_diff"] < 1e-5 and out[how]["max_prompt_logprob_diff"] < 1e-5
