@@ -26,6 +26,7 @@ fingerprint (source, packing, seq_len, window, vocab) that must match on resume.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -648,16 +649,41 @@ def build_stream(
 
 def collate_rows(
     rows: list[tuple[dict[str, torch.Tensor], torch.Tensor]],
+    trim_to: int = 0,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """torch's default collate, after giving rows without loss weights (a batch that mixes
     weighted and unweighted groups) their implicit ones: weight 1 on trained pairs, delta 0.
-    Batches without weighted rows are collated untouched."""
+    Batches without weighted rows are collated untouched. `trim_to` > 0: the batch is then
+    cut after its last trained pair (`trim_padding`)."""
     if any(LOSS_WEIGHTS in d for d, _ in rows):
         for d, lab in rows:
             if LOSS_WEIGHTS not in d:
                 d[LOSS_WEIGHTS] = (lab != IGNORE_INDEX).to(torch.float32)
                 d[LOSS_WEIGHT_DELTA] = torch.zeros((), dtype=torch.float64)
-    return default_collate(rows)
+    batch, labels = default_collate(rows)
+    if trim_to:
+        batch, labels = trim_padding(batch, labels, trim_to)
+    return batch, labels
+
+
+def trim_padding(
+    batch: dict[str, torch.Tensor], labels: torch.Tensor, multiple: int
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Cut every [B, L] tensor of a batch after the last column holding a trained pair in
+    any row, rounded up to `multiple` (at most L; a batch with no trained pair keeps
+    `multiple` columns). The columns cut are padding, or prompt tokens after every trained
+    pair of the batch: under causal attention they change no trained position's logits, so
+    the loss and its gradient are those of the full rows, on fewer tokens. Why: with
+    packing = "none" every row is one example padded to seq_len, and short examples would
+    cost seq_len tokens each (benchmarks/peers.md: 26-token examples at seq_len 256, 10x)."""
+    L = labels.shape[1]
+    trained = (labels != IGNORE_INDEX).any(0).nonzero()
+    end = int(trained[-1]) + 1 if len(trained) else 1
+    end = min(L, -(-end // multiple) * multiple)
+    if end == L:
+        return batch, labels
+    cut = {k: v[:, :end] if v.dim() == 2 and v.shape[1] == L else v for k, v in batch.items()}
+    return cut, labels[:, :end]
 
 
 class TitanscaleDataLoader(ParallelAwareDataloader):
@@ -698,6 +724,11 @@ class TitanscaleDataLoader(ParallelAwareDataloader):
         weights: bool = True
         """sft: apply the records' "weight" to the loss (the validator reads without)."""
 
+        trim_padding_to: int = 0
+        """> 0: cut each batch after its last trained pair, rounded up to a multiple of this
+        (data.loader.trim_padding); 0: every row is seq_len long. runtime.build sets it for
+        packing = "none" where batch shapes may vary."""
+
         subset: str = ""
         """Hub sources: the dataset configuration (load_dataset's name=)."""
 
@@ -723,6 +754,8 @@ class TitanscaleDataLoader(ParallelAwareDataloader):
                 raise ValueError(f"streaming must be one of {STREAMING_MODES}")
             if self.window < 1:
                 raise ValueError(f"window must be positive, got {self.window}")
+            if self.trim_padding_to < 0:
+                raise ValueError(f"trim_padding_to must be >= 0, got {self.trim_padding_to}")
             if self.num_workers:
                 # The stream's position lives in this process's dataset object; worker
                 # processes would advance copies of it and the checkpoint would be stale.
@@ -765,7 +798,7 @@ class TitanscaleDataLoader(ParallelAwareDataloader):
             dp_world_size=dp_world_size,
             batch_size=local_batch_size,
             num_workers=0,
-            collate_fn=collate_rows,
+            collate_fn=functools.partial(collate_rows, trim_to=config.trim_padding_to),
         )
 
     # The stream state is identical on every rank (rows are consumed a whole dp group at a

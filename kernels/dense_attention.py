@@ -67,3 +67,58 @@ class DenseMaskAttention(FlexAttention):
             q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
         )
         return out.transpose(1, 2)
+
+
+def all_partial_block_mask(mask_mod, batch: int, seq_len: int, block_size, device) -> BlockMask:
+    """A BlockMask whose every (query block, key block) tile is partial: `mask_mod` decides
+    every entry. A valid mask for any consumer (flex would just skip no tile), built from
+    index tensors alone: no mask evaluation, no compilation. `block_size`: an int or
+    torch's (query, key) pair."""
+    q_bs, kv_bs = (block_size, block_size) if isinstance(block_size, int) else block_size
+    nq, nkv = -(-seq_len // q_bs), -(-seq_len // kv_bs)
+    num = torch.full((batch, 1, nq), nkv, dtype=torch.int32, device=device)
+    idx = torch.arange(nkv, dtype=torch.int32, device=device).expand(batch, 1, nq, nkv)
+    return BlockMask.from_kv_blocks(
+        num,
+        idx.contiguous(),
+        BLOCK_SIZE=(q_bs, kv_bs),
+        mask_mod=mask_mod,
+        seq_lengths=(seq_len, seq_len),
+    )
+
+
+def _install_uncompiled_masks() -> None:
+    """Masks for DenseMaskAttention without torch.compile.
+
+    torchtitan's decoder builds every FlexAttention-family mask with a `torch.compile`d
+    `create_block_mask` (torchtitan.models.common.attention.create_attention_mask), and has no
+    seam to choose otherwise. On CPU that compile (inductor, C++) costs seconds to tens of
+    seconds per new (batch, length) shape, and torch recompiles once more with dynamic shapes
+    after the second one: measured 8 s and 27 s under load (benchmarks/peers.md), i.e. the
+    first step of every CPU run, the first two GRPO updates (rollout lengths vary) and the
+    service's first forward_backward calls. The dense backend only reads the mask's
+    `mask_mod`, so for models configured with it the decoder's mask builder is replaced by
+    `all_partial_block_mask` (microseconds); every other backend keeps torchtitan's path.
+    Installed once, when this module is imported (a DenseMaskAttention config cannot exist
+    before that)."""
+    from torch.nn.attention.flex_attention import and_masks
+    from torchtitan.models.common.decoder import Decoder
+
+    original = Decoder._create_flex_attention_mask
+    if getattr(original, "_titanscale_dense", False):
+        return
+
+    def _create_flex_attention_mask(self, positions, attn_config, mask_mods):
+        inner = attn_config.inner_attention
+        if not isinstance(inner, DenseMaskAttention.Config):
+            return original(self, positions, attn_config, mask_mods)
+        B, L = positions.shape
+        return all_partial_block_mask(
+            and_masks(*mask_mods), B, L, inner.block_size, positions.device
+        )
+
+    _create_flex_attention_mask._titanscale_dense = True  # type: ignore[attr-defined]
+    Decoder._create_flex_attention_mask = _create_flex_attention_mask  # type: ignore[method-assign]
+
+
+_install_uncompiled_masks()

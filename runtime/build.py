@@ -70,14 +70,27 @@ def keep_frozen(parallelize_fn: Callable[..., Any]) -> Callable[..., Any]:
     """
 
     def parallelize(model: Any, *args: Any, **kwargs: Any) -> Any:
-        frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+        frozen = {plain_fqn(n) for n, p in model.named_parameters() if not p.requires_grad}
         out = parallelize_fn(model, *args, **kwargs)
         for n, p in (out if out is not None else model).named_parameters():
-            if n in frozen:
+            if plain_fqn(n) in frozen:
                 p.requires_grad_(False)
         return out
 
     return parallelize
+
+
+# Module wrappers that parallelize inserts into parameter names: activation checkpointing
+# (torch's checkpoint_wrapper), torch.compile, FSDP1. Comparing names without them is what
+# keeps a LoRA base frozen under activation checkpointing (found by tools.dryrun: with
+# `_checkpoint_wrapped_module.` in every block's names nothing matched and all 7B base
+# weights of sft_llama3_8b_lora trained).
+_WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+
+
+def plain_fqn(name: str) -> str:
+    """A parameter's name with module-wrapper components removed."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
 
 
 def model_spec(family: str, flavor: str) -> ModelSpec:
@@ -160,6 +173,22 @@ def dataloader_config(recipe: Recipe) -> TitanscaleDataLoader.Config:
     )
 
 
+def padding_trim(recipe: Recipe, layout: Layout, attention: str, *, cuda_graphs: bool) -> int:
+    """`data.packing = "none"`: the multiple each batch is cut to after its last trained pair
+    (data.loader.trim_padding: same loss and gradient, fewer tokens), or 0 where batch
+    shapes must stay fixed: pipeline stages (fixed microbatch shapes), tensor and context
+    parallelism (a sequence split across ranks), compile and CUDA graphs (one graph per
+    shape), flex attention (a compiled mask and kernel per shape). The multiple is the loss
+    chunk count: torchtitan's chunked loss splits a sequence into that many equal chunks."""
+    if recipe.data.packing != "none" or recipe.training.compile or cuda_graphs:
+        return 0
+    if layout.pp > 1 or layout.tp > 1 or layout.cp > 1 or attention not in ("dense", "varlen"):
+        return 0
+    from recipe.model_checks import loss_chunks
+
+    return loss_chunks()
+
+
 def recipe_model_spec(recipe: Recipe) -> ModelSpec:
     """The ModelSpec for `[model]` (family, flavor, layer and vocabulary overrides), before
     kernels and converters; shared by the Trainer config and the service (service/)."""
@@ -211,6 +240,13 @@ def build_trainer_config(
     ]
     ck = recipe.checkpoint
     initial = ck.load_hf or ck.load_from
+    # training.cuda_graphs: on where torchtitan allows capture (pp = 1, not varlen); never on
+    # CPU (torchtitan would warn and run eager, but keep gradients allocated).
+    cuda_graphs = not platform.is_cpu and uses_cuda_graphs(recipe, layout.pp, kernels.attention)
+    dataloader = dataloader_config(recipe)
+    dataloader.trim_padding_to = padding_trim(
+        recipe, layout, kernels.attention, cuda_graphs=cuda_graphs
+    )
     config = Trainer.Config(
         model_spec=spec,
         hf_assets_path=tokenizer_path,
@@ -228,10 +264,7 @@ def build_trainer_config(
             max_norm=tr.max_norm,
             steps=tr.steps,
             mixed_precision_param=tr.dtype,
-            # training.cuda_graphs: on where torchtitan allows capture (pp = 1, not varlen);
-            # never on CPU (torchtitan would warn and run eager, but keep gradients allocated).
-            disable_cuda_graphs=platform.is_cpu
-            or not uses_cuda_graphs(recipe, layout.pp, kernels.attention),
+            disable_cuda_graphs=not cuda_graphs,
         ),
         parallelism=ParallelismConfig(
             data_parallel_replicate_degree=layout.dp_replicate,
@@ -248,7 +281,7 @@ def build_trainer_config(
             spmd_backend=spmd_backend(),  # type: ignore[arg-type]
             pipeline_parallel_layers_per_stage=layers_per_stage,
         ),
-        dataloader=dataloader_config(recipe),
+        dataloader=dataloader,
         metrics=TitanscaleMetrics.Config(
             log_freq=recipe.metrics.log_every,
             enable_tensorboard=recipe.metrics.tensorboard,
