@@ -109,6 +109,9 @@ def check_serve(args: argparse.Namespace, recipe, cluster) -> None:
 
     if args.serve_arg and not args.serve:
         raise ConfigError("--serve-arg needs --serve", key="--serve-arg")
+    if args.dry_run_rank:  # tools.dryrun steps the recipe's training layout, not a resource
+        raise ConfigError("--dry-run-rank runs a training step; a resource is sized by "
+                          "`tools.plan --serve`", key="--dry-run-rank")  # fmt: skip
     for a in args.serve_arg:
         if a.split("=", 1)[0] in ("--recipe", "--storage", "--set"):
             raise ConfigError(
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         extra_sbatch=tuple(args.sbatch_arg),
         serve_args=tuple(args.serve_arg) if args.serve else None,
     )
-    if args.serve:
+    if args.serve or args.serve_arg:
         check_serve(args, recipe, cluster)
     layout, warnings = check_launch(recipe, cluster, opts)
     # Training's kernel check on the profile's GPU, and with `auto` the planner's choice that

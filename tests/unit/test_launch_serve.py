@@ -34,6 +34,7 @@ def test_serve_job_script_runs_tools_serve_on_every_gpu(capsys, tmp_path):
         ([*SERVE_70B, "--nodes", "1", "--serve-arg=--generators=2"], ["--generators"]),
         ([*SERVE_70B, "--nodes", "1", "--serve-arg=--host=0.0.0.0"], ["--api-key-file"]),
         ([*SERVE_70B, "--nodes", "1", "--serve-arg=--storage=/x"], ["--serve-arg"]),
+        ([*SERVE_70B, "--nodes", "1", "--dry-run-rank", "0"], ["--dry-run-rank", "--serve"]),
     ],
 )  # fmt: skip
 def test_bad_serve_launch_is_one_line_before_submitting(capsys, argv, words):
@@ -42,3 +43,9 @@ def test_bad_serve_launch_is_one_line_before_submitting(capsys, argv, words):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ")
     assert all(w in err for w in words) and "Traceback" not in err
+
+
+def test_serve_arg_without_serve_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        launch_main([*SERVE_70B, "--nodes", "1", "--serve-arg=--port=8000", "--dry-run"])
+    assert e.value.code == 2 and "--serve-arg needs --serve" in capsys.readouterr().err
