@@ -110,3 +110,25 @@ def start_server(
         time.sleep(0.5)
     proc.kill()
     raise RuntimeError(f"server did not start:\n{log.read_text()[-3000:]}")
+
+
+def importance_sampling_datums(prompt: list[int], sequences, advantages) -> list:
+    """The tinker Datums of one RL step: each sampled sequence after `prompt`, with the
+    sampler's logprobs and the sequence's advantage on its tokens (the prompt's padded with 0)."""
+    from tinker import types
+
+    pad = [0.0] * (len(prompt) - 1)
+    data = []
+    for s, a in zip(sequences, advantages, strict=True):
+        toks = prompt + list(s.tokens)
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(toks[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": toks[1:],
+                    "logprobs": pad + list(s.logprobs),
+                    "advantages": pad + [float(a)] * len(s.tokens),
+                },
+            )
+        )
+    return data

@@ -24,7 +24,13 @@ import pytest
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-from tests.helpers.service_server import BASE_MODEL, KEY, TINY, start_server  # noqa: E402
+from tests.helpers.service_server import (  # noqa: E402
+    BASE_MODEL,
+    KEY,
+    TINY,
+    importance_sampling_datums,
+    start_server,
+)
 
 pytestmark = pytest.mark.multiproc
 
@@ -91,20 +97,7 @@ def rl_loop(url: str) -> dict:
         ).result()
         rewards = np.array([np.mean(np.array(s.tokens) < 1024) for s in res.sequences])
         adv = rewards - rewards.mean()
-        data = []
-        for s, a in zip(res.sequences, adv, strict=True):
-            toks = PROMPT + list(s.tokens)
-            pad = [0.0] * (len(PROMPT) - 1)
-            data.append(
-                types.Datum(
-                    model_input=types.ModelInput.from_ints(toks[:-1]),
-                    loss_fn_inputs={
-                        "target_tokens": toks[1:],
-                        "logprobs": pad + list(s.logprobs),
-                        "advantages": pad + [float(a)] * len(s.tokens),
-                    },
-                )
-            )
+        data = importance_sampling_datums(PROMPT, res.sequences, adv)
         fb = tc.forward_backward(data, "importance_sampling")
         tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
         losses.append(fb.result().metrics["loss:sum"])
