@@ -438,7 +438,9 @@ def _memory_for_rank(w: Workload, rank: int, st: Stack) -> MemoryEstimate:
     stage_act = mean_layers_per_stage * per_layer_tok * tokens + tokens * 2 * s.dim / t
     stage_wgrad = mean_layers_per_stage * layer_weight_grad_bytes(w) * tokens
     inflight, deferred = held_and_deferred(w, rank, stage_act, stage_wgrad)
-    activations = inflight * stage_act + deferred * stage_wgrad + recv_buffer_bytes(w, rank)
+    activations = inflight * stage_act + deferred * stage_wgrad
+    if st.pp_recv_buffers_per_microbatch:
+        activations += recv_buffer_bytes(w, rank)
     # Backward recomputes one checkpointed layer at a time (measured: without AC the peak
     # comes at the start of backward, before any layer's workspace).
     workspace = (layer_activation_bytes(w, "none", st) - per_layer_tok) * tokens
