@@ -587,16 +587,12 @@ def fit_microbatch_tokens(
     return best
 
 
-def posttrain_load(
-    recipe, microbatch_tokens: int = 0, *, service: bool = False
-) -> PostTrain | None:
+def posttrain_load(recipe, microbatch_tokens: int = 0) -> PostTrain | None:
     """The PostTrain of a recipe's job (None for pretraining and Trainer-path SFT): RL's
-    generator copies (one; async adds the probe), its KL reference, [[adapters]], or the
-    service (`service`: one sampler copy, generation)."""
+    generator copies (one; async adds the probe), its KL reference, or [[adapters]]. (The
+    service is a model resource, priced by parallel/serve.py: its generator shares the base.)"""
     tokens = microbatch_tokens or recipe.training.microbatch_tokens or MICROBATCH_LADDER[0]
     rl = recipe.rl
-    if service:
-        return PostTrain(microbatch_tokens=tokens, generator_copies=1, generation=True)
     if rl.enabled:
         return PostTrain(
             microbatch_tokens=tokens,
