@@ -55,6 +55,22 @@ def fast_reference(tmp_path_factory, seed_checkpoint) -> dict[int, float]:
     return losses
 
 
+@pytest.fixture(scope="session")
+def fsdp2_run(tmp_path_factory, seed_checkpoint) -> Path:
+    """Output folder of the uninterrupted 2-process FSDP2 run (FAST, local batch 2, so global
+    batch 4, from the seed checkpoint), checkpointing at step 3 (saving changes no loss).
+    The fsdp2 layout test reads its losses, the resharding test resumes from its step 3
+    (tests/integration/test_multiproc_layouts.py), and the dead-rank restart is held to its
+    losses (tests/integration/test_reliability_faults.py): one run for three claims."""
+    from tests.helpers.runs import FAST, run_train
+
+    out = tmp_path_factory.mktemp("fsdp2_run")
+    sets = [*FAST, "training.local_batch_size=2", f"checkpoint.load_from={seed_checkpoint}",
+            "checkpoint.interval=3"]  # fmt: skip
+    run_train(out, sets, nproc=2)
+    return out
+
+
 @pytest.fixture(autouse=True)
 def _isolated_root_logging():
     """Handlers a test adds to the root logger (torchtitan's init_logger binds one to the

@@ -10,7 +10,6 @@ float reduction order.
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -21,7 +20,7 @@ pytestmark = pytest.mark.multiproc
 TOL = 2e-4
 
 LAYOUTS = {
-    "fsdp2": (2, ["training.local_batch_size=2"]),
+    "fsdp2": (2, ["training.local_batch_size=2"]),  # run once: conftest fsdp2_run
     "tp2": (2, ["training.local_batch_size=4", "parallel.tp=2"]),
     "pp2_1f1b": (
         2,
@@ -58,18 +57,6 @@ def reference(fast_reference) -> dict[int, float]:
     return fast_reference  # the 1-process run (tests/conftest.py), shared with placed meshes
 
 
-@pytest.fixture(scope="module")
-def fsdp2_run(tmp_path_factory, seed_checkpoint) -> Path:
-    """The FSDP2 layout's run, saving at step 3 (saving does not change the losses): the
-    fsdp2 layout test reads its losses and the resharding test resumes from its step-3
-    checkpoint, one 2-process run for both claims (it was two)."""
-    out = tmp_path_factory.mktemp("fsdp2")
-    nproc, overrides = LAYOUTS["fsdp2"]
-    sets = [*FAST, *overrides, f"checkpoint.load_from={seed_checkpoint}", "checkpoint.interval=3"]
-    run_train(out, sets, nproc=nproc)
-    return out
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name, reference, seed_checkpoint, tmp_path, request):
     nproc, overrides = LAYOUTS[name]
@@ -89,9 +76,9 @@ def test_layout_matches_single_process(name, reference, seed_checkpoint, tmp_pat
 @pytest.mark.slow  # measured: over 60 s on 2 loaded cores (#31)
 def test_checkpoint_fsdp2_resumes_as_fsdp2_tp2(reference, fsdp2_run, seed_checkpoint, tmp_path):
     """Save at world size 2 (FSDP2), resume at 4 (FSDP2 x TP2): DCP reshards on load."""
-    # The first leg is `fsdp2_run` (the same training.steps on both legs: the LR schedule
-    # depends on it). Only its step-3 checkpoint is copied, so the second leg resumes from
-    # step 3, not the end.
+    # The first leg is conftest's `fsdp2_run` (the same training.steps on both legs: the LR
+    # schedule depends on it). Only its step-3 checkpoint is copied, so the second leg
+    # resumes from step 3, not the end.
     step3 = fsdp2_run / "checkpoint" / "step-3"
     assert (step3 / ".metadata").exists()
     shutil.copytree(step3, tmp_path / "checkpoint" / "step-3")
