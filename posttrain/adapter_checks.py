@@ -1,8 +1,9 @@
 """Resuming an adapter from its checkpoint: the saved adapter must be the recipe's (pure).
 
-`posttrain.adapters.AdapterJob.resume` loads `<output_dir>/adapters/<name>/step-N/adapter.pt`
-into the adapter the recipe describes. A recipe changed since (another `lora.rank`, other
-`lora.target_modules`, the adapters' sources swapped, another `seq_len`) used to end in a
+`posttrain.adapters.AdapterJob.resume` loads the DCP checkpoint
+`<output_dir>/adapters/<name>/step-N` into the adapter the recipe describes. A recipe changed
+since (another `lora.rank`, other `lora.target_modules`, the adapters' sources swapped,
+another `seq_len`) used to end in a
 tensor-copy or optimizer traceback, or in the data position's ValueError. `resume_problem`
 compares what the checkpoint holds with what the recipe builds, from plain data only (names,
 shapes, the data position's fingerprint), and returns the one line to print (and the key

@@ -159,3 +159,25 @@ def check_limits(recipe: Any) -> None:
             file=f,
             key="lora.alpha",
         )
+
+
+# The per-key limits above as docs/recipes.md shows them (tools.gen_docs): dotted key (an
+# array of tables as `adapters[].lr`) -> (settings that check_limits refuses naming that key,
+# what is refused). tests/unit/test_gen_docs.py applies each setting and checks the refusal.
+DOCUMENTED_LIMITS: dict[str, tuple[dict[str, Any], str]] = {
+    "training.lr": ({"training.lr": 1.5}, f"> {MAX_LR:g}"),
+    "training.weight_decay": (
+        {"training.lr": 1e-2, "training.weight_decay": 100.0},
+        "lr x weight_decay ≥ 1",
+    ),
+    "rl.sft_warmup_lr": ({"rl.sft_warmup_lr": 1.5}, f"> {MAX_LR:g}"),
+    "adapters[].lr": ({"adapters[].lr": 1.5}, f"> {MAX_LR:g}"),
+    "rl.temperature": ({"rl.temperature": 1e-7}, f"< {MIN_TEMPERATURE:g} or > {MAX_COEF:g}"),
+    "rl.top_p": ({"rl.top_p": 1e-7}, f"< {MIN_TEMPERATURE:g}"),
+    "rl.group_size": ({"rl.enabled": True, "rl.group_size": 1}, "< 2 with [rl] enabled"),
+    "rl.clip_low": ({"rl.clip_low": 1.5}, "> 1"),
+    "rl.clip_high": ({"rl.clip_high": 2e6}, f"> {MAX_COEF:g}"),
+    "rl.tis_cap": ({"rl.tis_cap": 2e6}, f"> {MAX_COEF:g}"),
+    "rl.kl_coef": ({"rl.kl_coef": 2e6}, f"> {MAX_COEF:g}"),
+    "lora.alpha": ({"lora.alpha": 2e7, "lora.rank": 8}, f"alpha / rank > {MAX_COEF:g}"),
+}

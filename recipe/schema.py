@@ -652,8 +652,8 @@ class RLSection:
         default=60.0,
         metadata=doc(
             "Seconds a user hook (the environment's tasks(), a reward) may take per call "
-            "before it fails like a hook that raised (rl.on_error applies); 0 = no limit "
-            "(rl/hooks.py)."
+            "before it fails like a hook that raised (rl.on_error applies); 0 = no limit, "
+            "else 0.001 to 1e6 (rl/hooks.py)."
         ),
     )
 

@@ -6,6 +6,7 @@ The repository root goes on sys.path so tests import the project's packages and
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+# No test reaches the network (a fresh clone's run must not hang on the Hub or fail on it);
+# tests of the offline error need these set, and child processes inherit them.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from tests.helpers.runs import child_env  # noqa: E402
 
@@ -34,6 +39,38 @@ def seed_checkpoint(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def fast_reference(tmp_path_factory, seed_checkpoint) -> dict[int, float]:
+    """step -> loss of the 1-process reference run every layout test compares with: the debug
+    recipe, FAST settings (seq 128, 5 steps), global batch 4, from the seed checkpoint.
+    Shared by tests/integration/test_multiproc_layouts.py and test_placed_mesh_multiproc.py."""
+    from tests.helpers.runs import FAST, read_losses, run_train
+
+    out = tmp_path_factory.mktemp("fast_reference")
+    run_train(
+        out, [*FAST, "training.local_batch_size=4", f"checkpoint.load_from={seed_checkpoint}"]
+    )
+    losses = read_losses(out)
+    assert sorted(losses) == [1, 2, 3, 4, 5]
+    return losses
+
+
+@pytest.fixture(scope="session")
+def fsdp2_run(tmp_path_factory, seed_checkpoint) -> Path:
+    """Output folder of the uninterrupted 2-process FSDP2 run (FAST, local batch 2, so global
+    batch 4, from the seed checkpoint), checkpointing at step 3 (saving changes no loss).
+    The fsdp2 layout test reads its losses, the resharding test resumes from its step 3
+    (tests/integration/test_multiproc_layouts.py), and the dead-rank restart is held to its
+    losses (tests/integration/test_reliability_faults.py): one run for three claims."""
+    from tests.helpers.runs import FAST, run_train
+
+    out = tmp_path_factory.mktemp("fsdp2_run")
+    sets = [*FAST, "training.local_batch_size=2", f"checkpoint.load_from={seed_checkpoint}",
+            "checkpoint.interval=3"]  # fmt: skip
+    run_train(out, sets, nproc=2)
+    return out
+
+
 @pytest.fixture(autouse=True)
 def _isolated_root_logging():
     """Handlers a test adds to the root logger (torchtitan's init_logger binds one to the
@@ -47,3 +84,13 @@ def _isolated_root_logging():
     for h in list(root.handlers):
         if h not in before:
             root.removeHandler(h)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The reliability figures this process recorded (tools.reliability_report.record and
+    record_case, called by the tests where they measure) are merged into
+    $TITANSCALE_RELIABILITY_FIGURES once, here: whatever subset ran, in any order, under
+    xdist one merge per worker. Without the variable nothing was kept and nothing is written."""
+    from tools.reliability_report import flush
+
+    flush()

@@ -8,14 +8,18 @@
 run counted (a rerun of one area's tests), so one area's figures can be refreshed without
 the whole suite; the header says which rows came from which run.
 
-The tests call `record(name, value)`; it is a no-op unless TITANSCALE_RELIABILITY_FIGURES
-names a JSON file, so a plain `pytest` run writes nothing. The figures land between the
+The tests call `record(name, value)` and `record_case(...)` where they measure; both are
+no-ops unless TITANSCALE_RELIABILITY_FIGURES names a JSON file, so a plain `pytest` run
+writes nothing. Figures are kept in the process and merged into that file once, by `flush`
+(tests/conftest.py calls it at the end of the session; atexit otherwise), so no test
+depends on another having run first. The figures land between the
 `<!-- figures:begin -->` and `<!-- figures:end -->` markers of docs/reliability.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import fcntl
 import json
@@ -69,17 +73,29 @@ def _figures() -> Iterator[dict[str, Any] | None]:
         Path(path).write_text(json.dumps(data, indent=1, sort_keys=True))
 
 
+def _merge(data: dict[str, Any], name: str, value: Any) -> None:
+    """Fold one figure into `data` (associative, so processes and tests merge in any order):
+    `max_*` keep the largest; `*_in_s` the latest; counts add up; tables of counts add up
+    per key; anything else is replaced."""
+    old = data.get(name)
+    if isinstance(value, (int, float)) and name.startswith("max_"):
+        value = max(value, old) if isinstance(old, (int, float)) else value
+    elif isinstance(value, int) and isinstance(old, int) and not name.endswith("_in_s"):
+        value = old + value
+    elif isinstance(value, dict) and isinstance(old, dict):
+        value = {k: old.get(k, 0) + value.get(k, 0) for k in sorted({*old, *value})}
+    data[name] = value
+
+
+# Figures of this process not yet merged into the file (flush).
+_PENDING: dict[str, Any] = {}
+
+
 def record(name: str, value: Any) -> None:
-    """Add a figure (merged into the JSON file named by $TITANSCALE_RELIABILITY_FIGURES)."""
-    with _figures() as data:
-        if data is None:
-            return
-        old = data.get(name)
-        if isinstance(value, (int, float)) and name.startswith("max_"):
-            value = max(value, old) if isinstance(old, (int, float)) else value
-        elif isinstance(value, int) and isinstance(old, int) and not name.endswith("_in_s"):
-            value = old + value  # counts add up across tests
-        data[name] = value
+    """Add a figure (merged into the JSON file named by $TITANSCALE_RELIABILITY_FIGURES at
+    `flush`)."""
+    if os.environ.get(ENV):
+        _merge(_PENDING, name, value)
 
 
 def record_case(entry: str, kind: str, *, clean: bool = True, n: int = 1) -> None:
@@ -88,12 +104,31 @@ def record_case(entry: str, kind: str, *, clean: bool = True, n: int = 1) -> Non
     ...). `clean` means the case ended as documented: one line and exit 2 (or a documented 0),
     within its time bound, no traceback, nothing lost. The report tabulates them per entry
     point; every test asserts clean before recording, so an unclean case fails the run."""
+    if not os.environ.get(ENV):
+        return
+    cases = _PENDING.setdefault("cases", {})
+    tried, ok = cases.setdefault(entry, {}).get(kind, [0, 0])
+    cases[entry][kind] = [tried + n, ok + (n if clean else 0)]
+
+
+def flush() -> None:
+    """Merge this process's figures into the file (under its lock) and forget them."""
+    if not _PENDING:
+        return
     with _figures() as data:
-        if data is None:
-            return
-        cases = data.setdefault("cases", {})
-        tried, ok = cases.setdefault(entry, {}).get(kind, [0, 0])
-        cases[entry][kind] = [tried + n, ok + (n if clean else 0)]
+        if data is not None:
+            for name, value in _PENDING.items():
+                if name != "cases":
+                    _merge(data, name, value)
+            cases = data.setdefault("cases", {})
+            for entry, kinds in _PENDING.get("cases", {}).items():
+                for kind, (tried, ok) in kinds.items():
+                    t0, o0 = cases.setdefault(entry, {}).get(kind, [0, 0])
+                    cases[entry][kind] = [t0 + tried, o0 + ok]
+    _PENDING.clear()
+
+
+atexit.register(flush)
 
 
 def render_cases(cases: dict[str, dict[str, list[int]]]) -> list[str]:

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.multiproc
 TOL = 2e-4
 
 
+@pytest.mark.slow  # measured: over 60 s on 2 loaded cores (#31)
 def test_bfd_checkpoint_at_dp2_resumes_at_dp1(seed_checkpoint, tmp_path):
     common = [
         *FAST,

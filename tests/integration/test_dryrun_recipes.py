@@ -22,9 +22,13 @@ pytestmark = pytest.mark.slow
 
 # Pipeline recipes run 2p of their microbatches: the schedules hold at most 2p stage-
 # microbatches (the peak is reached), at a fraction of the cost (docs/dryrun.md).
+# The DualPipeV recipes run rank 0 alone (half the cost, ~80 s each at load 5): a V schedule
+# puts the first and the last stage on rank 0 (asserted below), rank 0 is the measured peak
+# (70B: 71.8 GiB against 68.7 on rank 255), and what differs on the last rank, its held
+# and deferred counts, is tests/unit/test_dryrun.py's against torch's own schedule orders.
 EXTRA = {
-    "llama3_70b": ["--microbatches=8"],
-    "llama3_70b_h100": ["--microbatches=16"],
+    "llama3_70b": ["--microbatches=8", "--rank=0"],
+    "llama3_70b_h100": ["--microbatches=16", "--rank=0"],
     "gpu_slice_70b": ["--cluster=hgx_h200_ib"],  # one GPU of the lent machine's kind
 }
 # Where the memory model may stay further from the measurement, and why (benchmarks/dryrun.md).
@@ -78,6 +82,7 @@ def test_70b_h100_grown_to_4096_gpus():
     assert out["world_size"] == 4096 and out["layout"]["dp_shard"] == 64
     (r,) = out["ranks"]
     assert r["world_size"] == 4096 and r["peak_gib"] > 0 and r["planned_gib"] > 0
+    assert abs(r["error_pct"]) <= MEMORY_TOL_PCT, (r["error_pct"], r["planned"])  # +1.1% seen
 
 
 def launch(*extra: str, env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -57,6 +57,7 @@ def test_fsdp_all_gathers_tensorwise_weights_in_fp8():
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # measured: over 60 s on 2 loaded cores (#31)
 def test_fsdp2_fp8_tensorwise_trains_and_resumes(tmp_path, seed_checkpoint):
     common = [*FAST, "kernels.linear=fp8_tensorwise", f"checkpoint.load_from={seed_checkpoint}"]
     run_train(tmp_path / "one", [*common, "training.local_batch_size=4"])

@@ -9,6 +9,8 @@ float reduction order.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from tests.helpers.runs import FAST, read_losses, run_train
@@ -18,7 +20,7 @@ pytestmark = pytest.mark.multiproc
 TOL = 2e-4
 
 LAYOUTS = {
-    "fsdp2": (2, ["training.local_batch_size=2"]),
+    "fsdp2": (2, ["training.local_batch_size=2"]),  # run once: conftest fsdp2_run
     "tp2": (2, ["training.local_batch_size=4", "parallel.tp=2"]),
     "pp2_1f1b": (
         2,
@@ -51,20 +53,18 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, seed_checkpoint) -> dict[int, float]:
-    out = tmp_path_factory.mktemp("ref")
-    run_train(
-        out, [*FAST, "training.local_batch_size=4", f"checkpoint.load_from={seed_checkpoint}"]
-    )
-    losses = read_losses(out)
-    assert sorted(losses) == [1, 2, 3, 4, 5]
-    return losses
+def reference(fast_reference) -> dict[int, float]:
+    return fast_reference  # the 1-process run (tests/conftest.py), shared with placed meshes
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(name, reference, seed_checkpoint, tmp_path):
+def test_layout_matches_single_process(name, reference, seed_checkpoint, tmp_path, request):
     nproc, overrides = LAYOUTS[name]
-    run_train(tmp_path, [*FAST, *overrides, f"checkpoint.load_from={seed_checkpoint}"], nproc=nproc)
+    if name == "fsdp2":
+        tmp_path = request.getfixturevalue("fsdp2_run")
+    else:
+        sets = [*FAST, *overrides, f"checkpoint.load_from={seed_checkpoint}"]
+        run_train(tmp_path, sets, nproc=nproc)
     losses = read_losses(tmp_path)
     assert sorted(losses) == sorted(reference), f"{name}: steps {sorted(losses)}"
     for step, ref in reference.items():
@@ -73,22 +73,16 @@ def test_layout_matches_single_process(name, reference, seed_checkpoint, tmp_pat
     assert losses[5] < losses[1]
 
 
-def test_checkpoint_fsdp2_resumes_as_fsdp2_tp2(reference, seed_checkpoint, tmp_path):
+@pytest.mark.slow  # measured: over 60 s on 2 loaded cores (#31)
+def test_checkpoint_fsdp2_resumes_as_fsdp2_tp2(reference, fsdp2_run, seed_checkpoint, tmp_path):
     """Save at world size 2 (FSDP2), resume at 4 (FSDP2 x TP2): DCP reshards on load."""
+    # The first leg is conftest's `fsdp2_run` (the same training.steps on both legs: the LR
+    # schedule depends on it). Only its step-3 checkpoint is copied, so the second leg
+    # resumes from step 3, not the end.
+    step3 = fsdp2_run / "checkpoint" / "step-3"
+    assert (step3 / ".metadata").exists()
+    shutil.copytree(step3, tmp_path / "checkpoint" / "step-3")
     common = [*FAST, f"checkpoint.load_from={seed_checkpoint}", "checkpoint.interval=3"]
-    # Same training.steps on both legs: the LR schedule depends on it.
-    first = run_train(
-        tmp_path, [*common, "training.local_batch_size=2"], nproc=2, check=False,
-        extra_args=[],
-    )  # fmt: skip
-    assert first.returncode == 0, first.stderr[-3000:]
-    ckpt = tmp_path / "checkpoint"
-    assert (ckpt / "step-3" / ".metadata").exists()
-    # Drop the final checkpoint so the second leg resumes from step 3, not the end.
-    import shutil
-
-    shutil.rmtree(ckpt / "step-5")
-    (tmp_path / "metrics.jsonl").rename(tmp_path / "first_leg.jsonl")
     run_train(tmp_path, [*common, "training.local_batch_size=2", "parallel.tp=2"], nproc=4)
     resumed = read_losses(tmp_path)
     assert sorted(resumed) == [4, 5], f"resumed steps {sorted(resumed)}"

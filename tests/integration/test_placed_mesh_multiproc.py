@@ -54,38 +54,19 @@ def test_placed_mesh_groups_collectives_and_startup_check(tmp_path):
         )
 
 
-def test_permuted_mesh_trains_to_the_unpermuted_losses(tmp_path, seed_checkpoint):
+def test_permuted_mesh_trains_to_the_unpermuted_losses(tmp_path, seed_checkpoint, fast_reference):
     """FSDP2 x TP2 on the permuted mesh [0, 2, 1, 3] (tp groups {0,2}, {1,3}) against the
     unpermuted single-process run from the same seed checkpoint and the same global batch
-    (the lead's layout tests hold every unpermuted layout to this reference within 2e-4)."""
-    # 3 steps (not FAST's 5): enough to see the loss move; 4-process startup dominates.
-    common = [*FAST, "training.steps=3", f"checkpoint.load_from={seed_checkpoint}"]
-    losses = {}
-    runs = (
-        ("unpermuted", 1, ["training.local_batch_size=4"], ""),
-        (
-            "permuted",
-            4,
-            ["training.local_batch_size=2", "parallel.dp_shard=2", "parallel.tp=2"],
-            "0,2,1,3",
-        ),  # fmt: skip
-    )
-    for name, nproc, extra, order in runs:
-        out = tmp_path / name
-        args = ["--set", f"job.output_dir={out}"]
-        for o in [*common, *extra]:
-            args += ["--set", o]
-        env = {"TITANSCALE_TEST_RANK_ORDER": order}
-        if nproc == 1:
-            e = child_env()
-            e.update(env)
-            cmd = [sys.executable, str(ROOT / "tests/helpers/train_placed.py"), *args]
-            proc = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=600)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-        else:
-            proc = _torchrun(nproc, "tests/helpers/train_placed.py", args, env=env)
-        losses[name] = read_losses(out)
-        assert sorted(losses[name]) == [1, 2, 3], proc.stdout[-2000:]
-    for step, ref in losses["unpermuted"].items():
-        assert abs(losses["permuted"][step] - ref) <= 2e-4, (step, losses["permuted"][step], ref)
-    assert losses["permuted"][3] < losses["permuted"][1]
+    (`fast_reference`, tests/conftest.py: the run every layout test holds to 2e-4)."""
+    out = tmp_path / "permuted"
+    args = ["--set", f"job.output_dir={out}"]
+    for o in [*FAST, f"checkpoint.load_from={seed_checkpoint}", "training.local_batch_size=2",
+              "parallel.dp_shard=2", "parallel.tp=2"]:  # fmt: skip
+        args += ["--set", o]
+    proc = _torchrun(4, "tests/helpers/train_placed.py", args,
+                     env={"TITANSCALE_TEST_RANK_ORDER": "0,2,1,3"})  # fmt: skip
+    losses = read_losses(out)
+    assert sorted(losses) == sorted(fast_reference), proc.stdout[-2000:]
+    for step, ref in fast_reference.items():
+        assert abs(losses[step] - ref) <= 2e-4, (step, losses[step], ref)
+    assert losses[5] < losses[1]

@@ -209,6 +209,7 @@ def test_tokenizer_larger_than_the_model_vocabulary(env, tmp_path, capsys):
 # ----------------------------------------------------------------------------- subprocesses
 
 
+@pytest.mark.slow  # measured: over 60 s on 2 loaded cores (#31)
 def test_stderr_is_exactly_our_line(tmp_path):
     """Real `python train.py` runs for bad input found after torch is imported: stderr holds
     the one line and nothing before it (exit 2)."""

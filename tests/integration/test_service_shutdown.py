@@ -33,6 +33,7 @@ def _outcome(fut):
         return "refused"
 
 
+@pytest.mark.slow  # measured: over 60 s on 2 loaded cores (#31)
 def test_sigterm_drains_and_keeps_saved_state(tmp_path):
     storage = tmp_path / "storage"
     a = start_server(tmp_path / "a", storage=storage)

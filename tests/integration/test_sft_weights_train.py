@@ -70,6 +70,7 @@ def test_weight_zero_example_gets_exactly_zero_gradient():
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # measured: over 60 s on 2 loaded cores (#31)
 def test_weighted_sft_normalizes_by_the_global_weight_sum(tmp_path, seed_checkpoint):
     train, _ = letter_sort(80, 1, seed=2)
     # Dyadic weights (exact in float32), none equal to 1, and some 0 (masked examples).

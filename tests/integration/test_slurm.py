@@ -29,7 +29,7 @@ from parallel.cluster import load_cluster
 from parallel.placement import planned_rank_order
 from tests.helpers.runs import ROOT
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 LAB = ROOT / "tools" / "slurmlab"
 BASE = "/tmp/titanscale-slurmlab"

@@ -100,6 +100,7 @@ def test_killed_prepare_is_never_a_store_and_resumes(stdlib_store, tmp_path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # measured: over 60 s on 2 loaded cores (#31)
 def test_mixed_store_training_resumes_at_other_dp(stdlib_store, seed_checkpoint, tmp_path):
     """A store (weight 3) mixed with a JSON Lines file (weight 1): checkpoint at dp=2, resume
     at dp=1; losses match an uninterrupted 1-process run; summary.json counts per source."""

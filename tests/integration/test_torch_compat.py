@@ -68,6 +68,7 @@ def test_old_torch_pipeline_stops_with_one_line(tmp_path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # measured: over 60 s on 2 loaded cores (#31)
 def test_old_torch_tensor_parallel_matches_new(tmp_path):
     """2 ranks, TP 2: the bridged set_timeout and the partial_dtensor backend under torchrun
     (measured here: losses equal to 5 decimals, 7.93755 / 8.00565 / 7.96750)."""

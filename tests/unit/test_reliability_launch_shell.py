@@ -253,14 +253,12 @@ def test_node_order_gathered_names(tmp_path_factory, names, addrs):
 def test_node_lists_refused_in_one_line_and_bounded_time(nodelist):
     """SLURM_JOB_NODELIST / --nodelist: was a ValueError traceback ('n[1-') or minutes of
     planning for 10 million hosts; now counted before expanding, names checked."""
-    import time
-
+    from tests.helpers.guards import alarm_guard
     from tools.plan import main as plan_main
 
-    t = time.monotonic()
     argv = ["--recipe", "debug", "--cluster", "local_cpu", f"--nodelist={nodelist}"]
-    rc, _, err = run_main(plan_main, argv)
-    assert time.monotonic() - t < 10
+    with alarm_guard(60):  # minutes of planning (the old way) fail; no claim on speed
+        rc, _, err = run_main(plan_main, argv)
     assert rc == 2 and len(err.strip("\n").split("\n")) == 1, err
     assert err.startswith("error: --nodelist: "), err  # the argument the user typed
     record_case("tools.plan", "node lists (hostlist)")

@@ -56,14 +56,15 @@ def test_a_rank_stuck_outside_collectives_exits_and_names_itself():
 
 def test_no_false_alarm_while_steps_finish_in_time():
     exits: list[int] = []
+    # Steps 20x shorter than the timeout: a loaded machine cannot stretch them past it.
     wd = StepWatchdog(
-        rank=0, world_size=1, timeout_s=0.3, first_timeout_s=0.3, exit_fn=exits.append
+        rank=0, world_size=1, timeout_s=1.0, first_timeout_s=1.0, exit_fn=exits.append
     ).start()
     for step in range(1, 6):
         wd.begin(step)
-        time.sleep(0.1)
+        time.sleep(0.05)
         wd.end()
-    time.sleep(0.5)  # idle between steps (checkpoint saves, eval) is not watched
+    time.sleep(1.2)  # idle between steps (checkpoint saves, eval) is not watched
     wd.stop()
     assert exits == []
 

@@ -218,7 +218,31 @@ def test_lane_runs_in_seq_order_and_dedupes(sched):
         sched.submit(Op("s", "step", lambda: Outcome(json={}), "m", 0))
 
 
-def test_round_robin_across_sessions_and_accounting(sched):
+class _StepClock:
+    """Stands in for the `time` module of service code: `perf_counter` advances exactly 1 s
+    per call (so an op timed by two calls took 1 s), `time` reads `now`; the rest is real."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.now = 1e9
+
+    def perf_counter(self) -> float:
+        self.t += 1.0
+        return self.t
+
+    def time(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
+def test_round_robin_across_sessions_and_accounting(sched, monkeypatch):
+    import service.scheduler
+
+    # device-seconds = wall seconds x devices: with each op's wall time exactly 1 s, the
+    # session totals are known numbers, not a timing (the scheduler alone reads perf_counter)
+    monkeypatch.setattr(service.scheduler, "time", _StepClock())
     order: list[str] = []
     gate = threading.Event()
     blocker = sched.submit(Op("x", "block", lambda: (gate.wait(5), Outcome(json={}))[1]))
@@ -236,9 +260,9 @@ def test_round_robin_across_sessions_and_accounting(sched):
         _wait(f)
     assert order == ["a0", "b0", "a1", "b1", "a2", "b2"]
     u = sched.session_usage("a")
-    assert u is not None and u.ops["op"] == 3 and u.device_seconds >= 0
-    # device-seconds = wall seconds x devices (2 here): the blocked op waited ~0 s after set
-    assert sched.session_usage("x").device_seconds >= 0
+    assert u is not None and u.ops["op"] == 3
+    assert u.device_seconds == 3 * 1.0 * 2  # 3 ops x 1 s x 2 devices
+    assert sched.session_usage("x").device_seconds == 1.0 * 2
 
 
 def test_failing_op_fails_only_its_future(sched):
@@ -268,15 +292,22 @@ def test_drain_finishes_queued_work_and_refuses_new(sched):
     assert e.value.status == 410
 
 
-def test_sessions_expire_and_free_their_models():
+def test_sessions_expire_and_free_their_models(monkeypatch):
+    import service.sessions
     from service.sessions import Model, Registry
     from service.types import LoraSpec
 
-    reg = Registry(ttl_s=0.05)
+    clock = _StepClock()  # the registry's clock, moved by hand: no sleep, no timing
+    monkeypatch.setattr(service.sessions, "time", clock)
+    reg = Registry(ttl_s=60)
     s = reg.new_session(None)
     reg.add_model(Model(f"{s.session_id}:train:0", s.session_id, "b", LoraSpec(rank=1)))
+    clock.now += 59
     assert reg.expired() == []
-    time.sleep(0.1)
+    reg.session(s.session_id)  # a request: its TTL starts again
+    clock.now += 59
+    assert reg.expired() == []
+    clock.now += 2
     assert reg.expired() == [(s.session_id, "")]
     models, _ = reg.finish(s.session_id, "expired")
     assert [m.model_id for m in models] == [f"{s.session_id}:train:0"]
