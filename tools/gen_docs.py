@@ -332,7 +332,10 @@ def _flag_rows(p: argparse.ArgumentParser) -> list[str]:
         meaning = fmt._expand_help(a) if a.help and a.help != argparse.SUPPRESS else ""
         if isinstance(a, argparse._AppendAction):
             meaning += " (repeatable)" if "repeatable" not in meaning else ""
-        rows.append(f"| {name} | {_cell(_value(a))} | {shown} | {_cell(meaning)} |")
+        row = f"| {name} | {_cell(_value(a))} | {shown} | {_cell(meaning)} |"
+        # Defaults built from this checkout's path (recipes, outputs, the venv's python) are
+        # written relative to it: the file must not depend on where it was generated.
+        rows.append(row.replace(f"{ROOT}/", ""))
     return rows
 
 
