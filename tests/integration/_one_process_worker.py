@@ -46,7 +46,9 @@ def main() -> None:
     trainer = TitanscaleTrainer(job.config)
     try:
         params = list(trainer.model_parts[0].named_parameters())
-        kinds = sorted({"DTensor" if isinstance(p, DTensor) else type(p).__name__ for _, p in params})
+        kinds = sorted(
+            {"DTensor" if isinstance(p, DTensor) else type(p).__name__ for _, p in params}
+        )
         trainable = sorted(n for n, p in params if p.requires_grad)
         trainer.train()
     finally:
