@@ -3,7 +3,8 @@
 What is counted (bytes, per GPU, on the pipeline rank that needs the most):
 - states: FSDP2 keeps fp32 master weights, fp32 gradients and AdamW's two fp32 moments,
   sharded over dp_shard x cp (torchtitan's `fsdp` mesh); tp and pp split the model first.
-  16 bytes per parameter / (tp x pp x dp_shard x cp). HSDP replicas hold full copies.
+  16 bytes per parameter / (tp x pp x dp_shard x cp); 12 at the peak when the step frees
+  its gradients (no CUDA graphs, no accumulation). HSDP replicas hold full copies.
 - unsharded: without PP, FSDP gathers one block at a time (reshard after forward): two
   blocks' bf16 weights in flight (current + prefetch) and one block's bf16 gradient plus
   its fp32 reduce-scatter input. With PP, torchtitan does not reshard after forward and
@@ -12,10 +13,15 @@ What is counted (bytes, per GPU, on the pipeline rank that needs the most):
 - activations per layer and token under none/selective/full checkpointing, counted tensor
   by tensor for torchtitan's Llama block (fused QKV, flex attention, SwiGLU) with sequence
   parallel under TP (see `layer_activation_bytes`), times the layers and the microbatches a
-  rank holds at its peak under its pipeline schedule (`inflight_stage_microbatches`), plus
-  one layer's full activations as backward/recompute workspace.
+  rank holds at its peak under its pipeline schedule (`inflight_stage_microbatches`; the
+  zero-bubble schedules also hold deferred weight gradients, `deferred_weight_grads`, and
+  every pipeline rank one receive buffer per microbatch, `recv_buffer_bytes`), plus one
+  checkpointed layer's recompute as backward workspace.
 - logits: the last stage's (tokens x vocab/tp) bf16 logits, fp32 upcast and fp32
-  log-softmax (10 bytes per element eager; compiled cross-entropy keeps 6).
+  log-softmax (10 bytes per element eager; compiled cross-entropy keeps 6), for one of
+  the stack's loss chunks at a time (torchtitan: 8).
+Checked rank by rank against the real torchtitan step on a fake process group at full
+world size: `tools.dryrun`, benchmarks/dryrun.md.
 - FP8 extras: FP8 copies of one block's weights and of the linear inputs.
 - LoRA (Workload.lora_rank): the frozen base keeps 4 bytes per parameter (no gradient, no
   optimizer state), adapters 16; no gradient buffers for the base blocks.
@@ -71,8 +77,9 @@ def layer_activation_bytes(w: Workload, mode: str | None = None, st: Stack | Non
         ffn_norm output (8d)
       gathered full-sequence inputs of the column-parallel linears (only with tp > 1;
         with tp = 1 they are the norm outputs above): wqkv input, w1/w3 input (4d)
-      head/hidden-sharded (/tp): fused qkv buffer (kept alive by the v view),
-        rope'd q and k, attention output, SwiGLU's w1 out, silu out, w3 out, product (8f)
+      head/hidden-sharded (/tp): a contiguous copy of v, rope'd q and k, attention output
+        with its fp32 logsumexp and row max, SwiGLU's w1 out, silu out, w3 out, product
+        (8f); per token, RoPE's factors (not sharded)
     selective (torchtitan's per-op policy: saves attention, every other matmul output and
     reduce-scatter outputs; recomputes the rest): x, qkv, attention output, w1 output and
     w2's output. full: only the block input x (sequence-sharded).
@@ -94,6 +101,11 @@ def layer_activation_bytes(w: Workload, mode: str | None = None, st: Stack | Non
     elif mode == "selective":
         w2_out = 2 * d  # partial sums before the reduce-scatter (full sequence)
         b = (2 * d + 2 * (qd + 2 * kv) + 2 * qd + lse + 2 * f) / t + (w2_out if t > 1 else 2 * d)
+        if w.lora_rank:
+            # A LoRA linear adds two matmuls, so the per-op policy also saves the adapter's
+            # full-width lora_b output beside each saved base output (wqkv, w1, w2); measured
+            # live at the peak by tools.dryrun on sft_llama3_8b_lora (benchmarks/dryrun.md).
+            b += 2 * (qd + 2 * kv) / t + 2 * f / t + (w2_out if t > 1 else 2 * d)
     elif not st.sp_saves_gathered:
         # Megatron-style: LN inputs and outputs (sequence-sharded), rope'd q/k/v and the
         # attention output, fc1 output (gate and up) and the SwiGLU output.
@@ -107,8 +119,12 @@ def layer_activation_bytes(w: Workload, mode: str | None = None, st: Stack | Non
         seq = 8 * d / t
         gathered = 4 * d if t > 1 else 0
         ffn = (4 if w.compile else 8) * f
-        head = 2 * (qd + 2 * kv) + 2 * qd + 2 * kv + 2 * qd + lse + ffn
-        b = seq + gathered + head / t
+        # Measured (tools.dryrun, benchmarks/dryrun.md): the fused qkv output is not kept;
+        # v is made contiguous (2kv), q and k kept as RoPE'd copies, flex attention keeps
+        # its output with the fp32 logsumexp and row max (2 x 4 B per head), and each layer
+        # keeps the token's RoPE factors (head_dim/2 complex64, not split by tp).
+        head = 2 * kv + 2 * qd + 2 * kv + 2 * qd + 2 * lse + ffn
+        b = seq + gathered + head / t + 4 * s.head_dim
     return b * (2 if w.dtype == "float32" else 1)
 
 
@@ -140,10 +156,13 @@ def rank_stages(rank: int, pp: int, schedule: str, v: int) -> list[int]:
 def inflight_stage_microbatches(w: Workload, rank: int) -> float:
     """Stage-microbatches whose activations pipeline rank `rank` holds at its peak.
 
-    Units: one stage's activations for one microbatch. GPipe holds all m; 1F1B holds
-    p - rank; interleaved schedules warm up (v-1)p + 2(p-1-rank) chunks (torch's
-    Interleaved1F1B) and hold one more; V schedules (ZBV, DualPipeV) hold about 2p chunks,
-    1F1B's memory for two half-size stages.
+    Units: one stage's activations for one microbatch, held from its forward until its
+    weight gradient. GPipe holds all m; 1F1B holds p - rank; Interleaved1F1B warms up
+    (v-1)p + 2(p-1-rank) chunks and holds one more (torch's order). The zero-bubble
+    schedules hold p x v on every rank (ZBV: 2p; DualPipeV 2p + 1), not fewer on later
+    ranks: they defer weight gradients instead (`deferred_weight_grads`). Checked against torch's
+    own schedule orders in tests/unit/test_dryrun.py (tools.dryrun measured the ZBV ranks:
+    benchmarks/dryrun.md).
     """
     p, m, v = w.layout.pp, w.microbatches, w.stages_per_rank
     if p == 1:
@@ -153,9 +172,123 @@ def inflight_stage_microbatches(w: Workload, rank: int) -> float:
         return m * v
     if v == 1:
         return min(m, p - rank)
-    if sched in ("ZBVZeroBubble", "DualPipeV"):
-        return min(m * v, 2 * p - 2 * rank)
+    if sched == "DualPipeV":  # its overlapped F+B runs the forward first: one more
+        return min(m * v, 2 * p + 1)
+    if sched in ("ZBVZeroBubble", "InterleavedZeroBubble"):
+        return min(m * v, p * v)
     return min(m * v, (v - 1) * p + 2 * (p - 1 - rank) + 1)
+
+
+# --- tools.dryrun corrections (benchmarks/dryrun.md). Separate hunk: measured per rank on
+# torch's fake process group at each recipe's full world size (the real torchtitan step).
+
+
+def zbv_order(p: int, m: int, rank: int) -> list[tuple[int, str, int]]:
+    """torch's ScheduleZBVZeroBubble order for `rank` as (chunk, kind, microbatch), kind in
+    F (forward), I (input gradient), W (weight gradient); chunk 0 is stage `rank`, chunk 1
+    stage 2p-1-rank. A transcription of torch 2.14's `_calculate_single_rank_operations`
+    (pure, for the planner); tests/unit/test_dryrun.py compares it with torch's."""
+    n = max(2 * p - 1, m)
+    ops: list[tuple[int, str, int]] = []
+    f0 = f1 = b0 = b1 = 0
+    for _ in range(2 * (p - rank) - 1):
+        ops.append((0, "F", f0))
+        f0 += 1
+    for _ in range(rank):
+        ops += [(1, "F", f1), (0, "F", f0)]
+        f1, f0 = f1 + 1, f0 + 1
+    for _ in range(p - rank):
+        ops += [(1, "F", f1), (1, "I", b1), (1, "W", b1)]
+        f1, b1 = f1 + 1, b1 + 1
+    while f1 < f0 or f0 < n:
+        if f0 < n:
+            ops.append((0, "F", f0))
+            f0 += 1
+        ops += [(0, "I", b0), (0, "W", b0), (1, "F", f1), (1, "I", b1), (1, "W", b1)]
+        b0, f1, b1 = b0 + 1, f1 + 1, b1 + 1
+    w0, w1 = b0, b1
+    for _ in range(rank):
+        ops += [(0, "I", b0), (1, "I", b1)]
+        b0, b1 = b0 + 1, b1 + 1
+    for _ in range(p - rank):
+        ops += [(0, "I", b0), (0, "W", w0)]
+        b0, w0 = b0 + 1, w0 + 1
+    ops += [(1, "W", i) for i in range(w1, b1)] + [(0, "W", i) for i in range(w0, b0)]
+    return [op for op in ops if op[2] < m]
+
+
+def deferred_weight_grads(w: Workload, rank: int) -> float:
+    """Stage-microbatches whose input gradient has run but whose weight gradient waits
+    (zero-bubble schedules), at the rank's peak: they keep the gradients of every linear's
+    output besides their activations. InterleavedZeroBubble and DualPipeV: rank + 1; ZBV:
+    2 x rank + 1 (torch's order, `zbv_order`). The most at once; `held_and_deferred` gives
+    what coincides with the peak."""
+    p, m, v = w.layout.pp, w.microbatches, w.stages_per_rank
+    if p == 1 or w.pp_schedule not in ("ZBVZeroBubble", "DualPipeV", "InterleavedZeroBubble"):
+        return 0
+    if w.pp_schedule == "ZBVZeroBubble":
+        return _zbv_peak(p, m, rank, act=0.0, grads=1.0)[1]
+    return min(m * v, rank + 1)
+
+
+def held_and_deferred(w: Workload, rank: int, act: float, grads: float) -> tuple[float, float]:
+    """(held, deferred) stage-microbatches at the moment `act x held + grads x deferred` is
+    largest on pipeline rank `rank` (`act`, `grads`: bytes per stage-microbatch). ZBV:
+    replayed from torch's order; DualPipeV: the corners of torch's order for m >= 2p
+    (2p + 1 held and none deferred; 2p and 1 below the last rank; p and rank + 1 from the
+    second rank on; tests/unit/test_dryrun.py replays torch's); the others: the two maxima
+    (InterleavedZeroBubble: an upper bound, they need not coincide)."""
+    p, m = w.layout.pp, w.microbatches
+    if p > 1 and w.pp_schedule == "ZBVZeroBubble":
+        return _zbv_peak(p, m, rank, act, grads)
+    if p > 1 and w.pp_schedule == "DualPipeV" and m >= 2 * p:
+        corners = [(2 * p + 1, 0)] + [(2 * p, 1)] * (rank < p - 1) + [(p, rank + 1)] * (rank > 0)
+        return max(corners, key=lambda c: act * c[0] + grads * c[1])
+    return inflight_stage_microbatches(w, rank), deferred_weight_grads(w, rank)
+
+
+def _zbv_peak(p: int, m: int, rank: int, act: float, grads: float) -> tuple[int, int]:
+    """(held, deferred) stage-microbatches at the moment `act x held + grads x deferred` is
+    largest in torch's ZBV order (the two peak together in the cool-down of later ranks)."""
+    held = deferred = 0
+    best, at = -1.0, (0, 0)
+    for _chunk, kind, _mb in zbv_order(p, m, rank):
+        if kind == "F":
+            held += 1
+        elif kind == "I":
+            deferred += 1
+        else:
+            held, deferred = held - 1, deferred - 1
+        if act * held + grads * deferred > best:
+            best, at = act * held + grads * deferred, (held, deferred)
+    return at
+
+
+def layer_weight_grad_bytes(w: Workload) -> float:
+    """Bytes per token per layer a deferred weight gradient keeps (zero-bubble schedules):
+    the gradient of every linear's output (torch.autograd.grad for the inputs retains the
+    graph's intermediate gradients until the weight step). wqkv and w1/w3 outputs are
+    head/hidden-sharded (/tp); wo and w2 outputs are gathered to the full sequence under
+    sequence parallelism. Measured on llama3_70b's last ZBV rank: 7 deferred stage-micro-
+    batches held 19.8 GiB against 2.54 GiB each here."""
+    s, t = w.shape, w.layout.tp
+    qd, kv, d, f = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.dim, s.ffn_hidden
+    b = 2 * (qd + 2 * kv) / t + 4 * f / t + 4 * d
+    return b * (2 if w.dtype == "float32" else 1)
+
+
+def recv_buffer_bytes(w: Workload, rank: int) -> float:
+    """torch's pipeline stages allocate one receive buffer per microbatch up front: the
+    activation from the previous stage (not on stage 0) and the gradient from the next
+    (not on the last stage), each tokens/cp x dim/tp (sequence-parallel) elements."""
+    p, v = w.layout.pp, w.stages_per_rank
+    if p == 1:
+        return 0.0
+    one = w.tokens_per_microbatch / w.layout.cp * w.shape.dim / w.layout.tp
+    stages = rank_stages(rank, p, w.pp_schedule, v)
+    n_stages = p * v
+    bufs = sum((i > 0) + (i < n_stages - 1) for i in stages)
+    return bufs * w.microbatches * one * w.bytes_per_param_compute
 
 
 @dataclass(frozen=True)
@@ -285,6 +418,12 @@ def _memory_for_rank(w: Workload, rank: int, st: Stack) -> MemoryEstimate:
         unsharded = params * (elt + max(st.grad_reduce_bytes, elt))
     else:
         states = params * STATE_BYTES_PER_PARAM  # divided by the FSDP shard count in `at`
+        if not (w.cuda_graphs or w.grad_accum > 1):
+            # torchtitan frees the gradients at each step (zero_grad(set_to_none=True) unless
+            # CUDA graphs keep them) and the sharded fp32 ones are made by the reduce-scatter
+            # after the peak; with accumulation the first microstep's are there (measured:
+            # tools.dryrun, llama3_70b_h100's ranks hold none at their peak).
+            states = params * (STATE_BYTES_PER_PARAM - 4)
         if p > 1:
             # No reshard after forward under PP; gradients accumulate unsharded in fp32.
             unsharded = params * (ag_bytes + grad_bytes)
@@ -294,16 +433,25 @@ def _memory_for_rank(w: Workload, rank: int, st: Stack) -> MemoryEstimate:
     tokens = w.tokens_per_microbatch / c  # per GPU of a tp group (tp shares tokens)
     per_layer_tok = layer_activation_bytes(w, st=st)
     mean_layers_per_stage = layers / len(stages)
-    inflight = inflight_stage_microbatches(w, rank)
-    activations = inflight * mean_layers_per_stage * per_layer_tok * tokens
-    # Embedding output and the final norm's input per in-flight microbatch (seq-sharded).
-    activations += inflight * tokens * 2 * s.dim / t
-    workspace = 2 * layer_activation_bytes(w, "none", st) * tokens
+    # One stage-microbatch's activations, with the embedding output and the final norm's
+    # input (seq-sharded); and what a deferred weight gradient keeps besides them.
+    stage_act = mean_layers_per_stage * per_layer_tok * tokens + tokens * 2 * s.dim / t
+    stage_wgrad = mean_layers_per_stage * layer_weight_grad_bytes(w) * tokens
+    inflight, deferred = held_and_deferred(w, rank, stage_act, stage_wgrad)
+    activations = inflight * stage_act + deferred * stage_wgrad + recv_buffer_bytes(w, rank)
+    # Backward recomputes one checkpointed layer at a time (measured: without AC the peak
+    # comes at the start of backward, before any layer's workspace).
+    workspace = (layer_activation_bytes(w, "none", st) - per_layer_tok) * tokens
     logits = 0.0
     if has_last:
         fused = st.loss_bytes_eager <= st.loss_bytes_compiled  # fused cross-entropy
         lb = LOGIT_BYTES_COMPILED if (w.compile or fused) else LOGIT_BYTES_EAGER
-        logits = tokens * (s.vocab_size / t) * lb * (2 if w.dtype == "float32" else 1)
+        elt_f = 2 if w.dtype == "float32" else 1
+        # One loss chunk's logits at a time (torchtitan's ChunkedLossWrapper), plus the
+        # fp32 gradient of the hidden states it assembles across chunks.
+        logits = tokens / st.loss_chunks * (s.vocab_size / t) * lb * elt_f
+        if st.loss_chunks > 1:
+            logits += tokens * s.dim / t * 4
     fp8_bytes = 0.0
     if fp8:
         copies = 1 if w.linear == "fp8_tensorwise" else 2  # rowwise: both orientations
@@ -319,6 +467,13 @@ def _memory_for_rank(w: Workload, rank: int, st: Stack) -> MemoryEstimate:
         fp8=fp8_bytes,
         rank=rank,
     )
+
+
+def estimate_rank(w: Workload, pp_rank: int, st: Stack | None = None) -> MemoryEstimate:
+    """The estimate for one pipeline rank (its stages' layers, embedding and head), states
+    divided by the FSDP shard count: what `tools.dryrun` compares a measured rank with."""
+    est = _memory_for_rank(w, pp_rank, st or load_stack(w.stack))
+    return replace(est, states=est.states / (w.layout.dp_shard * w.layout.cp))
 
 
 # ---------------------------------------------------------------------------------------------

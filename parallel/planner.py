@@ -379,7 +379,11 @@ class _Search:
         zero1 = self.zero1_stack and rep == dp
 
         def need(local: int) -> tuple[float, MemoryProfile]:
-            mkey = (layout.tp, cp, pp, sched, mbs, ac, local, zero1)
+            # Whether the step's gradients outlive it (accumulation, CUDA graphs) moves the
+            # peak by 4 bytes per parameter (parallel.memory, measured by tools.dryrun).
+            accum = 1 if pp > 1 else share // local
+            graphs = uses_cuda_graphs(self.recipe, pp, self.recipe.kernels.attention)
+            mkey = (layout.tp, cp, pp, sched, mbs, ac, local, zero1, accum > 1 or graphs)
             prof = self.profiles.get(mkey)
             if prof is None:
                 prof = self.profiles[mkey] = memory_profile(
@@ -390,6 +394,8 @@ class _Search:
                         pp_schedule=sched if pp > 1 else "1F1B",
                         pp_microbatches=mbs,
                         ac=ac,
+                        grad_accum=accum,
+                        cuda_graphs=graphs,
                     )
                 )
             return prof.required_gib((dp // rep) * cp, self.overhead), prof

@@ -75,6 +75,10 @@ class Stack:
     kernels_per_block_compiled: float
     sources: dict[str, str] = field(default_factory=dict)
     path: str = ""
+    # The loss runs over this many sequence chunks, each projected, scored and
+    # back-propagated before the next (torchtitan's ChunkedLossWrapper): one chunk's logits
+    # are alive at a time. 1 = the whole sequence's logits at once.
+    loss_chunks: int = 1
 
     def gpu_factor(self, gpu: str) -> float:
         """The GPU kind's factor; a kind the profile does not list takes its generation's
@@ -130,6 +134,7 @@ _TOP = (
     "fp8_saves_fp8_inputs",
     "fp8_linear",
     "cp_rotate",
+    "loss_chunks",
     "matmul_eff",
     "gpu_eff",
     "constants",
@@ -219,6 +224,7 @@ def parse_stack(data: dict[str, Any], file: str) -> Stack:
         cp_rotate=_choice(
             data.get("cp_rotate", ""), ("", "allgather", "alltoall"), file, "cp_rotate"
         ),
+        loss_chunks=int(_num(data.get("loss_chunks", 1), file, "loss_chunks", 1, 4096)),
         matmul_eff=mm,
         gpu_eff=gpu,
         sources={str(k): str(v) for k, v in data["sources"].items()},

@@ -70,10 +70,10 @@ def keep_frozen(parallelize_fn: Callable[..., Any]) -> Callable[..., Any]:
     """
 
     def parallelize(model: Any, *args: Any, **kwargs: Any) -> Any:
-        frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+        frozen = {plain_fqn(n) for n, p in model.named_parameters() if not p.requires_grad}
         out = parallelize_fn(model, *args, **kwargs)
         for n, p in (out if out is not None else model).named_parameters():
-            if n in frozen:
+            if plain_fqn(n) in frozen:
                 p.requires_grad_(False)
         return out
 
@@ -135,6 +135,19 @@ def unsharded_when_alone(parallelize_fn: Callable[..., Any]) -> Callable[..., An
         return model
 
     return parallelize
+
+
+# Module wrappers that parallelize inserts into parameter names: activation checkpointing
+# (torch's checkpoint_wrapper), torch.compile, FSDP1. Comparing names without them is what
+# keeps a LoRA base frozen under activation checkpointing (found by tools.dryrun: with
+# `_checkpoint_wrapped_module.` in every block's names nothing matched and all 7B base
+# weights of sft_llama3_8b_lora trained).
+_WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+
+
+def plain_fqn(name: str) -> str:
+    """A parameter's name with module-wrapper components removed."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
 
 
 def model_spec(family: str, flavor: str) -> ModelSpec:

@@ -49,13 +49,17 @@ class ArgumentParser(argparse.ArgumentParser):
         for a in self._actions:
             v = getattr(ns, a.dest, None)
             typed = a.type in (int, float) and a.nargs is None and v is not None
-            if typed and (isinstance(v, bool) or not isinstance(v, (int, float))):
-                from core.typed_toml import show
+            # A repeatable option (action="append") holds a list of typed values.
+            values = v if typed and isinstance(a, argparse._AppendAction) else [v]
+            for x in values if typed else []:
+                if isinstance(x, bool) or not isinstance(x, (int, float)):
+                    from core.typed_toml import show
 
-                flag = "/".join(a.option_strings) or a.dest
-                self.error(
-                    f"argument {flag}: expected {getattr(a.type, '__name__', '')}, got {show(v)}"
-                )
+                    flag = "/".join(a.option_strings) or a.dest
+                    self.error(
+                        f"argument {flag}: expected {getattr(a.type, '__name__', '')}, "
+                        f"got {show(x)}"
+                    )
         return ns
 
 

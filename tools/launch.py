@@ -45,6 +45,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="print the script; submit nothing")
     p.add_argument("--no-preflight", action="store_true", help="skip the pre-flight step")
     p.add_argument(
+        "--dry-run-rank",
+        type=int,
+        action="append",
+        default=None,
+        metavar="RANK",
+        help="before writing the script, build the model and run one training step of this "
+        "rank on a fake process group at the job's full world size (tools.dryrun, minutes for "
+        "the largest models; repeatable); a rank that fails or does not fit refuses the job",
+    )
+    p.add_argument(
         "--signal-seconds",
         type=int,
         default=DEFAULT_SIGNAL_SECONDS,
@@ -121,6 +131,13 @@ def main(argv: list[str] | None = None) -> int:
 
         plan = best_plan(recipe, cluster, nodes=args.nodes)
         check_job(apply_plan(recipe, plan), cluster, plan.layout.world_size)
+    if args.dry_run_rank:
+        from tools.dryrun import check_before_launch
+
+        for line in check_before_launch(
+            args.recipe, args.overrides, args.cluster, args.nodes, args.dry_run_rank
+        ):
+            print(line, file=sys.stderr)
     text = render_sbatch(recipe, cluster, layout, opts)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)

@@ -52,7 +52,9 @@ def test_rl_that_does_not_fit_says_what_it_needs(monkeypatch):
     with pytest.raises(ConfigError) as e:
         steps.choose_microbatch_tokens(recipe, layout, gpu)
     assert e.value.key == "training.microbatch_tokens"
-    assert "needs 149.7 GiB per GPU with 8,192-token microbatches" in str(e.value)
+    # The same figure tools.predict reports (one model, two front ends).
+    need = pt["memory_gib_per_gpu"]
+    assert f"needs {need:.1f} GiB per GPU with 8,192-token microbatches" in str(e.value)
     assert "generator_copies 59.8" in str(e.value) and "has 79.2 GiB" in str(e.value)
     fits = load_recipe("recipes/rl_llama3_8b.toml", [])
     assert steps.choose_microbatch_tokens(fits, layout, gpu) == 2048

@@ -73,12 +73,29 @@ def _act(shape, t, ffn_elt_bytes, saves_gathered, rope_copy):
     return seq / t + gathered + (attn + ffn_elt_bytes * f) / t
 
 
+def _act_torchtitan(shape, t):
+    """torchtitan 0.3.0's block as tools.dryrun saw it live at llama3_8b's peak (per layer and
+    token): norm in/out and residuals (8d, sequence-sharded), the SP-gathered inputs of wqkv
+    and w1/w3 (4d), a contiguous copy of v, RoPE'd q and k, the attention output with its fp32
+    logsumexp and row max, SwiGLU's four tensors (8f), and the token's RoPE factors
+    (head_dim / 2 complex64, on every tp rank)."""
+    d, qd, kv, f = (
+        shape.dim,
+        shape.n_heads * shape.head_dim,
+        shape.n_kv_heads * shape.head_dim,
+        shape.ffn_hidden,
+    )
+    attn = 2 * kv + (2 * qd + 2 * kv) + 2 * qd + 2 * 4 * shape.n_heads
+    gathered = 2 * d * 2 if t > 1 else 0
+    return 8 * d / t + gathered + (attn + 8 * f) / t + 4 * shape.head_dim
+
+
 def test_megatron_regathers_sp_inputs_and_fuses_swiglu():
     s = model_shape("405B")
     w = Workload(s, 8192, 1, Layout(tp=8, dp_shard=8), ac="none")
     tt = layer_activation_bytes(w)
     mc = layer_activation_bytes(w.with_(stack="megatron_te"))
-    assert tt == pytest.approx(_act(s, 8, 8, True, True))
+    assert tt == pytest.approx(_act_torchtitan(s, 8))
     assert mc == pytest.approx(_act(s, 8, 6, False, False))
     assert mc < 0.5 * tt
 
@@ -124,7 +141,9 @@ def test_lora_freezes_the_base():
     # torchtitan keeps the frozen base's fp32 parameter (4 B) and nothing else for it; the
     # adapters carry the usual 16 B/param (fp32 weight, gradient, two AdamW moments).
     assert lora.states == pytest.approx((s.total_params * 4 + adapters * 16) / 8)
-    assert lora.allocated < full.allocated
+    # Under selective AC the per-op policy also saves each adapter's full-width output
+    # (measured by tools.dryrun, benchmarks/dryrun.md), so LoRA keeps more activations.
+    assert lora.activations > full.activations
     c = load_cluster("hgx_h100_ib", nodes=1)
     w, lw = w.with_(ac="none"), lw.with_(ac="none")  # no recompute: fwd, dgrad, wgrad
     pf, pl = predict(w, c), predict(lw, c)
@@ -232,5 +251,6 @@ def test_planner_prices_memory_on_the_stack():
             pp_microbatches=p.microbatches if p.layout.pp > 1 else 0,
             ac=p.activation_checkpoint, linear=p.prediction.workload.linear,
             compile=r.training.compile, stack="megatron_te",
+            cuda_graphs=p.prediction.workload.cuda_graphs,
         )  # fmt: skip
         assert p.memory_gib == pytest.approx(estimate_memory(w).reserved_gib, rel=1e-9)

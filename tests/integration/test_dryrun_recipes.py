@@ -1,0 +1,103 @@
+"""Every shipped recipe dry-runs (tools.dryrun) at its own world size, on the ranks that cover
+its first and last pipeline stage, one subprocess per recipe; the measured rank is held to
+the memory model and to the performance model's FSDP volumes; tools.launch --dry-run-rank
+refuses a job whose rank does not survive its step. Slow: minutes per large recipe on 2
+cores (docs/dryrun.md, "Cost"); the figures themselves are benchmarks/dryrun.md."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from core.models import stages_per_rank
+from recipe.loader import load_recipe
+from tests.helpers.runs import child_env
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+# Pipeline recipes run 2p of their microbatches: the schedules hold at most 2p stage-
+# microbatches (the peak is reached), at a fraction of the cost (docs/dryrun.md).
+EXTRA = {
+    "llama3_70b": ["--microbatches=8"],
+    "llama3_70b_h100": ["--microbatches=16"],
+    "gpu_slice_70b": ["--cluster=hgx_h200_ib"],  # one GPU of the lent machine's kind
+}
+# Where the memory model may stay further from the measurement, and why (benchmarks/dryrun.md).
+# (Empty: the LoRA recipes were here until the dry run showed their base training under
+# activation checkpointing; runtime.build.keep_frozen now keeps it frozen.)
+EXPLAINED: dict[tuple[str, int], str] = {}
+MEMORY_TOL_PCT = 10.0
+SHIPPED = sorted(p.stem for p in (ROOT / "recipes").glob("*.toml"))
+
+
+def dry_run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "tools.dryrun", *args, "--json"]
+    return subprocess.run(cmd, cwd=ROOT, env=env or child_env(), capture_output=True,
+                          text=True, timeout=3000)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_recipe_builds_and_steps_at_its_world_size(name):
+    recipe = load_recipe(str(ROOT / "recipes" / f"{name}.toml"))
+    proc = dry_run(f"--recipe=recipes/{name}.toml", *EXTRA.get(name, []))
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    out = json.loads(proc.stdout)
+    if recipe.parallel.world_size:
+        assert out["world_size"] == recipe.parallel.world_size
+    pp = out["layout"]["pp"]
+    par = recipe.parallel
+    last = pp * stages_per_rank(par.pp_schedule, par.pp_stages_per_rank) - 1 if pp > 1 else 0
+    stages = {s for r in out["ranks"] for s in r["stages"]}
+    assert {0, last} <= stages, stages  # first and last stage (V schedules: both on rank 0)
+    for r in out["ranks"]:
+        assert "error" not in r, r
+        # What issue 28 asks to see, as keys of each rank's entry (the 405B at 512 ranks too).
+        assert {"world_size", "peak_gib", "planned_gib"} <= set(r)
+        assert r["world_size"] == out["world_size"] and r["peak_gib"] > 0 and r["planned_gib"] > 0
+        gpu = out["gpu"] != "cpu"
+        if gpu and (name, r["rank"]) not in EXPLAINED:
+            assert abs(r["error_pct"]) <= MEMORY_TOL_PCT, (r["rank"], r["error_pct"], r["planned"])
+        # FSDP's gathered bytes: torchtitan's per-block all-gathers against the perf model's
+        # stage volume (the model's one home for it), within 5%, without pipelining.
+        fsdp = r["collectives"].get("fsdp.all_gather")
+        lora = recipe.finetune.mode == "lora"  # adapters' gathers: priced by issue 23's terms
+        if pp == 1 and not lora and fsdp and fsdp["predicted_gib"]:
+            assert fsdp["measured_gib"] == pytest.approx(fsdp["predicted_gib"], rel=0.05)
+
+
+def test_70b_h100_grown_to_4096_gpus():
+    proc = dry_run("--recipe=recipes/llama3_70b_h100.toml", "--nodes=512",
+                   "--set=training.global_batch_size=2048", "--microbatches=16", "--rank=0")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["world_size"] == 4096 and out["layout"]["dp_shard"] == 64
+    (r,) = out["ranks"]
+    assert r["world_size"] == 4096 and r["peak_gib"] > 0 and r["planned_gib"] > 0
+
+
+def launch(*extra: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "tools.launch", "--recipe", "recipes/debug.toml",
+           "--cluster", "local_cpu", "--nodes", "1", "--dry-run", *extra]  # fmt: skip
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_launch_refuses_a_job_whose_rank_dies_in_its_dry_run():
+    from tools.reliability_report import record_case
+
+    env = child_env()
+    ok = launch("--dry-run-rank", "0", env=env)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "dry run: rank 0 builds and steps at world 8" in ok.stderr
+    assert "#SBATCH" in ok.stdout
+    env["TITANSCALE_FAULT"] = "kill:rank=0:step=1"  # runtime.faults: SIGKILL mid-step
+    bad = launch("--dry-run-rank", "0", env=env)
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and len(lines) == 1, bad.stderr
+    assert lines[0].startswith("error: --dry-run-rank: rank 0 does not build or step")
+    assert "#SBATCH" not in bad.stdout  # refused before any script
+    record_case("tools.launch", "job that fails its dry run")
