@@ -246,7 +246,9 @@ def prepare(ctx: Ctx) -> None:
 
         from rl.envs import make_env
 
-        tasks = make_env("arithmetic").tasks("train", 100_000, seed=0)  # the whole train split
+        # timeout_s=0: the benchmark's own data, not a user hook (rl.hooks' 60 s guard fired
+        # on this whole-split call at load 6).
+        tasks = make_env("arithmetic", timeout_s=0).tasks("train", 100_000, seed=0)  # all of train
         rng = random.Random(0)
         with text.open("w") as f:
             for _ in range(40):
@@ -634,6 +636,8 @@ class Server:
 def start_serve(ctx: Ctx) -> tuple[Server, float]:
     port = free_port()
     keys = ctx.work / "keys.txt"
+    keys.touch(mode=0o600)
+    keys.chmod(0o600)  # tools.serve refuses a key file others can read
     keys.write_text(API_KEY + "\n")
     cmd = [
         ctx.py, "-m", "tools.serve", "--recipe", "recipes/debug.toml", "--port", str(port),
@@ -1049,7 +1053,7 @@ def w_gen(a: dict) -> dict:
     # Half arithmetic prompts (what the base was trained on), half letter-sorting chat prompts
     # of 3-5 letters (other lengths: left padding on both sides).
     n_ar = a["prompts"] // 2
-    tasks = make_env("arithmetic").tasks("train", n_ar, seed=1)
+    tasks = make_env("arithmetic", timeout_s=0).tasks("train", n_ar, seed=1)
     prompts = [
         [tok.bos_token_id] + tok(t.prompt, add_special_tokens=False)["input_ids"] for t in tasks
     ]
@@ -1165,7 +1169,7 @@ def w_trl_grpo(a: dict) -> dict:
 
     from rl.envs import Task, make_env
 
-    env = make_env("arithmetic")
+    env = make_env("arithmetic", timeout_s=0)  # the whole split below: no 60 s hook guard
     tok = AutoTokenizer.from_pretrained(a["hf"])
     tasks = env.tasks("train", 100_000, seed=0)
     ds = datasets.Dataset.from_list(

@@ -5,8 +5,9 @@ as it did with it, and its checkpoints stay interchangeable with sharded layouts
   parameters are plain tensors; with FSDP2 forced back on (torchtitan's parallelize function
   unchanged) they are DTensors. Loss and grad norm agree at every step to float32 rounding
   (measured: bit-identical): the reference is torchtitan's own FSDP path.
-- LoRA in one process: plain tensors, and only the adapters train (keep_frozen still holds
-  the base frozen after spmd-types re-registers every parameter).
+- LoRA in one process with activation checkpointing: plain tensors, and only the adapters
+  train (keep_frozen still holds the base frozen after spmd-types re-registers every
+  parameter and the checkpoint wrapper renames them).
 - The one-process run's step-3 checkpoint (plain tensors, model and AdamW state) resumes
   under FSDP2 at 2 processes and repeats steps 4 and 5 to the layout tests' tolerance
   (the other direction, dp=2 -> dp=1: tests/integration/test_data_resume_train.py).
@@ -65,8 +66,14 @@ def test_one_process_skips_fsdp_with_the_same_steps(plain, seed_checkpoint, tmp_
 
 
 def test_one_process_lora_keeps_the_base_frozen(seed_checkpoint, tmp_path):
-    out = _run(tmp_path, seed_checkpoint, "plain", "finetune.mode=lora", "training.steps=2")
+    # With activation checkpointing: the unsharded path applies it itself, and its wrapper
+    # renames every block's parameters (keep_frozen must still match them, via plain_fqn).
+    out = _run(
+        tmp_path, seed_checkpoint, "plain", "finetune.mode=lora", "training.steps=2",
+        "training.activation_checkpoint=full",
+    )  # fmt: skip
     assert out["kinds"] == ["Parameter"], out["kinds"]
+    assert any("_checkpoint_wrapped_module" in n for n in out["trainable"]), out["trainable"]
     assert out["trainable"] and all(".lora_" in n for n in out["trainable"]), out["trainable"]
     assert sorted(out["steps"]) == [1, 2]
 
