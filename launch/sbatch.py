@@ -73,6 +73,9 @@ class LaunchOptions:
     switch_wait: str = DEFAULT_SWITCH_WAIT
     extra_sbatch: tuple[str, ...] = ()  # raw "#SBATCH" options, e.g. "--qos=high"
     master_port_base: int = 20000
+    # A model resource instead of a training run: tools.serve's options (tools.launch
+    # --serve); None: train.py.
+    serve_args: tuple[str, ...] | None = None
 
 
 _TIME = re.compile(r"(?:([0-9]{1,6})-)?([0-9]{1,9})(?::([0-9]{1,9}))?(?::([0-9]{1,9}))?")
@@ -156,7 +159,7 @@ def check_launch(recipe: Recipe, cluster: Cluster, opts: LaunchOptions) -> tuple
         planned_rank_order(layout, cluster.with_nodes(opts.nodes).fabric())
     except PlacementError as e:
         raise ConfigError(str(e), file=recipe.source, key="parallel.tp") from None
-    if recipe.checkpoint.interval == 0:
+    if recipe.checkpoint.interval == 0 and opts.serve_args is None:
         warnings.append(
             "checkpoint.interval = 0: a requeued job restarts from step 0 unless the run "
             "saves on the stop request (set checkpoint.interval)"
@@ -167,7 +170,7 @@ def check_launch(recipe: Recipe, cluster: Cluster, opts: LaunchOptions) -> tuple
             f"{opts.nodes} nodes is not a multiple of the {npd}-node NVLink domain: one domain "
             "is shared with other jobs (no --segment)"
         )
-    if not recipe.checkpoint.resume:
+    if not recipe.checkpoint.resume and opts.serve_args is None:
         warnings.append("checkpoint.resume = false: a requeued job will not resume")
     return layout, warnings
 
@@ -250,7 +253,15 @@ def _cmd(args: list[str]) -> str:
 
 def train_args(opts: LaunchOptions) -> list[str]:
     """train.py's arguments: the recipe, the user's overrides, and the fixed output folder
-    (the same folder on every requeue is what makes the restart find its checkpoint)."""
+    (the same folder on every requeue is what makes the restart find its checkpoint). A
+    model resource: `tools.serve` (every rank of every node; rank 0 serves) with its
+    checkpoints in <run folder>/service, the same folder on every requeue."""
+    if opts.serve_args is not None:
+        args = ["--module", "tools.serve", "--recipe", opts.recipe_path]
+        args += ["--storage", str(Path(opts.output_dir) / "service"), *opts.serve_args]
+        for o in opts.overrides:
+            args += ["--set", o]
+        return args
     args = [str(Path(opts.workdir) / "train.py"), "--recipe", opts.recipe_path]
     for o in (*opts.overrides, f"job.output_dir={opts.output_dir}"):
         args += ["--set", o]
@@ -404,6 +415,12 @@ def render_sbatch(recipe: Recipe, cluster: Cluster, layout: Layout, opts: Launch
             "signal_seconds": str(opts.signal_seconds),
             "grace": str(max(30, opts.signal_seconds - 60)),
             "preflight": _preflight_lines(opts),
+            "main_comment": (
+                "# ---- train (resumes from the latest checkpoint in the run folder) ----"
+                if opts.serve_args is None
+                else "# ---- serve: tools.serve over every GPU (rank 0 serves HTTP; a requeue "
+                "serves the same storage) ----"
+            ),
             "train_args": _cmd(train_args(opts)),
         },
     )

@@ -438,7 +438,9 @@ def _memory_for_rank(w: Workload, rank: int, st: Stack) -> MemoryEstimate:
     stage_act = mean_layers_per_stage * per_layer_tok * tokens + tokens * 2 * s.dim / t
     stage_wgrad = mean_layers_per_stage * layer_weight_grad_bytes(w) * tokens
     inflight, deferred = held_and_deferred(w, rank, stage_act, stage_wgrad)
-    activations = inflight * stage_act + deferred * stage_wgrad + recv_buffer_bytes(w, rank)
+    activations = inflight * stage_act + deferred * stage_wgrad
+    if st.pp_recv_buffers_per_microbatch:
+        activations += recv_buffer_bytes(w, rank)
     # Backward recomputes one checkpointed layer at a time (measured: without AC the peak
     # comes at the start of backward, before any layer's workspace).
     workspace = (layer_activation_bytes(w, "none", st) - per_layer_tok) * tokens
@@ -585,16 +587,12 @@ def fit_microbatch_tokens(
     return best
 
 
-def posttrain_load(
-    recipe, microbatch_tokens: int = 0, *, service: bool = False
-) -> PostTrain | None:
+def posttrain_load(recipe, microbatch_tokens: int = 0) -> PostTrain | None:
     """The PostTrain of a recipe's job (None for pretraining and Trainer-path SFT): RL's
-    generator copies (one; async adds the probe), its KL reference, [[adapters]], or the
-    service (`service`: one sampler copy, generation)."""
+    generator copies (one; async adds the probe), its KL reference, or [[adapters]]. (The
+    service is a model resource, priced by parallel/serve.py: its generator shares the base.)"""
     tokens = microbatch_tokens or recipe.training.microbatch_tokens or MICROBATCH_LADDER[0]
     rl = recipe.rl
-    if service:
-        return PostTrain(microbatch_tokens=tokens, generator_copies=1, generation=True)
     if rl.enabled:
         return PostTrain(
             microbatch_tokens=tokens,

@@ -56,6 +56,9 @@ class Stack:
     # FP8 linears keep their FP8-cast inputs for the weight gradient instead of the bf16
     # ones (Transformer Engine); torchao's Float8Linear keeps the high-precision input.
     fp8_saves_fp8_inputs: bool
+    # Pipeline stages allocate one activation and one gradient receive buffer per microbatch
+    # up front (torch's PipelineStage) rather than per transfer (Megatron's p2p_communication).
+    pp_recv_buffers_per_microbatch: bool
     fp8_linear: str
     cp_rotate: str
     matmul_eff: dict[str, float]  # precision -> fraction of its dense peak (H100)
@@ -132,6 +135,7 @@ _TOP = (
     "fused_ffn_activations",
     "grad_accum_in_pipeline",
     "fp8_saves_fp8_inputs",
+    "pp_recv_buffers_per_microbatch",
     "fp8_linear",
     "cp_rotate",
     "loss_chunks",
@@ -208,6 +212,7 @@ def parse_stack(data: dict[str, Any], file: str) -> Stack:
         "fused_ffn_activations",
         "grad_accum_in_pipeline",
         "fp8_saves_fp8_inputs",
+        "pp_recv_buffers_per_microbatch",
     ):
         v = data.get(k, False)
         if not isinstance(v, bool):

@@ -33,10 +33,12 @@ _HF_NAMES = {"wo": "self_attn.o_proj", "w1": "mlp.gate_proj", "w2": "mlp.down_pr
 
 
 def lora_modules(model: nn.Module) -> Iterator[tuple[str, Any]]:
-    """(name, module) of every LoRA-converted linear, in model order."""
+    """(name, module) of every LoRA-converted linear, in model order, named as the state
+    dict names it: an activation-checkpointed block's `_checkpoint_wrapped_module.` is left
+    out, so an adapter's tensor names do not depend on the activation checkpointing."""
     for name, m in model.named_modules():
         if isinstance(getattr(m, "lora_a", None), nn.Module) and hasattr(m, "lora_b"):
-            yield name, m
+            yield name.replace("._checkpoint_wrapped_module", ""), m
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:

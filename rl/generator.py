@@ -22,6 +22,7 @@ pushes full weights or only its trainable (LoRA adapter) parameters with `update
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import secrets
 import threading
@@ -32,6 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+# A context manager factory: `with gather(module):` makes the module's own weights whole.
+Gather = Callable[[Any], contextlib.AbstractContextManager]
 
 
 @dataclass(frozen=True)
@@ -121,18 +125,34 @@ def _attention(attn, x, positions, cache: _Cache, i: int, start: int, key_ok: to
     return attn.wo(out.transpose(1, 2).flatten(2))
 
 
+def _whole(module: Any) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
 def _forward_cached(
-    model: Any, tokens, positions, cache: _Cache, start: int, key_ok, *, last_only: bool = True
+    model: Any,
+    tokens,
+    positions,
+    cache: _Cache,
+    start: int,
+    key_ok,
+    *,
+    last_only: bool = True,
+    gather: Gather = _whole,
 ) -> torch.Tensor:
-    h = model.tok_embeddings(tokens)
-    for i, layer in enumerate(_layers(model)):
-        h = h + _attention(
-            layer.attention, layer.attention_norm(h), positions, cache, i, start, key_ok
-        )
-        h = h + layer.feed_forward(layer.ffn_norm(h))
-    if last_only:
-        return model.lm_head(model.norm(h[:, -1:]))[:, 0]
-    return model.lm_head(model.norm(h))
+    # `gather(m)`: m's own weights whole for the block (an FSDP-sharded model: one
+    # all-gather per layer, as its own forward does; the others stay sharded).
+    with gather(model):
+        h = model.tok_embeddings(tokens)
+        for i, layer in enumerate(_layers(model)):
+            with gather(layer):
+                h = h + _attention(
+                    layer.attention, layer.attention_norm(h), positions, cache, i, start, key_ok
+                )
+                h = h + layer.feed_forward(layer.ffn_norm(h))
+        if last_only:
+            return model.lm_head(model.norm(h[:, -1:]))[:, 0]
+        return model.lm_head(model.norm(h))
 
 
 # top_p at or under the top token's probability by this relative margin keeps that token
@@ -188,12 +208,22 @@ class Generator:
         pad_id: int = 0,
         max_batch: int = 256,
         decode: Callable[[list[int]], str] | None = None,
+        shared: bool = False,
+        gather: Gather = _whole,
     ) -> None:
+        """`shared`: decode through `model` as it is (its dtype, its mode, its trainable
+        parameters left alone: the service's trainer and generator share one base, no copy);
+        `gather`: see `_forward_cached` (a sharded model's per-layer all-gather)."""
         _check_supported(model)
-        # Parameters only: `model.to(dtype)` would also cast RoPE's complex cache to real.
-        for prm in model.parameters():
-            prm.data = prm.data.to(dtype)
-        self.model: Any = model.eval().requires_grad_(False)
+        if shared:
+            dtype = next(model.parameters()).dtype
+        else:
+            # Parameters only: `model.to(dtype)` would also cast RoPE's complex cache to real.
+            for prm in model.parameters():
+                prm.data = prm.data.to(dtype)
+            model = model.eval().requires_grad_(False)
+        self.model: Any = model
+        self.gather = gather
         self.dtype = dtype
         self.pad_id = pad_id
         self.max_batch = max_batch
@@ -301,7 +331,14 @@ class Generator:
             P = max(len(x) for x in seqs)
             tokens, positions, _, key_ok, cache = self._prefill_inputs(seqs, P)
             logits = _forward_cached(
-                self.model, tokens, positions, cache, 0, key_ok, last_only=False
+                self.model,
+                tokens,
+                positions,
+                cache,
+                0,
+                key_ok,
+                last_only=False,
+                gather=self.gather,
             )
             logp = F.log_softmax(logits.float() / temperature, dim=-1)
             out = []
@@ -321,7 +358,14 @@ class Generator:
             self._apply_pending()
             tokens, positions, _, key_ok, cache = self._prefill_inputs([prompt], len(prompt))
             logits = _forward_cached(
-                self.model, tokens, positions, cache, 0, key_ok, last_only=False
+                self.model,
+                tokens,
+                positions,
+                cache,
+                0,
+                key_ok,
+                last_only=False,
+                gather=self.gather,
             )
         logp = F.log_softmax(logits[0, :-1].float(), dim=-1)
         lp = logp.gather(-1, tokens[0, 1:, None]).squeeze(-1).cpu().numpy()
@@ -346,7 +390,9 @@ class Generator:
         seqs = [prompts[i] for i in chunk]
         P = max(len(p) for p in seqs)
         tokens, positions, lens, key_ok, cache = self._prefill_inputs(seqs, P + params.max_tokens)
-        logits = _forward_cached(self.model, tokens, positions, cache, 0, key_ok)
+        logits = _forward_cached(
+            self.model, tokens, positions, cache, 0, key_ok, gather=self.gather
+        )
         rows = [j for j in range(len(seqs)) for _ in range(params.n)]
         out: list[Sample] = []
         for s in range(0, len(rows), self.max_batch):
@@ -411,8 +457,9 @@ class Generator:
             if bool(done.all()) or t == params.max_tokens - 1:
                 break
             logits = _forward_cached(
-                self.model, tok[:, None], (lens + t)[:, None], cache, P + t, key_ok
-            )
+                self.model, tok[:, None], (lens + t)[:, None], cache, P + t, key_ok,
+                gather=self.gather,
+            )  # fmt: skip
         tok_m = torch.stack(toks, 1).tolist()
         lp_m = torch.stack(lps, 1).float().tolist()
         out = []

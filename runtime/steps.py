@@ -683,27 +683,23 @@ def device_memory_bytes(platform: Any) -> tuple[float, str]:
     return float(torch.cuda.get_device_properties(local).total_memory), platform.device_name
 
 
-def choose_microbatch_tokens(
-    recipe: Any, layout: Any, platform: Any, *, service: bool = False
-) -> int:
+def choose_microbatch_tokens(recipe: Any, layout: Any, platform: Any) -> int:
     """The job's token budget: training.microbatch_tokens, or the largest that fits this
     device by the memory model (parallel.memory: the trainer's states and one microbatch,
     the generator's copies and KV cache; on CPU the dense attention's scores). ConfigError
     (before any process group) when the job does not fit, saying what it needs. `layout`
-    None: one process (the service, whose adapters are LoRA at lora.rank)."""
+    None: one process. (The service's budget is its resource plan's: parallel/serve.py.)"""
     from dataclasses import replace
 
     from core.axes import Layout
     from parallel.memory import fit_microbatch_tokens, posttrain_load, posttrain_memory
     from parallel.workload import workload_from_recipe
 
-    pt = posttrain_load(recipe, service=service)
-    assert pt is not None, "a post-training recipe (rl, [[adapters]] or the service)"
+    pt = posttrain_load(recipe)
+    assert pt is not None, "a post-training recipe (rl or [[adapters]])"
     if platform.is_cpu:
         pt = replace(pt, dense_attention_len=recipe.training.seq_len)
     w = workload_from_recipe(recipe, layout or Layout())
-    if service:
-        w = w.with_(lora_rank=recipe.lora.rank)
     device, kind = device_memory_bytes(platform)
     chosen = recipe.training.microbatch_tokens
     tokens = chosen or fit_microbatch_tokens(w, pt, device, kind)

@@ -10,6 +10,11 @@ isolation guarantee rests on that: adapters take turns on the shared base).
 Errors: raise `ServiceError` for a request the client got wrong (it fails the future with
 category "user"); anything else fails it with category "server". Either way the service
 keeps serving.
+
+Optional attributes the service reads when present: `microbatch_tokens` (admission prices a
+microbatch), `generators` (0: the backend samples nothing; sampling requests are refused
+with NO_GENERATOR before anything is queued) and `generator_tokens` (the KV-cache positions
+its generator holds: a longer prompt + max_tokens is a 413, `check_generator_capacity`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from service.errors import ServiceError
 from service.types import AdamParams, Datum, FwdBwdResult, LoraSpec, SampleResult, SamplingParams
 
 
@@ -93,3 +99,21 @@ class Backend(Protocol):
         logprobs (and the top-k ones when k > 0) score the last `prompt_logprobs_last_n`
         prompt tokens (None: all but the first)."""
         ...
+
+
+NO_GENERATOR = (
+    "sampling is off: this resource serves training only (tools.serve --generators 0); "
+    "sample from a resource with a generator (sampler weights saved here load there)"
+)
+
+
+def check_generator_capacity(total: int, capacity: int) -> None:
+    """A sample of `total` positions (prompt + max_tokens) within the generator's KV cache,
+    or 413 naming the option that sizes it."""
+    if total > capacity:
+        raise ServiceError(
+            413,
+            f"prompt + max_tokens = {total} positions exceed this resource's generator of "
+            f"{capacity} (tools.serve --generator-tokens)",
+            field="sampling_params.max_tokens",
+        )

@@ -34,7 +34,7 @@ from service.admission import (
     price_forward_backward,
     price_sample,
 )
-from service.backend import Backend
+from service.backend import NO_GENERATOR, Backend, check_generator_capacity
 from service.errors import ServiceError, bad_request, log_safe, not_found, scrub_paths
 from service.futures import Future, FutureStore, Outcome
 from service.scheduler import Op, Scheduler
@@ -128,10 +128,21 @@ class Service:
                     "model_name": self.info.name,
                     "max_context_length": self.info.max_context,
                     "trainable": True,
-                    "sampleable": True,
+                    "sampleable": self.sampling_off() is None,
                 }
             ]
         }
+
+    def sampling_off(self) -> str | None:
+        """Why this service samples nothing (a model resource started with --generators 0,
+        service/distributed.py), or None."""
+        return None if getattr(self.backend, "generators", 1) else NO_GENERATOR
+
+    def check_sampling(self, field: str) -> None:
+        """400 naming tools.serve's --generators before anything is queued or created."""
+        why = self.sampling_off()
+        if why is not None:
+            raise bad_request(field, why)
 
     def max_chunk_len(self) -> int:
         """Datums of the full context one forward_backward may carry (the SDK's chunk size:
@@ -472,6 +483,7 @@ class Service:
             else:
                 if body.sampling_session_seq_id is None:
                     raise bad_request("path", "either path or sampling_session_seq_id is required")
+                self.check_sampling("sampling_session_seq_id")  # a snapshot is for sampling
                 sampler_id = f"{m.session_id}:sample:{body.sampling_session_seq_id}"
 
                 def run() -> Outcome:
@@ -589,6 +601,7 @@ class Service:
 
     def create_sampling_session(self, tenant: str, body: wire.CreateSamplingSessionBody) -> str:
         session = self.registry.session(body.session_id, tenant)
+        self.check_sampling("base_model" if body.model_path is None else "model_path")
         sampler_id = f"{session.session_id}:sample:{body.sampling_session_seq_id}"
         if body.model_path is None:
             if body.base_model is None:
@@ -644,12 +657,16 @@ class Service:
         if body.sampling_session_id is None:
             raise bad_request("sampling_session_id", "required (create a sampling client first)")
         s = self.registry.sampler(body.sampling_session_id, tenant)
+        self.check_sampling("sampling_session_id")
         req = sampling.sample_request(
             body,
             vocab=self.info.vocab_size,
             max_context=self.info.max_context,
             max_samples=self.limits.max_samples,
         )
+        capacity = getattr(self.backend, "generator_tokens", None)
+        if capacity is not None:
+            check_generator_capacity(int(req.prompt.size) + req.params.max_tokens, capacity)
         price = self._admit_sample(
             int(req.prompt.size),
             req.params.max_tokens,

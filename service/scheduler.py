@@ -107,6 +107,7 @@ class Scheduler:
         self._pending_tenant_s: defaultdict[str, float] = defaultdict(float)
         self._kind_s: dict[str, float] = {}  # measured wall seconds per kind (EWMA)
         self._accepting = True
+        self._refusal = "the service is shutting down; this request was not run"
         self._stop = False
         self._running: Op | None = None
         self._thread = threading.Thread(target=self._work, name="service-worker", daemon=True)
@@ -162,7 +163,7 @@ class Scheduler:
             if not self._accepting:
                 # 410, not 503: the SDK retries 5xx for five minutes, but the adapters live in
                 # this process and will not come back; 410 fails the call at once, with this.
-                raise ServiceError(410, "the service is shutting down; this request was not run")
+                raise ServiceError(410, self._refusal)
             lane = self._lanes.get(op.lane) if op.lane is not None else None
             if op.lane is not None and op.seq_id is not None:
                 if lane is None:
@@ -302,7 +303,7 @@ class Scheduler:
             try:
                 outcome = op.run()
             except ServiceError as e:
-                if e.status >= 500:
+                if e.status >= 500 and not getattr(e, "logged", False):
                     log.exception("service.op failed: session=%s kind=%s", op.session_id, op.kind)
                 outcome = Outcome(error=e.message, category="user" if e.status < 500 else "server")
             except Exception as e:  # a failing step fails its future; the service goes on
@@ -361,9 +362,13 @@ class Scheduler:
 
     # --- shutdown ----------------------------------------------------------------------------
 
-    def stop_accepting(self) -> None:
+    def stop_accepting(self, reason: str | None = None) -> None:
+        """Refuse new work (410); `reason` replaces the shutdown sentence (a broken model
+        resource says what it lost)."""
         with self._cond:
             self._accepting = False
+            if reason is not None:
+                self._refusal = reason
 
     def drain(self, deadline_s: float, running_grace_s: float = 30.0) -> tuple[int, int]:
         """Finish queued work until the deadline, then fail what is left (including ops held

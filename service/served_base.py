@@ -81,8 +81,11 @@ def resolve_served_base(
     tokenizer_id: str | None = None,
     max_samples: int = 64,
     device_bytes: int | None = None,
+    check_memory: bool = True,
 ) -> ServedBase:
-    """Everything above, checked: bad values are one ConfigError naming the option or key."""
+    """Everything above, checked: bad values are one ConfigError naming the option or key.
+    `check_memory=False`: the caller prices the memory (tools.serve: the model resource's
+    plan, parallel/serve.py, which knows the sharding and the generator's size)."""
     from data.tokenizer import resolve_tokenizer, tokenizer_id_count
     from recipe.loader import effective_shape
 
@@ -110,7 +113,7 @@ def resolve_served_base(
         )
     need = served_bytes(shape, recipe.training.dtype, ctx, max_samples)
     have = device_bytes if device_bytes is not None else device_memory_bytes()
-    if need > have:
+    if check_memory and need > have:
         raise ConfigError(
             f"serving {ctx} tokens of context needs about {need / 2**30:.1f} GiB (two copies "
             f"of the model and a KV cache of {max_samples} samples) but the device has "

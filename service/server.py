@@ -9,6 +9,12 @@ with "the service shut down before this request ran", keeps answering `retrieve_
 every finished result was fetched (or `fetch_grace_s` passed) and no request came for 2 s,
 then stops uvicorn and exits 0. Checkpoint saves are atomic (`service.storage`), so no
 reported save is lost and no partial one is left. A second signal exits at once.
+
+A model resource (several processes, service/distributed.py): on a signal, rank 0 first
+pings every rank (torchrun signals every rank when one of them dies); a resource that lost a
+rank, at any time, stops with `fail`: new requests get 410 naming what was lost, queued ones
+fail with it, finished results stay fetchable for `fetch_grace_s`, then uvicorn stops and
+`tools.serve` exits non-zero.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 
@@ -38,6 +45,10 @@ from service.tenants import KeyFile
 
 log = logging.getLogger("service")
 QUIET_S = 2.0  # no request for this long after a drain: the clients have stopped
+# A broken resource: queued requests fail at once (the backend refuses them); this bounds it.
+FAIL_DRAIN_S = 5.0
+# On a signal, how long rank 0 waits for every rank of a resource to answer a ping.
+PROBE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -117,13 +128,21 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class _DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, service: Service, opts: ServeOptions):
+    def __init__(
+        self, config: uvicorn.Config, service: Service, opts: ServeOptions, resource: Any = None
+    ):
         super().__init__(config)
         self.service = service
         self.opts = opts
+        self.resource = resource  # service.distributed.Dispatcher of a model resource
         self._draining = False
+        self._drain_started = False
+        self.failed: str | None = None
 
     def handle_exit(self, sig: int, frame) -> None:  # runs on the event-loop thread
+        if self.failed is not None:  # torchrun stopping the ranks after one died: we are
+            log.info("service: %s received; already stopping", signal.Signals(sig).name)
+            return
         if self._draining:
             log.warning("service: second signal, exiting now")
             self.should_exit = self.force_exit = True
@@ -135,14 +154,40 @@ class _DrainingServer(uvicorn.Server):
             signal.Signals(sig).name,
             self.opts.drain_s,
         )
-        threading.Thread(target=self._drain, name="service-drain", daemon=True).start()
+        threading.Thread(target=self._stop, name="service-drain", daemon=True).start()
 
-    def _drain(self) -> None:
-        finished, refused = self.service.scheduler.drain(self.opts.drain_s)
+    def fail(self, reason: str) -> None:  # the event-loop thread (call_soon_threadsafe)
+        """The resource lost a rank: refuse everything with `reason`, let clients fetch what
+        finished, then stop (tools.serve exits non-zero)."""
+        if self.failed is not None:
+            return
+        self.failed = reason
+        self._draining = True
+        self.service.draining = True
+        self.service.scheduler.stop_accepting(f"{reason}; this request was not run")
+        if not self._drain_started:
+            threading.Thread(
+                target=self._drain, args=(FAIL_DRAIN_S,), name="service-fail", daemon=True
+            ).start()
+
+    def _stop(self) -> None:
+        # A signal from torchrun may mean a rank died: then `fail` (through the resource's
+        # on_broken) stops the service, not the drain. A healthy resource drains as usual.
+        probe = self.resource is None or self.resource.probe(PROBE_S)
+        if not probe and self.resource.broken is not None:
+            return
+        if self.failed is None:
+            self._drain(self.opts.drain_s)
+
+    def _drain(self, deadline_s: float) -> None:
+        self._drain_started = True
+        finished, refused = self.service.scheduler.drain(deadline_s)
         log.info("service: drained: %d ops finished, %d refused", finished, refused)
         # Stay up (refusing new work) until every finished result was fetched and clients have
         # gone quiet: the SDK sends one training client's requests one after another, and a
         # request that finds the port closed is retried for minutes instead of failing now.
+        # A broken resource stays the whole grace: a client's next request gets the reason
+        # (410) instead of a refused connection, which the SDK would retry for minutes.
         end = time.monotonic() + self.opts.fetch_grace_s
         while time.monotonic() < end:
             unfetched = [
@@ -151,7 +196,7 @@ class _DrainingServer(uvicorn.Server):
                 if f.outcome is not None and f.retrieved_at is None and f.kind not in INTERNAL_OPS
             ]
             quiet = time.monotonic() - self.service.last_request > QUIET_S
-            if not unfetched and quiet:
+            if not unfetched and quiet and self.failed is None:
                 break
             time.sleep(0.1)
         for sid, u in sorted(self.service.scheduler.usage.items()):
@@ -172,7 +217,10 @@ async def serve(
     sock: socket.socket,
     keys: KeyFile | None,
     cost: CostModel | None = None,
-) -> None:
+    resource: Any = None,
+) -> str | None:
+    """Serve until stopped; returns None, or why a model resource (`resource`: its
+    service.distributed.Dispatcher) broke."""
     check_exposure(opts)
     warm_up(backend)
     loop = asyncio.get_running_loop()
@@ -189,7 +237,9 @@ async def serve(
     )
     app = create_app(service, keys)
     config = uvicorn.Config(app, access_log=False, log_level="warning", timeout_graceful_shutdown=5)
-    server = _DrainingServer(config, service, opts)
+    server = _DrainingServer(config, service, opts, resource)
+    if resource is not None:
+        resource.on_broken = lambda reason: loop.call_soon_threadsafe(server.fail, reason)
     if keys is not None:
         loop.add_signal_handler(signal.SIGHUP, keys.reload)
 
@@ -219,3 +269,4 @@ async def serve(
     finally:
         sweeper.cancel()
         accounting.close()
+    return server.failed

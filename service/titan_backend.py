@@ -1,40 +1,51 @@
 """The backend on torchtitan: one frozen base model, LoRA adapters that take turns on it.
 
 Built as train.py builds a model (torchtitan's registry, `kernels.registry.apply_kernels`,
-torchtitan's `LoRAConverter` on every Linear: the base frozen); the base is loaded from
-`checkpoint.load_from` (`posttrain.adapters.load_base`) or initialised from `training.seed`.
-Each adapter owns its LoRA tensors (rank, seed, targets: `posttrain.lora.init_adapter`, the
-one initialisation; an untargeted module gets an exactly-zero rank-0 pair) and a step engine
-(runtime.steps: torchtitan's AdamW container, microbatches under `microbatch_tokens`, the
-non-finite guard, a 400 that leaves the adapter as it was); its tensors are bound into the
-shared base by reference for each operation. Operations run one at a time (the scheduler's
-worker), so an adapter's numbers never depend on the others. Losses are `rl.losses`'
-(sum-aggregated, as Tinker defines them), sampling `rl.generator.Generator` (one deep copy of
-the model). `save_state` writes the adapter (safetensors) and its optimizer state (DCP) with
-one manifest over the folder, verified by `load_state`. Not done: PEFT key names in saved
-adapter weights, multi-GPU sharding of the base.
+torchtitan's `LoRAConverter` on every Linear: the base frozen, the recipe's activation
+checkpointing); the base is loaded from `checkpoint.load_from` (`posttrain.adapters.load_base`)
+or a Hugging Face folder, or initialised from `training.seed`. Each adapter owns its LoRA
+tensors (rank, seed, targets: `posttrain.lora.init_adapter`, the one initialisation; an
+untargeted module gets an exactly-zero rank-0 pair) and a step engine (runtime.steps:
+torchtitan's AdamW container, microbatches under `microbatch_tokens`, the non-finite guard, a
+400 that leaves the adapter as it was); its tensors are bound into the shared base by
+reference for each operation. Operations run one at a time (the scheduler's worker), so an
+adapter's numbers never depend on the others. Losses are `rl.losses`' (sum-aggregated, as
+Tinker defines them), sampling `rl.generator.Generator` decoding through the same base (no
+copy; `generators = 0`: none). `save_state` writes the adapter (safetensors) and its optimizer
+state (DCP) with one manifest over the folder, verified by `load_state`.
+
+Several processes (a model resource, service/distributed.py): the base is FSDP2-sharded over
+`group` (`shard_base`; a `checkpoint.load_from` base is built on the meta device, sharded,
+then loaded sharded), adapters are replicated; each rank trains on its share of a request's
+datums (the losses are sums, so the gradients summed over ranks are the request's) and every
+rank decodes every sample (the generator gathers one layer at a time). Not done: PEFT key
+names in saved adapter weights, tensor parallelism.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from parallel.serve import GENERATOR_MAX_ROWS
 from posttrain.lora import AdapterWeights, bind_adapter, init_adapter, lora_modules
 from rl.generator import Generator
 from rl.generator import SamplingParams as GenParams
 from rl.losses import BUILTIN_LOSSES, LossBatch, LossConfig
 from runtime.steps import IGNORE_INDEX, NonFiniteError, Rows, StepEngine
 from service import proto
-from service.backend import BaseModelInfo
+from service.backend import NO_GENERATOR, BaseModelInfo, check_generator_capacity
 from service.errors import ServiceError, bad_request
 from service.served_base import ServedBase, load_hf_weights
 from service.types import (
@@ -89,11 +100,35 @@ class _Snapshot:
     params: dict[str, torch.Tensor]
 
 
+def _apply_ac(model: nn.Module, mode: str) -> None:
+    """The recipe's activation checkpointing (torchtitan's policies, block by block) before
+    any sharding, as torchtitan orders them; adapter names stay the same
+    (posttrain.lora.lora_modules drops the wrapper's name)."""
+    if mode == "none":
+        return
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    policy = {"selective": SelectiveAC, "full": FullAC}[mode]
+    policy.Config().build().apply(model)
+
+
+def shard_served_base(model: nn.Module, mesh: Any) -> None:
+    """FSDP2 over the frozen base, the adapters replicated: posttrain.adapters.shard_base,
+    the [[adapters]] jobs' layout (nothing FSDP manages has a gradient: no reduce-scatter)."""
+    from posttrain.adapters import shard_base
+
+    shard_base(model, mesh)
+
+
 def build_lora_model(
-    recipe, device: torch.device, served: ServedBase | None = None
+    recipe, device: torch.device, served: ServedBase | None = None, mesh: Any = None
 ) -> tuple[nn.Module, BaseModelInfo]:
     """The recipe's model with every Linear LoRA-converted (placeholder rank 1), initialised
-    from training.seed (or a Hugging Face base's weights), on `device`."""
+    from training.seed (or loaded), on `device`; FSDP2-sharded over `mesh` when given.
+
+    With a mesh, a `checkpoint.load_from` base is built on the meta device, sharded, and
+    loaded shard by shard (no rank ever holds the whole base); a seeded or Hugging Face base
+    is built whole first (every rank the same weights), then sharded."""
     from torchtitan.components.lora import LoRAConverter
 
     from kernels.registry import apply_kernels
@@ -106,12 +141,16 @@ def build_lora_model(
     # Every linear gets a LoRA slot; each client's adapter decides which it trains.
     cfg = LoRAConverter.Config(rank=1, alpha=recipe.lora.alpha).build().convert(cfg)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[recipe.training.dtype]
+    sharded_load = mesh is not None and bool(recipe.checkpoint.load_from)
     torch.manual_seed(recipe.training.seed)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
             model = cfg.build()
+        _apply_ac(model, recipe.training.activation_checkpoint)
+        if sharded_load:
+            shard_served_base(model, mesh)
         model.to_empty(device=device)
         with torch.no_grad():
             model.init_weights(buffer_device=device)
@@ -123,6 +162,8 @@ def build_lora_model(
         load_base(model, recipe.checkpoint.load_from, file=recipe.source)
     if served is not None and served.hf_folder:
         load_hf_weights(model, served.hf_folder, spec, file=recipe.source)
+    if mesh is not None and not sharded_load:
+        shard_served_base(model, mesh)
     vocab = model.tok_embeddings.weight.shape[0]
     info = BaseModelInfo(
         name=served.name if served else f"titanscale/{recipe.job.name}",
@@ -134,6 +175,61 @@ def build_lora_model(
     return model, info
 
 
+@contextlib.contextmanager
+def gathered(module: nn.Module) -> Iterator[None]:
+    """`module`'s own FSDP-sharded weights whole for the block (one all-gather, a collective:
+    every rank must enter it in the same order), then sharded again; a no-op otherwise."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        yield
+        return
+    module.unshard()
+    try:
+        yield
+    finally:
+        module.reshard()
+
+
+def base_shard_sizes(model: nn.Module) -> tuple[int, int, int]:
+    """(parameters, bytes) of the frozen base this rank holds (its FSDP shards), and the
+    base's total parameters: what `tools.serve` reports per rank."""
+    local = nbytes = total = 0
+    for name, p in model.named_parameters():
+        if ".lora_" in name:
+            continue
+        t = p.to_local() if hasattr(p, "to_local") else p
+        local += t.numel()
+        nbytes += t.numel() * t.element_size()
+        total += p.numel()
+    return local, nbytes, total
+
+
+def resource_plan(recipe, served: ServedBase | None, resource: Any) -> Any:
+    """The `parallel.serve.ResourcePlan` of `resource` on this machine's devices (a GPU's
+    memory, or on CPU the host's memory shared by the local processes), priced with the
+    attention kernel the backend is built with."""
+    from parallel.serve import plan_resource, served_model
+    from runtime.build import choose_kernels
+    from runtime.platform import Platform
+    from runtime.steps import device_memory_bytes
+
+    platform = Platform.detect()
+    dense = choose_kernels(recipe, platform).attention == "dense"
+    m = served_model(recipe, served.context if served else None, cpu=dense)
+    device_bytes, kind = device_memory_bytes(platform)
+    return plan_resource(m, resource, device_bytes, kind)
+
+
+def local_plan(recipe, served: ServedBase | None = None) -> Any:
+    """One device, the default adapters and generator (what a plain TitanLoraBackend gets)."""
+    from parallel.serve import Resource
+
+    return resource_plan(
+        recipe, served, Resource(microbatch_tokens=recipe.training.microbatch_tokens)
+    )
+
+
 class TitanLoraBackend:
     max_lora_rank = 128
 
@@ -143,16 +239,33 @@ class TitanLoraBackend:
         info: BaseModelInfo,
         *,
         alpha: float,
-        devices: int = 1,
+        devices: int | None = None,
         tokenizer_dir: str | None = None,
         eos_ids: tuple[int, ...] = (),
         microbatch_tokens: int = 2**62,
+        group: Any = None,
+        generators: int = 1,
+        generator_tokens: int = 2**62,
+        whole_base_decode: bool = False,
     ):
+        """`group`: the process group the base is sharded over (None: one process);
+        `generators`: 0 or 1; `generator_tokens`: KV-cache positions the generator may hold
+        at once (rows x (prompt + max_tokens) per decode batch)."""
         self.model = model
         self.microbatch_tokens = microbatch_tokens  # per forward/backward (runtime.steps)
         self.info = info
         self.alpha = alpha
-        self.devices = devices
+        self.group = group
+        self.world = torch.distributed.get_world_size(group) if group is not None else 1
+        self.rank = torch.distributed.get_rank(group) if group is not None else 0
+        # Billing: every device of the resource is held for every operation.
+        self.devices = devices if devices is not None else self.world
+        self.generators = generators
+        self.generator_tokens = generator_tokens
+        # Sharded base: gather it whole once per sample request (the plan found room) rather
+        # than one layer per decode step; `_whole` is set while it is gathered.
+        self.whole_base_decode = whole_base_decode and group is not None
+        self._whole = False
         self.device = next(model.parameters()).device
         for p in model.parameters():
             p.requires_grad_(False)  # the base is frozen; adapters bring their own tensors
@@ -168,24 +281,50 @@ class TitanLoraBackend:
             self._tokenizer = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
 
     @classmethod
-    def from_recipe(cls, recipe, served: ServedBase | None = None) -> TitanLoraBackend:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if device.type == "cpu":
-            # torchtitan builds attention masks with a torch.compile'd create_block_mask, which
-            # recompiles for every new sequence length (~30 s each on CPU). The CPU attention
-            # backend (dense) only evaluates the mask's mask_mod, so eager is exact and cheap.
-            # torch.compile reads this when torchtitan's attention module is imported, which
-            # build_lora_model does next (the first torchtitan import of `tools.serve`).
-            os.environ["TORCHDYNAMO_DISABLE"] = "1"
-        model, info = build_lora_model(recipe, device, served)
+    def from_recipe(
+        cls,
+        recipe,
+        served: ServedBase | None = None,
+        *,
+        mesh: Any = None,
+        plan: Any = None,
+    ) -> TitanLoraBackend:
+        """`mesh`: a 1-D mesh over the resource's processes (None: one process); `plan`: the
+        resource's `parallel.serve.ResourcePlan` (budgets and generator capacity; None: the
+        plan of one device of this machine)."""
         from runtime.platform import Platform
-        from runtime.steps import choose_microbatch_tokens
 
-        tokens = choose_microbatch_tokens(recipe, None, Platform.detect(), service=True)
-        if served is None:
-            return cls(model, info, alpha=recipe.lora.alpha, microbatch_tokens=tokens)
-        return cls(model, info, alpha=recipe.lora.alpha, tokenizer_dir=served.tokenizer_dir,
-                   eos_ids=served.eos_ids, microbatch_tokens=tokens)  # fmt: skip
+        platform = Platform.detect()
+        if platform.is_cpu:
+            device = torch.device("cpu")
+            # torchtitan builds attention masks with a torch.compile'd create_block_mask,
+            # which recompiles for every new sequence length (~30 s each on CPU). The CPU
+            # attention backend (dense) only evaluates the mask's mask_mod, so eager is exact
+            # and cheap. torch.compile reads this when torchtitan's attention module is
+            # imported, which build_lora_model does next (the first torchtitan import of
+            # `tools.serve`).
+            os.environ["TORCHDYNAMO_DISABLE"] = "1"
+        else:
+            from core.launch_env import launch_env
+
+            device = torch.device("cuda", launch_env().local_rank)
+        if plan is None:
+            plan = local_plan(recipe, served)
+        model, info = build_lora_model(recipe, device, served, mesh)
+        kw: dict[str, Any] = {}
+        if served is not None:
+            kw = {"tokenizer_dir": served.tokenizer_dir, "eos_ids": served.eos_ids}
+        return cls(
+            model,
+            info,
+            alpha=recipe.lora.alpha,
+            microbatch_tokens=plan.memory.microbatch_tokens,
+            group=mesh.get_group() if mesh is not None else None,
+            generators=plan.resource.generators,
+            generator_tokens=plan.memory.generator_tokens,
+            whole_base_decode=plan.memory.whole_base_decode,
+            **kw,
+        )
 
     def base_model(self) -> BaseModelInfo:
         return self.info
@@ -209,6 +348,10 @@ class TitanLoraBackend:
             opt,
             microbatch_tokens=self.microbatch_tokens,
             named_params=[(n, p) for n, p in weights.named_parameters() if p.requires_grad],
+            # A resource: replicated adapters, gradients summed over the ranks' datums; the
+            # same microbatch count on every rank (FSDP's gathers are collectives).
+            replicated_group=self.group,
+            dp_group=self.group,
             label=f"adapter {adapter}",
         )
         self.adapters[adapter] = _Adapter(spec, weights, engine)
@@ -257,11 +400,18 @@ class TitanLoraBackend:
         loss_config: dict[str, float | str],
         *,
         forward_only: bool,
+        contribute: bool = True,
     ) -> FwdBwdResult:
+        """`contribute=False`: run `data` with a zero mask and return no outputs (a rank of a
+        resource with no datum of this request still runs the collectives the others run).
+        With a group, the loss returned (and checked for NaN) is the sum over every rank's
+        datums; each rank's gradient is its own datums' (summed by optim_step)."""
         ad = self._adapter(adapter)
         cfg = _loss_config(loss_fn, loss_config)
         self._bind(self.model, ad.params, ad.spec.rank)
         rows, valid, extra = self._batch(data)
+        if not contribute:
+            valid = valid * 0.0
         if loss_fn == "cross_entropy":
             batch = LossBatch(mask=extra.get("weights", valid) * valid)
         else:
@@ -273,12 +423,21 @@ class TitanLoraBackend:
             )
 
         def loss_of(lp: torch.Tensor) -> torch.Tensor:
-            return BUILTIN_LOSSES[loss_fn](lp, batch, cfg)
+            own = BUILTIN_LOSSES[loss_fn](lp, batch, cfg)
+            if self.group is None:
+                return own
+            # Value: the whole request's loss (every rank checks the same number, so a NaN
+            # is refused on all of them before any backward); gradient: this rank's own.
+            total = own.detach().clone()
+            torch.distributed.all_reduce(total, group=self.group)
+            return own + (total - own.detach())
 
         try:
             loss, logp = ad.engine.forward_backward(rows, loss_of, backward=not forward_only)
         except NonFiniteError as e:
             raise bad_request("loss_fn_inputs", e.detail) from None
+        if not contribute:
+            return FwdBwdResult([], {"loss:sum": loss})
         lp = logp.detach().cpu().numpy()
         outputs = [
             {"logprobs": lp[i, : d.tokens.size].astype(np.float32)} for i, d in enumerate(data)
@@ -381,11 +540,40 @@ class TitanLoraBackend:
         self._samplers.pop(handle, None)
 
     def _gen(self) -> Generator:
+        if not self.generators:
+            raise ServiceError(400, NO_GENERATOR)
         if self._generator is None:
             tok = self._tokenizer
             decode = None if tok is None else lambda ids: tok.decode(ids, skip_special_tokens=False)
-            self._generator = Generator.from_model(self.model, decode=decode)
+            # The generator decodes through the trainer's own base: no copy, no transfer (a
+            # snapshot's adapter tensors are bound into it by reference for each sample).
+            self._generator = Generator(
+                self.model, decode=decode, shared=True, gather=self._gather_layer
+            )
         return self._generator
+
+    def _gather_layer(self, module: nn.Module) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self._whole else gathered(module)
+
+    @contextlib.contextmanager
+    def _decode_weights(self) -> Iterator[None]:
+        """The whole base gathered for one sample request (every FSDP unit, in module order:
+        the same collectives on every rank), or nothing (gathered per layer and step)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if not self.whole_base_decode:
+            yield
+            return
+        units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        for m in units:
+            m.unshard()
+        self._whole = True
+        try:
+            yield
+        finally:
+            self._whole = False
+            for m in units:
+                m.reshard()
 
     def sample(
         self,
@@ -401,6 +589,10 @@ class TitanLoraBackend:
         if params.stop_strings and self._tokenizer is None:
             raise bad_request("sampling_params.stop", "stop strings need the served tokenizer")
         gen = self._gen()
+        total = len(prompt) + params.max_tokens
+        check_generator_capacity(total, self.generator_tokens)
+        # Decode as many rows at once as the capacity holds (each prompt + max_tokens).
+        gen.max_batch = max(1, min(GENERATOR_MAX_ROWS, self.generator_tokens // total))
         if handle is None:  # the base model: rank-0 everywhere
             none = LoraSpec(rank=1, train_mlp=False, train_attn=False, train_unembed=False)
             rank, params_ = 0, dict[str, torch.Tensor](self._weights(none, 0).params)
@@ -422,7 +614,10 @@ class TitanLoraBackend:
             stop_strings=params.stop_strings,
             seed=params.seed,
         )
-        samples = gen.generate([prompt], gp)
+        scored = prompt_logprobs or topk_prompt_logprobs > 0
+        with self._decode_weights():
+            samples = gen.generate([prompt], gp)
+            scores = gen.prompt_scores(prompt, topk_prompt_logprobs) if scored else None
         seqs = [
             SampledSeq(
                 np.asarray(s.tokens, dtype=np.int32),
@@ -431,9 +626,9 @@ class TitanLoraBackend:
             )
             for s in samples
         ]
-        if not (prompt_logprobs or topk_prompt_logprobs):
+        if scores is None:
             return SampleResult(seqs)
-        lp, top_ids, top_lp = gen.prompt_scores(prompt, topk_prompt_logprobs)
+        lp, top_ids, top_lp = scores
         skip = 1 + (len(prompt) - 1 - prompt_logprobs_last_n if prompt_logprobs_last_n else 0)
         plp = np.concatenate([[np.nan], lp]).astype(np.float32)
         plp[:skip] = np.nan  # positions not scored

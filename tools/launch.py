@@ -8,6 +8,12 @@ The script (written to <out>/<job name>.sbatch, next to the run's metrics and ch
 runs one torchrun per node with one process per GPU, node ranks in switch order, NCCL
 settings from the profile's [nccl] table, `--switches` for the fewest leaf switches, and a
 SIGUSR1 before the time limit that checkpoints, stops and requeues. See docs/launch.md.
+
+`--serve` launches a model resource instead of training: `tools.serve` on every GPU of the
+nodes (the base FSDP2-sharded over all of them, rank 0 serving HTTP; docs/service.md), its
+checkpoints in <out>/service; `--serve-arg` passes tools.serve's options (e.g.
+`--serve-arg=--host=0.0.0.0 --serve-arg=--api-key-file=/shared/keys.txt`). The resource is
+planned (parallel/serve.py) and its options checked before anything is submitted.
 """
 
 from __future__ import annotations
@@ -75,6 +81,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--python", default=sys.executable, help="Python on the nodes (default: this one)"
     )
+    p.add_argument("--serve", action="store_true", help="a model resource (tools.serve)")
+    p.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        metavar="OPT",
+        help="with --serve: an option for tools.serve, e.g. --serve-arg=--port=8000 (repeatable)",
+    )
     p.add_argument(
         "--workdir",
         default=None,
@@ -82,6 +96,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "profile paths inside the checkout are rewritten to it",
     )
     return p.parse_args(argv)
+
+
+def check_serve(args: argparse.Namespace, recipe, cluster) -> None:
+    """--serve: tools.serve's own checks of the passed options, and the resource's plan on
+    the profile's GPUs (a base the nodes cannot hold is refused before the queue)."""
+    from dataclasses import replace
+
+    from parallel.serve import plan_on_cluster, served_model
+    from tools.serve import check_args, resource_of
+    from tools.serve import parse_args as serve_parse_args
+
+    if args.serve_arg and not args.serve:
+        raise ConfigError("--serve-arg needs --serve", key="--serve-arg")
+    if args.dry_run_rank:  # tools.dryrun steps the recipe's training layout, not a resource
+        raise ConfigError("--dry-run-rank runs a training step; a resource is sized by "
+                          "`tools.plan --serve`", key="--dry-run-rank")  # fmt: skip
+    for a in args.serve_arg:
+        if a.split("=", 1)[0] in ("--recipe", "--storage", "--set"):
+            raise ConfigError(
+                f"{a.split('=', 1)[0]} is the launcher's (--recipe, <out>/service, --set)",
+                key="--serve-arg",
+            )
+    sargs = serve_parse_args(["--recipe", args.recipe, *args.serve_arg])
+    check_args(sargs)
+    from service.server import ServeOptions, check_exposure
+
+    check_exposure(ServeOptions(host=sargs.host, api_key_file=sargs.api_key_file))
+    devices = args.nodes * cluster.gpus_per_node
+    model = served_model(recipe, sargs.context)
+    cp = plan_on_cluster(model, replace(resource_of(sargs, recipe, 1), devices=devices), cluster)
+    if cp.plan.problems:
+        key, why = cp.plan.problems[0]
+        raise ConfigError(why, file=recipe.source if "." in key else None, key=key)
 
 
 @exit_on_config_error
@@ -114,11 +161,15 @@ def main(argv: list[str] | None = None) -> int:
         qos=args.qos,
         job_name=args.job_name,
         python=args.python,
-        preflight=not args.no_preflight,
+        # the pre-flight checks the recipe's training layout; a resource shards over all
+        preflight=not args.no_preflight and not args.serve,
         signal_seconds=args.signal_seconds,
         switch_wait=args.switch_wait,
         extra_sbatch=tuple(args.sbatch_arg),
+        serve_args=tuple(args.serve_arg) if args.serve else None,
     )
+    if args.serve or args.serve_arg:
+        check_serve(args, recipe, cluster)
     layout, warnings = check_launch(recipe, cluster, opts)
     # Training's kernel check on the profile's GPU, and with `auto` the planner's choice that
     # training will make: what would fail on the nodes fails here, before the queue.

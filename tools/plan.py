@@ -3,6 +3,8 @@
     python -m tools.plan --recipe R --cluster C [--nodes N] [--top K] [--json] [--placement]
                          [--set k=v ...] [--shuffle-hosts SEED]
                          [--slurm-topology FILE --nodelist HOSTLIST]
+    python -m tools.plan --serve --recipe R --cluster C [--nodes N] [--context T]
+                         [--generators 0|1] [--generator-tokens T] [--adapters N] [--json]
 
 The table: degrees, schedule, microbatches, activation checkpointing, memory GiB/GPU,
 predicted tokens/s/GPU, MFU, and GB per step crossing leaf switches (leaving a host) and
@@ -10,6 +12,12 @@ the spine (between leaves) under the planned placement. `--placement` prints the
 plan's rank -> host -> switch table and groups, and its cross-switch traffic against
 plain rank order on the same (launch-ordered) hosts. `--shuffle-hosts` emulates an
 arbitrary rendezvous order; `--slurm-topology`/`--nodelist` take the hosts from Slurm.
+
+`--serve`: the recipe's base as a model resource (`tools.serve` under torchrun, the base
+FSDP2-sharded over every GPU, parallel/serve.py): per resource size (1, 2, 4 ... GPUs, then
+1, 2, 4 ... nodes up to --nodes, default the profile's), the memory per GPU by part, whether
+it fits, the budgets tools.serve would choose, and estimated forward_backward tokens/s and
+decode seconds per step; then the smallest resource that holds it.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from tools.cli import (
     add_stack_arg,
     load,
     load_stack_arg,
+    positive_arg,
     run,
 )
 
@@ -148,10 +157,107 @@ def placement_report(best, cluster, fabric, limit: int) -> tuple[str, dict]:
     return "\n".join(out), {**info, **rows, "spine_gb_by_axis": by_axis}
 
 
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """--serve and the resource's options (tools.serve's own names)."""
+    from tools.serve import add_resource_args
+
+    p.add_argument("--serve", action="store_true", help="price the base as a model resource")
+    p.add_argument("--context", type=int, default=None,
+                   help="--serve: tokens per sequence (default training.seq_len)")  # fmt: skip
+    add_resource_args(p)
+
+
+def serve_inputs(args: argparse.Namespace):
+    """(recipe, cluster profile, served model, resource of 1 device) for --serve, checked."""
+    from parallel.cluster import load_cluster
+    from parallel.serve import served_model
+    from recipe.loader import load_recipe
+    from tools.serve import check_resource_args, resource_of
+
+    check_resource_args(args)
+    if args.context is not None:
+        positive_arg(args.context, "--context", bound=1 << 24)
+    if args.nodes is not None:
+        from core.hardware import MAX_NODES
+
+        positive_arg(args.nodes, "--nodes", MAX_NODES)
+    recipe = load_recipe(args.recipe, args.overrides)
+    cluster = load_cluster(args.cluster)
+    return recipe, cluster, served_model(recipe, args.context), resource_of(args, recipe, 1)
+
+
+def serve_row(cp) -> str:
+    b = cp.plan.memory.breakdown_gib()
+    sp = cp.speed
+    fb = f"{sp.forward_backward_tokens_per_s:>10,.0f}" if sp else f"{'-':>10}"
+    dec = f"{sp.decode_step_s:>8.3f}" if sp else f"{'-':>8}"
+    mem = cp.plan.memory
+    return (
+        f"{cp.devices:>6} {cp.nodes:>5} {'yes' if cp.plan.fits else 'NO':>4} "
+        f"{mem.required_gib_on(cp.plan.kind):>7.1f} {b['base_shard']:>6.1f} "
+        f"{b['unsharded_blocks']:>6.1f} {b['adapters'] + b['sampler_snapshots']:>6.1f} "
+        f"{b['training_microbatch']:>6.1f} {b['generator_kv_and_work']:>6.1f} "
+        f"{mem.microbatch_tokens:>8,} {mem.generator_tokens:>9,} {cp.plan.concurrent_samples:>5} "
+        f"{fb} {dec}"
+    )
+
+
+SERVE_HEADER = (
+    f"{'GPUs':>6} {'nodes':>5} {'fits':>4} {'GiB/GPU':>7} {'base':>6} {'gather':>6} "
+    f"{'adapt':>6} {'train':>6} {'gen':>6} {'mb tok':>8} {'gen tok':>9} {'rows':>5} "
+    f"{'fb tok/s':>10} {'dec s':>8}"
+)
+
+
+def serve_main(args: argparse.Namespace) -> None:
+    from dataclasses import replace
+
+    from parallel.serve import plan_on_cluster, resource_sizes
+
+    recipe, cluster, model, res = serve_inputs(args)
+    nodes = args.nodes or cluster.nodes
+    rows = [
+        plan_on_cluster(model, replace(res, devices=n), cluster)
+        for n in resource_sizes(cluster.gpus_per_node, nodes)
+    ]
+    best = next((r for r in rows if r.plan.fits), None)
+    if args.json:
+        out = {"resources": [r.to_json() for r in rows],
+               "smallest": best.to_json() if best else None}  # fmt: skip
+        json.dump(out, sys.stdout, indent=2)
+        print()
+        return
+    gen = (
+        f"generator {'auto' if not res.generator_tokens else f'{res.generator_tokens:,} tokens'}"
+        if res.generators
+        else "no generator"
+    )
+    print(
+        f"{recipe.model.flavor} served as a LoRA resource ({recipe.training.dtype}, context "
+        f"{model.context:,}, rank {model.lora_rank}, {res.adapters} adapters, {gen}, AC "
+        f"{recipe.training.activation_checkpoint}) on {cluster.gpu} "
+        f"({cluster.hbm_bytes / 2**30:.1f} GiB, {cluster.name}); FSDP2 over every GPU, tp 1"
+    )
+    print(SERVE_HEADER)
+    for r in rows:
+        print(serve_row(r))
+    print("(GiB per GPU with fragmentation and runtime; gather: FSDP's unsharded blocks; "
+          "train/gen: the larger counts; fb tok/s: the whole resource; dec s: one decode step "
+          "of every row)")  # fmt: skip
+    if best is None:
+        print(f"no resource of up to {nodes} nodes holds it: {rows[-1].plan.problems[0][1]}")
+        return
+    print(
+        f"smallest resource: {best.devices} x {cluster.gpu} ({best.nodes} node(s)): "
+        f"{best.plan.memory.describe(cluster.gpu)}"
+    )
+
+
 @exit_on_config_error
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_recipe_cluster_args(p)
+    add_serve_args(p)
     p.add_argument("--top", type=int, default=10, help="plans to show (default 10)")
     add_stack_arg(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -165,6 +271,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--time", type=int, default=0, metavar="N",
                    help="also time the search N times (wall and CPU seconds, to stderr)")  # fmt: skip
     args = p.parse_args(argv)
+    if args.serve:
+        serve_main(args)
+        return
     if args.top < 1:
         raise ConfigError(f"expected a positive count, got {args.top}", key="--top")
     if not 0 <= args.time <= 100:  # each repetition is a whole search

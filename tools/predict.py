@@ -1,6 +1,8 @@
 """Predict step time, tokens/s per GPU and per node, MFU and memory for a recipe.
 
     python -m tools.predict --recipe R --cluster C [--nodes N] [--stack S] [--set k=v ...] [--json]
+    python -m tools.predict --serve --recipe R --cluster C [--nodes N] [--context T]
+                            [--generators 0|1] [--generator-tokens T] [--adapters N] [--json]
     python -m tools.predict --calibration [--out benchmarks/calibration.md]
     python -m tools.predict --calibration --fit
 
@@ -11,6 +13,11 @@ megatron_te, to price a published Megatron-Core + Transformer Engine run of that
 writes) the table of predicted against published, with the error, the leave-one-source-out
 cross-validation and the memory rows; `--fit` refits the stack constants on every row and
 prints them (what the profiles in stacks/ hold).
+
+`--serve` prices the recipe's base as a model resource of `--nodes` whole nodes (default:
+the smallest resource of the profile's GPUs that holds it), as `tools.serve` under torchrun
+lays it out (parallel/serve.py): memory per GPU by part, the budgets it would choose, the
+estimated forward_backward throughput and decode step; `tools.plan --serve` lists every size.
 """
 
 from __future__ import annotations
@@ -319,6 +326,51 @@ def fit_report() -> str:
     )
 
 
+def serve_prediction(args: argparse.Namespace) -> None:
+    """--serve: one resource of --nodes nodes (default: the smallest that holds the base)."""
+    from dataclasses import replace
+
+    from parallel.serve import plan_on_cluster, resource_sizes
+    from tools.plan import serve_inputs
+
+    recipe, cluster, model, res = serve_inputs(args)
+    if args.nodes is not None:
+        sizes = [args.nodes * cluster.gpus_per_node]
+    else:
+        sizes = resource_sizes(cluster.gpus_per_node, cluster.nodes)
+    for n in sizes:
+        cp = plan_on_cluster(model, replace(res, devices=n), cluster)
+        if cp.plan.fits:
+            break
+    if args.json:
+        json.dump(cp.to_json(), sys.stdout, indent=2)
+        print()
+        return
+    verdict = "fits" if cp.plan.fits else "DOES NOT FIT"
+    print(
+        f"{recipe.model.flavor} LoRA resource (rank {model.lora_rank}, context "
+        f"{model.context:,}, {recipe.training.dtype}) on {cp.devices} x {cluster.gpu} "
+        f"({cp.nodes} node(s), {cluster.name}), the base FSDP2-sharded over all: {verdict}"
+    )
+    print(f"  {cp.plan.memory.describe(cluster.gpu)}; {cluster.hbm_bytes / 2**30:.1f} GiB per GPU")
+    for key, why in cp.plan.problems:
+        print(f"  {key}: {why}")
+    if cp.speed is not None:
+        m = cp.plan.memory
+        gen = (
+            f"generator: {m.generator_tokens:,} KV-cache tokens ({cp.plan.concurrent_samples} "
+            f"full-context samples at once), a decode step {cp.speed.decode_step_s:.3f} s "
+            f"(all-gather of the base {cp.speed.decode_allgather_s:.3f} s)"
+            if res.generators
+            else "no generator"
+        )
+        print(
+            f"  microbatches of {m.microbatch_tokens:,} tokens, forward_backward "
+            f"~{cp.speed.forward_backward_tokens_per_s:,.0f} tokens/s over the resource; {gen} "
+            "(performance-model estimates)"
+        )
+
+
 @exit_on_config_error
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -346,7 +398,13 @@ def main(argv: list[str] | None = None) -> None:
     add_recipe_cluster_args(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     add_stack_arg(p)
+    from tools.plan import add_serve_args
+
+    add_serve_args(p)
     args = p.parse_args(argv)
+    if args.serve:
+        serve_prediction(args)
+        return
     stack = load_stack_arg(args)
     recipe, cluster = load(args)
     out, pred = predict_recipe(recipe, cluster, stack)

@@ -4,7 +4,17 @@
                           [--storage DIR] [--session-ttl S] [--drain S] [--max-body-mb M]
                           [--max-request-gib G] [--max-queued-per-session N]
                           [--max-queued-per-tenant N] [--base-name NAME] [--context N]
-                          [--tokenizer-id ID] [--set k=v ...]
+                          [--tokenizer-id ID] [--generators 0|1] [--generator-tokens T]
+                          [--adapters N] [--op-timeout S] [--set k=v ...]
+
+A model resource over several devices (every rank holds a shard of the base; rank 0 serves):
+
+    python -m tools.torchrun --standalone --nproc-per-node N -m tools.serve --recipe R ...
+
+(or `tools.launch --serve` on Slurm). The resource is planned before anything starts
+(parallel/serve.py, the same plan `tools.plan --serve` prints): a base the devices cannot
+hold, a generator or a context that does not fit is one line and exit 2. `--generators 0`
+serves training only: no generator memory, sampling refused (400 naming the option).
 
 The base is the recipe's model: `checkpoint.load_hf` (a Hugging Face folder, Llama 3 or
 Qwen3), `checkpoint.load_from` (DCP) or `training.seed`. Its name, context and tokenizer:
@@ -98,6 +108,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="what get_info tells clients to load with AutoTokenizer (default: the Hugging "
         "Face name, else the tokenizer folder's path)",
     )
+    add_resource_args(p)
+    p.add_argument(
+        "--op-timeout",
+        type=float,
+        default=900.0,
+        help="a model resource (torchrun): seconds one operation may take on all ranks; "
+        "past it the operation fails and the service stops (exit 1)",
+    )
     add_override_arg(p)
     return p.parse_args(argv)
 
@@ -114,20 +132,27 @@ def check_args(args: argparse.Namespace) -> None:
         positive_arg(args.max_request_gib, "--max-request-gib", bound=1 << 20)
     positive_arg(args.max_queued_per_session, "--max-queued-per-session", bound=1 << 20)
     positive_arg(args.max_queued_per_tenant, "--max-queued-per-tenant", bound=1 << 20)
+    check_resource_args(args)
+    positive_arg(args.op_timeout, "--op-timeout", bound=7 * 86400)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # Library warnings from the imports below (torch, torchao) are held back until the input
     # is known good: a refused argument leaves exactly one line on stderr.
     with held_stderr():
-        recipe, opts, keys, served, sock = _prepare(args)
-    _serve(args, recipe, opts, keys, served, sock)
+        recipe, opts, keys, served, sock, plan = _prepare(args)
+    return _serve(args, recipe, opts, keys, served, sock, plan)
 
 
 def _prepare(args: argparse.Namespace):
-    """Every check that can refuse the command, ending with the bound port."""
+    """Every check that can refuse the command, ending with the bound port (rank 0 of a
+    model resource; every rank runs the other checks, so bad input is exit 2 everywhere
+    before any process group)."""
     check_args(args)
+    from core.launch_env import launch_env
+
+    env = launch_env()
     from recipe.loader import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
@@ -149,8 +174,9 @@ def _prepare(args: argparse.Namespace):
         ),
     )
     check_exposure(opts)  # bad input before the model is built
-    keys = KeyFile(opts.api_key_file) if opts.api_key_file else None
-    out_dir_arg(opts.storage, "--storage")
+    keys = KeyFile(opts.api_key_file) if opts.api_key_file and env.rank == 0 else None
+    if env.rank == 0:
+        out_dir_arg(opts.storage, "--storage")
     from service.served_base import resolve_served_base
 
     served = resolve_served_base(
@@ -159,7 +185,9 @@ def _prepare(args: argparse.Namespace):
         context=args.context,
         tokenizer_id=args.tokenizer_id,
         max_samples=opts.limits.max_samples,
+        check_memory=False,  # the resource's plan below prices the memory
     )
+    plan = plan_served_resource(recipe, served, args, env.world_size)
     base = recipe.checkpoint.load_from
     if base:  # the base model's weights (else initialised from training.seed)
         from runtime.checkpoint import not_a_checkpoint, verify_checkpoint
@@ -181,20 +209,140 @@ def _prepare(args: argparse.Namespace):
                 key="checkpoint.load_from",
             )
     # The port before the model: "in use" is one line now, not after a minute of loading.
-    sock = bind(opts.host, opts.port)
-    return recipe, opts, keys, served, sock
+    sock = bind(opts.host, opts.port) if env.rank == 0 else None
+    return recipe, opts, keys, served, sock, plan
 
 
-def _serve(args: argparse.Namespace, recipe, opts, keys, served, sock) -> None:
+def add_resource_args(p: argparse.ArgumentParser) -> None:
+    """The model resource's options (tools.serve, tools.plan --serve, tools.predict --serve)."""
+    p.add_argument(
+        "--generators",
+        type=int,
+        default=1,
+        help="1: a generator shares the base (sampling on); 0: training only, no generator "
+        "memory, sampling refused",
+    )
+    p.add_argument(
+        "--generator-tokens",
+        type=int,
+        default=None,
+        help="KV-cache positions the generator holds at once (rows x (prompt + max_tokens)); "
+        "default: the most full-context rows (up to 64) that fit",
+    )
+    p.add_argument(
+        "--adapters",
+        type=int,
+        default=None,
+        help="resident adapters (training clients) the memory plan reserves room for "
+        "(default 4; not a limit)",
+    )
+
+
+def check_resource_args(args: argparse.Namespace) -> None:
+    if args.generators not in (0, 1):
+        raise ConfigError(
+            f"expected 0 (training only) or 1, got {args.generators} (operations run one at "
+            "a time on a resource: a second generator would hold memory and never run)",
+            key="--generators",
+        )
+    if args.generator_tokens is not None:
+        if args.generators == 0:
+            raise ConfigError(
+                "a resource with --generators 0 has no generator to size", key="--generator-tokens"
+            )
+        positive_arg(args.generator_tokens, "--generator-tokens", bound=1 << 40)
+    if args.adapters is not None:
+        positive_arg(args.adapters, "--adapters", bound=1 << 20)
+
+
+def resource_of(args: argparse.Namespace, recipe, devices: int):
+    """The parallel.serve.Resource the options ask for."""
+    from parallel.serve import DEFAULT_ADAPTERS, Resource
+
+    return Resource(
+        devices=devices,
+        adapters=args.adapters or DEFAULT_ADAPTERS,
+        generators=args.generators,
+        generator_tokens=args.generator_tokens or 0,
+        microbatch_tokens=recipe.training.microbatch_tokens,
+    )
+
+
+def plan_served_resource(recipe, served, args: argparse.Namespace, devices: int):
+    """The resource's plan on this machine's devices, or one line (exit 2) saying what does
+    not fit: the base (key model.flavor: more devices), one full-context datum (--context),
+    the generator (--generator-tokens), or a base built whole before sharding."""
+    from parallel.serve import DTYPE_BYTES
+    from service.titan_backend import resource_plan
+
+    plan = resource_plan(recipe, served, resource_of(args, recipe, devices))
+    if plan.problems:
+        key, why = plan.problems[0]
+        raise ConfigError(why, file=recipe.source if "." in key else None, key=key)
+    if devices > 1 and not recipe.checkpoint.load_from:
+        from recipe.loader import effective_shape
+
+        whole = effective_shape(recipe).total_params * DTYPE_BYTES[recipe.training.dtype]
+        if whole > plan.device_bytes:
+            raise ConfigError(
+                f"a seeded or Hugging Face base is built whole on every rank before it is "
+                f"sharded: {whole / 2**30:.1f} GiB on devices of {plan.device_bytes / 2**30:.1f} "
+                "GiB; serve it from a DCP checkpoint (loaded shard by shard), e.g. "
+                "tools.seed_checkpoint or a training run's step-N",
+                file=recipe.source,
+                key="checkpoint.load_from",
+            )
+    return plan
+
+
+def _serve(args: argparse.Namespace, recipe, opts, keys, served, sock, plan) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    from core.launch_env import launch_env
+    from service.server import bound_host_memory
+
+    bound_host_memory()  # before the model's tensors are allocated
+    env = launch_env()
+    world = env.world_size
+    if env.rank == 0:
+        logging.getLogger("service").info("resource: %s", describe_plan(plan))
+    if world == 1:
+        from service.titan_backend import TitanLoraBackend
+
+        backend = TitanLoraBackend.from_recipe(recipe, served, plan=plan)
+        return _run_service(args, recipe, opts, keys, sock, backend, None)
+    return _serve_resource(args, recipe, opts, keys, served, sock, plan)
+
+
+def describe_plan(plan) -> str:
+    m, r = plan.memory, plan.resource
+    how = ""
+    if r.devices > 1:
+        how = (
+            ", decoding with the base gathered once per request"
+            if m.whole_base_decode
+            else ", decoding with the base gathered layer by layer"
+        )
+    gen = (
+        f"a generator of {m.generator_tokens:,} KV-cache tokens "
+        f"({plan.concurrent_samples} full-context samples at once{how})"
+        if r.generators
+        else "no generator (--generators 0: training only)"
+    )
+    return (
+        f"{r.devices} device(s), the base FSDP-sharded over {r.devices} rank(s); "
+        f"microbatches of {m.microbatch_tokens:,} tokens; {gen}; planned "
+        f"{plan.memory.required_gib_on(plan.kind):.2f} GiB per device of "
+        f"{plan.device_bytes / 2**30:.1f} ({plan.kind})"
+    )
+
+
+def _run_service(args, recipe, opts, keys, sock, backend, dispatcher) -> int:
+    """Rank 0 (or the only process): the HTTP service on `backend` until it stops."""
     from dataclasses import replace
 
     from service.admission import cost_model_from_recipe, default_budget_bytes
-    from service.server import bound_host_memory, serve
-    from service.titan_backend import TitanLoraBackend
+    from service.server import serve
 
-    bound_host_memory()  # before the model's tensors are allocated
-    backend = TitanLoraBackend.from_recipe(recipe, served)
     cost = cost_model_from_recipe(recipe)
     budget = (
         args.max_request_gib * (1 << 30)
@@ -202,7 +350,64 @@ def _serve(args: argparse.Namespace, recipe, opts, keys, served, sock) -> None:
         else default_budget_bytes()
     )
     opts = replace(opts, limits=replace(opts.limits, max_request_bytes=budget))
-    asyncio.run(serve(backend, opts, sock=sock, keys=keys, cost=cost))
+    failed = asyncio.run(serve(backend, opts, sock=sock, keys=keys, cost=cost, resource=dispatcher))
+    return 0 if failed is None else 1
+
+
+def _serve_resource(args, recipe, opts, keys, served, sock, plan) -> int:
+    """Every rank of a model resource: the process group, this rank's shard, then rank 0
+    serves and the others follow (service/distributed.py)."""
+    import sys
+
+    import torch
+
+    from runtime.platform import Platform
+    from service.distributed import (
+        Dispatcher,
+        Group,
+        ResourceBackend,
+        ResourceBroken,
+        follow,
+        rank_info,
+    )
+    from service.titan_backend import TitanLoraBackend
+
+    log = logging.getLogger("service")
+    platform = Platform.detect()
+    platform.apply()
+    if not platform.is_cpu:
+        from core.launch_env import launch_env
+
+        torch.cuda.set_device(launch_env().local_rank)  # NCCL binds to it
+    group = Group.start(
+        backend=platform.backend, device_type=platform.device_type, timeout_s=args.op_timeout
+    )
+    backend = TitanLoraBackend.from_recipe(recipe, served, mesh=group.mesh, plan=plan)
+    ranks = group.gather(rank_info(group, backend.model))
+    if group.rank > 0:
+        rc = follow(group, backend)
+        if rc:  # the group is unusable: do not wait for it at exit
+            sys.stdout.flush()
+            os._exit(rc)
+        group.close()
+        return 0
+    assert ranks is not None
+    for r in ranks:
+        log.info(r.line(group.world))
+    dispatcher = Dispatcher(group, backend, ranks, op_timeout_s=args.op_timeout)
+    try:
+        rc = _run_service(
+            args, recipe, opts, keys, sock, ResourceBackend(backend, dispatcher), dispatcher
+        )
+    except ResourceBroken:  # during the warm-up, before serving
+        rc = 1
+    if dispatcher.broken is not None:
+        print(f"error: {dispatcher.broken}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # a thread may be blocked in a collective of the lost group
+    dispatcher.close()
+    group.close()
+    return rc
 
 
 if __name__ == "__main__":

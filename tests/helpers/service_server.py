@@ -57,8 +57,15 @@ def free_port() -> int:
 
 
 def start_server(
-    tmp: Path, *extra: str, storage: Path | None = None, sets=TINY, keys: str | None = None
+    tmp: Path,
+    *extra: str,
+    storage: Path | None = None,
+    sets=TINY,
+    keys: str | None = None,
+    procs: int = 1,
 ) -> Server:
+    """`procs` > 1: a model resource, `python -m tools.torchrun --standalone
+    --nproc-per-node procs -m tools.serve ...` (rank 0 serves)."""
     tmp.mkdir(parents=True, exist_ok=True)
     keyfile = tmp / "keys.txt"
     keyfile.write_text(keys or f"# test keys\n{KEY}\n")
@@ -67,8 +74,12 @@ def start_server(
     storage = storage or tmp / "storage"
     log = tmp / f"server-{port}.log"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)  # a resource's ranks come from its own torchrun
+    launch = ["-m", "tools.torchrun", "--standalone", f"--nproc-per-node={procs}"]
     cmd = [
         sys.executable,
+        *(launch if procs > 1 else []),
         "-m",
         "tools.serve",
         "--recipe",
@@ -99,3 +110,25 @@ def start_server(
         time.sleep(0.5)
     proc.kill()
     raise RuntimeError(f"server did not start:\n{log.read_text()[-3000:]}")
+
+
+def importance_sampling_datums(prompt: list[int], sequences, advantages) -> list:
+    """The tinker Datums of one RL step: each sampled sequence after `prompt`, with the
+    sampler's logprobs and the sequence's advantage on its tokens (the prompt's padded with 0)."""
+    from tinker import types
+
+    pad = [0.0] * (len(prompt) - 1)
+    data = []
+    for s, a in zip(sequences, advantages, strict=True):
+        toks = prompt + list(s.tokens)
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(toks[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": toks[1:],
+                    "logprobs": pad + list(s.logprobs),
+                    "advantages": pad + [float(a)] * len(s.tokens),
+                },
+            )
+        )
+    return data

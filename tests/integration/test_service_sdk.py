@@ -15,7 +15,7 @@ import pytest
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-from tests.helpers.service_server import BASE_MODEL, KEY, start_server  # noqa: E402
+from tests.helpers.service_server import BASE_MODEL, KEY, importance_sampling_datums, start_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -109,20 +109,7 @@ def test_rl_loop_reward_rises(server):
         rewards = np.array([np.mean(np.array(s.tokens) < 1024) for s in res.sequences])
         means.append(rewards.mean())
         adv = rewards - rewards.mean()
-        data = []
-        for s, a in zip(res.sequences, adv, strict=True):
-            toks = prompt + list(s.tokens)
-            pad = [0.0] * (len(prompt) - 1)
-            data.append(
-                types.Datum(
-                    model_input=types.ModelInput.from_ints(toks[:-1]),
-                    loss_fn_inputs={
-                        "target_tokens": toks[1:],
-                        "logprobs": pad + list(s.logprobs),
-                        "advantages": pad + [float(a)] * len(s.tokens),
-                    },
-                )
-            )
+        data = importance_sampling_datums(prompt, res.sequences, adv)
         fb = tc.forward_backward(data, "importance_sampling")
         tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
         out = fb.result()

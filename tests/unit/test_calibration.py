@@ -124,3 +124,32 @@ def test_calibration_table_is_current(loso, logo, monkeypatch):
         "benchmarks/calibration.md is stale: python -m tools.predict --calibration "
         "--out benchmarks/calibration.md"
     )
+
+
+def test_megatron_bridge_pipeline_rows_fit_their_h100s():
+    """NVIDIA ran these layouts on 80 GB H100s, so the megatron_te memory model must fit
+    them. Fails when torch's per-microbatch pipeline receive buffers (torchtitan's, measured
+    by tools.dryrun) are charged to Megatron, which allocates one per transfer: the 70B
+    TP4 x PP8 (VP5) row then needs 91.8 GiB."""
+    from dataclasses import replace
+
+    from parallel.stacks import load_stack
+
+    rs = [
+        r
+        for r in rows()
+        if r.source in ("mb2511", "mb2602")
+        and r.load_cluster().gpu == "H100"
+        and r.workload.layout.pp > 1
+    ]
+    assert len(rs) >= 3, [r.name for r in rs]
+    for r in rs:
+        c = r.load_cluster()
+        need = r.predict().memory.required_gib_on(c.gpu)
+        assert need <= c.hbm_bytes / 2**30, (r.name, need)
+    # The same rows with torch's buffers do not fit: the flag decides it.
+    tt_buffers = {
+        "megatron_te": replace(load_stack("megatron_te"), pp_recv_buffers_per_microbatch=True)
+    }
+    worst = max(r.predict(tt_buffers).memory.required_gib_on("H100") for r in rs)
+    assert worst > rs[0].load_cluster().hbm_bytes / 2**30
