@@ -155,6 +155,26 @@ def _forward_cached(
         return model.lm_head(model.norm(h))
 
 
+# top_p at or under the top token's probability by this relative margin keeps that token
+# alone: the nucleus rule below compares a float32 cumsum minus the token itself, which can
+# round a few ulps (1e-6 is ~8 float32 ulps) under the exact prefix mass.
+_NUCLEUS_MARGIN = 1e-6
+
+
+def _one_token(probs: torch.Tensor, top: torch.Tensor, p: SamplingParams) -> bool:
+    """Whether the draw below can only return each row's most likely token: top-p keeps
+    that token alone in every row (greedy as nucleus sampling: top_p = 1e-9, the RL loop's
+    held-out evaluation), or it holds all of the mass (a temperature near 0: the service's
+    temperature 0 is 1e-6, under which every other token's probability underflows to 0).
+    Then an argmax replaces the sort of the whole vocabulary and the multinomial draw (25%
+    of greedy decoding on CPU, benchmarks/peers.md) with the same tokens; on an exact tie
+    for the top probability the argmax takes the lowest id where the sort's order of equal
+    values is unspecified."""
+    if p.top_p < 1.0 and bool((top * (1 - _NUCLEUS_MARGIN) >= p.top_p).all()):
+        return True
+    return bool((top == 1.0).all()) and bool(((probs > 0).sum(-1) == 1).all())
+
+
 def _sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator):
     """-> (token, logprob under the tempered distribution) per row. top-k first, then
     top-p on what top-k kept (renormalised), as vLLM does."""
@@ -164,6 +184,9 @@ def _sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator):
         kth = probs.topk(p.top_k, dim=-1).values[:, -1:]
         probs = probs.masked_fill(probs < kth, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
+    top, best = probs.max(dim=-1)
+    if _one_token(probs, top, p):
+        return best, logp.gather(-1, best[:, None]).squeeze(-1)
     if p.top_p < 1.0:
         sorted_p, idx = probs.sort(dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (always the top token)

@@ -19,11 +19,13 @@ Failures (docs/rl.md): a raising generation or reward is counted and its group s
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -271,11 +273,31 @@ class RLRun:
             eng.optimizers, eng.lr_schedulers = main
 
     # -- one update ----------------------------------------------------------------------
+    def on_policy(self, lag: torch.Tensor) -> bool:
+        """pi_old is the training forward's own logprobs, detached, so no scoring pass is
+        needed (PolicyTrainer.forward_backward_on_policy): every sample drawn by the current
+        weights (sync, lag 0), one optimizer step per batch (the loop's only schedule), no
+        KL reference (its own forward either way; kept on the scoring path), a built-in loss
+        (rows separable; a custom loss may couple them). TRL skips the same pass when
+        num_iterations = 1. Saves one forward of the batch per update (~19% of a CPU update,
+        benchmarks/peers.md)."""
+        rl = self.rl
+        return (
+            self.probe is None
+            and rl.mode == "sync"
+            and rl.kl_coef <= 0
+            and rl.loss in BUILTIN_LOSSES
+            and bool((lag == 0).all())
+        )
+
     def train_on(self, batch: Batch, step: int) -> dict[str, float]:
         if not batch.rollouts:
             return {"loss": float("nan"), "grad_norm": 0.0}
+        lag = (step - 1) - torch.tensor([r.version for r in batch.rollouts])
+        if self.on_policy(lag):
+            return self._train_on_policy(batch, step, lag)
         c, old = self.policy.score(batch.rollouts)
-        lag = (step - 1) - c.versions
+        lag = lag.to(c.versions.device)
         if self.probe is not None:
             rs, T = batch.rollouts, self.rl.temperature
             spans = steps.split_rows(
@@ -291,16 +313,39 @@ class RLRun:
             mm = mismatch_stats(c.sampling_logprobs, old, same) if bool(same.any()) else {}
         behav = mismatch_stats(c.sampling_logprobs, old, c.mask)
         lb = self.policy.loss_batch(c, old)
-        try:
+        with self._named_non_finite(batch, step):
             # pi_old was scored under these very weights: the engine's first pass is it.
             loss = self.policy.forward_backward(c, lb, self.loss_fn, logprobs=old)
             grad_norm = self.policy.optim_step()
+        return self._stats(loss, grad_norm, lag, behav, mm, c)
+
+    def _train_on_policy(self, batch: Batch, step: int, lag: torch.Tensor) -> dict[str, float]:
+        """train_on when `on_policy`: one forward per microbatch; pi_old and the mismatch
+        statistics come from that forward (the same values the scoring pass would give)."""
+        c = collate(batch.rollouts, self.policy.pad_id, self.policy.device)
+        with self._named_non_finite(batch, step):
+            loss, old = self.policy.forward_backward_on_policy(c, self.loss_fn)
+            grad_norm = self.policy.optim_step()
+        behav = mismatch_stats(c.sampling_logprobs, old, c.mask)
+        # Every sample is at lag 0: the train/inference mismatch is over all its tokens.
+        return self._stats(loss, grad_norm, lag, behav, behav if bool(c.mask.any()) else {}, c)
+
+    @contextlib.contextmanager
+    def _named_non_finite(self, batch: Batch, step: int) -> Iterator[None]:
+        """A refused update's NonFiniteError names the update and, when a reward is not
+        finite, the completion it came from (the recipe key: rl.reward or rl.env)."""
+        try:
+            yield
         except steps.NonFiniteError as e:
             bad = [f" (the reward of a completion of {self.decode(r.prompt)!r} is {r.reward})"
                    for r in batch.rollouts if not math.isfinite(r.reward)] + [""]  # fmt: skip
             key = "rl.reward" if self.rl.reward else "rl.env"
             raise steps.NonFiniteError(f"update {step}: {e.detail}{bad[0]}",
                                        file=self.job.recipe.source, key=key) from None  # fmt: skip
+
+    @staticmethod
+    def _stats(loss: float, grad_norm: float, lag: torch.Tensor, behav: dict[str, float],
+               mm: dict[str, float], c: Any) -> dict[str, float]:  # fmt: skip
         out = {
             "loss": loss,
             "grad_norm": grad_norm,

@@ -5,6 +5,8 @@ LR-scheduler containers on the post-training step layer (runtime.steps.StepEngin
 microbatches under the token budget, gradient accumulation, the non-finite guard). Three
 ways to get gradients, all through the same forward:
 - `forward_backward(c, batch, loss_fn)`: a built-in or user loss of (logprobs, batch);
+- `forward_backward_on_policy(c, loss_fn)`: a built-in loss whose pi_old is the training
+  forward's own logprobs (sync RL, lag 0): no separate scoring pass;
 - `forward_backward_grads(c, batch, grads_fn)`: "gradients from outside": the user gets the
   detached logprobs and returns d loss / d logprobs per token, which are backpropagated;
 - then `optim_step()` (clipping, the guard, optimizer, scheduler, zero_grad).
@@ -112,6 +114,18 @@ class PolicyTrainer:
         loop's pi_old): the engine then skips its first pass."""
         fn = lambda lp: loss_fn(lp, batch)  # noqa: E731
         return self.engine.forward_backward(c.rows, fn, logprobs=logprobs)[0]
+
+    def forward_backward_on_policy(
+        self, c: Collated, loss_fn: LossFn
+    ) -> tuple[float, torch.Tensor]:
+        """The update when pi_old is the training forward's own logprobs, detached: samples
+        drawn by the current weights (policy lag 0), one optimizer step per batch, no KL
+        reference, a loss whose rows are separable (the built-ins). One forward per
+        microbatch instead of a scoring pass plus a training pass
+        (StepEngine.forward_backward_on_policy). Returns (loss, pi_old (B, L))."""
+        return self.engine.forward_backward_on_policy(
+            c.rows, lambda lp, old: loss_fn(lp, self.loss_batch(c, old))
+        )
 
     def forward_backward_grads(
         self,

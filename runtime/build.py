@@ -80,6 +80,63 @@ def keep_frozen(parallelize_fn: Callable[..., Any]) -> Callable[..., Any]:
     return parallelize
 
 
+def fsdp_is_identity(world_size: int, training: TrainingConfig) -> bool:
+    """Whether FSDP2 would change nothing but the step's cost: one process (no shard to
+    gather, no gradient to reduce), parameters, compute and gradient reduction all in
+    float32 (no mixed-precision cast to install: torchtitan 0.3.0 has no autocast path, FSDP
+    is its only mixed-precision mechanism) and no CPU offload (FSDP's offload policy).
+    Then a float32 gradient's reduce-scatter over one rank is a copy, and accumulating it
+    into the sharded gradient is the same `a + b` autograd does in `.grad`."""
+    return (
+        world_size == 1
+        and training.dtype == "float32"
+        and training.mixed_precision_param == "float32"
+        and training.mixed_precision_reduce == "float32"
+        and not training.enable_cpu_offload
+    )
+
+
+def unsharded_when_alone(parallelize_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a model's parallelize function so a run where FSDP2 is the identity
+    (`fsdp_is_identity`) skips it; any other run calls `parallelize_fn` unchanged.
+
+    Why: torchtitan's `parallelize_llama` / `parallelize_qwen3` always apply
+    `apply_fsdp_to_decoder`, even at world size 1 (for its mixed-precision policy). On one
+    process that is pure overhead: hooks around every block, a copy-in/copy-out of every
+    gradient in the post-backward reduce, unshard waits; 20% of a full fine-tune step on CPU
+    (benchmarks/peers.md). Without it the parameters stay plain tensors, and every consumer
+    already takes both (DCP reshards plain <-> DTensor on load, torchtitan's
+    `clip_grad_norm_`, rl.policy's weight copy, the HF export).
+
+    What runs instead is the rest of torchtitan's own function, in its order: the
+    spmd-types state distribution (`Module.parallelize`, a no-op layout at one process but it
+    wraps forwards and types the tensors as torchtitan expects), activation checkpointing,
+    per-block compile. That is what torchtitan's `parallelize_qwen3(skip_dp=True)` does;
+    llama3's function has no such switch, so it is composed here from the same parts.
+    """
+
+    def parallelize(model: Any, **kwargs: Any) -> Any:
+        # torchtitan's Trainer and pipelining_fn pass everything but the model by keyword.
+        parallel_dims = kwargs["parallel_dims"]
+        if not fsdp_is_identity(parallel_dims.world_size, kwargs["training"]):
+            return parallelize_fn(model, **kwargs)
+        from torchtitan.distributed.compile import apply_compile
+        from torchtitan.distributed.full_dtensor import validate_config
+
+        parallelism, compile_config = kwargs["parallelism"], kwargs["compile_config"]
+        if parallelism.spmd_backend in ("full_dtensor", "spmd_types"):
+            validate_config(parallel_dims, model)
+            model.parallelize(parallel_dims)
+        # (partial_dtensor: torchtitan parallelizes only for TP, CP or EP, none at world 1.)
+        if kwargs["ac_config"] is not None:
+            kwargs["ac_config"].build(dump_folder=kwargs["dump_folder"]).apply(model)
+        if compile_config.enable and "model" in compile_config.components:
+            apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
+        return model
+
+    return parallelize
+
+
 # Module wrappers that parallelize inserts into parameter names: activation checkpointing
 # (torch's checkpoint_wrapper), torch.compile, FSDP1. Comparing names without them is what
 # keeps a LoRA base frozen under activation checkpointing (found by tools.dryrun: with
@@ -215,6 +272,7 @@ def build_trainer_config(
     # After every change to the model's dimensions: attention backend + linear conversion
     # (torchtitan's converters), with the converted/skipped list kept for the log.
     spec.model = apply_kernels(spec.model, kernels, tp=layout.tp).model_config
+    spec.parallelize_fn = unsharded_when_alone(spec.parallelize_fn)
     if recipe.finetune.mode == "lora":
         # Last converter: the base (incl. any quantized linears) frozen, adapters trained.
         spec.model = lora_converter(recipe).build().convert(spec.model)

@@ -329,6 +329,53 @@ class StepEngine:
         self.backward_logprob_grads(rows, g if g is not None else torch.zeros_like(leaf), spans)
         return float(loss.detach()), logprobs
 
+    def forward_backward_on_policy(
+        self, rows: Rows, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ) -> tuple[float, torch.Tensor]:
+        """`loss_fn(logprobs, old) -> scalar` where `old` is the logprobs under the current
+        weights, detached (on-policy RL's pi_old: sampled by these weights, one optimizer
+        step per batch): one forward per microbatch, with its graph, and no separate pass
+        for `old`. Returns (loss, old (B, L)).
+
+        Only for losses whose gradient with respect to a row's logprobs depends on that row
+        alone (every rl.losses built-in: per-token terms, per-row ratios, normalisers that
+        depend on the mask only). Microbatch k's gradient is that of the whole-batch loss at
+        a matrix equal to `old` on the rows already run and to 0 (logprobs = old = 0) on the
+        rows not yet run: for such a loss the other rows' values do not enter it, so it is
+        the whole-batch gradient at logprobs = old exactly (tests/unit/test_rl_on_policy.py:
+        within 1e-6 of the two-pass update). The filler rows' own terms may be anything
+        (exp(0 - mu) can overflow): only this microbatch's slice of the gradient is used and
+        checked, and the loss is checked once, the whole batch's at `old`, at the end. A
+        non-finite loss or gradient raises NonFiniteError with every gradient zeroed
+        (earlier microbatches have already backpropagated; RL's update starts from zero)."""
+        old = torch.zeros(rows.targets.shape, dtype=torch.float32, device=rows.inputs.device)
+        try:
+            for lo, hi in self.spans(rows):
+                part = self._part(rows, lo, hi)
+                self.microbatches_run += 1
+                lp = token_logprobs(self.model, part, temperature=self.temperature)
+                if hi == lo:  # a zero-gradient repeat (same collectives as the other ranks)
+                    lp.backward(gradient=torch.zeros_like(lp))
+                    continue
+                old[lo:hi, : lp.shape[1]] = lp.detach()
+                leaf = old.clone().requires_grad_(True)
+                loss = loss_fn(leaf, old)
+                if not loss.requires_grad:
+                    continue
+                (g,) = torch.autograd.grad(loss, leaf, allow_unused=True)
+                if g is None:
+                    continue
+                g = g[lo:hi, : lp.shape[1]]
+                bad = ~torch.isfinite(g)
+                if bool(bad.any()):
+                    raise NonFiniteError(self._where("d loss / d logprobs", g[bad][0].item()))
+                lp.backward(gradient=g.to(lp.dtype))
+            loss = self.check_loss(loss_fn(old, old))
+        except NonFiniteError:
+            self.optimizers.zero_grad()
+            raise
+        return float(loss.detach()), old
+
     def backward_logprob_grads(
         self, rows: Rows, grads: torch.Tensor, spans: list[tuple[int, int]] | None = None
     ) -> None:
