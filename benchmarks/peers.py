@@ -1571,15 +1571,21 @@ Measured, not fixed (what the remaining gaps are; proposals for the lead):
    `runtime/build.py`'s loss config, `recipe/model_checks.check_loss_chunks` and
    `padding_trim` all use. Not done here: it changes the loss summation of every small run and
    the seq_len rule existing tests pin.
-7. **DPO and the service's forward_backward got slower on main, not by these changes** (found
-   by this rerun). titanscale's CPU per DPO step: 0.275 s at f4fdbcd, 0.450 at a46af49 (main
-   before the follow-up), 0.505 here (CPU ratio 1.16 -> 0.60 -> 0.57); the service's
-   forward_backward + optim_step 0.113 -> 0.231 s. Neither path goes through the changes above
-   (tools.serve builds its own adapters model, `posttrain/adapters.py`, and its own
-   forward_backward); the step came with main's merges between f4fdbcd and a46af49 (among
-   them the post-training step layer, #23, and the tenants' service, #24; which one is not
-   measured). Not profiled here (time; the a46af49 runs overlapped this run's dpo and service
-   pairs, load 2-4); what it takes: a py-spy profile of tools.serve's forward_backward at the two commits.
+7. **DPO and the service's forward_backward got slower on main: glibc's mmap threshold**
+   (found by this rerun; profiled 2026-12-03). titanscale's CPU per DPO step: 0.275 s at
+   f4fdbcd, 0.450 at a46af49, 0.505 here; the service's forward_backward + optim_step 0.113 ->
+   0.231 s. Cause: `mallopt(M_MMAP_THRESHOLD, 128 KiB)` in `service/server.py` (#24, to bound
+   the RSS across requests) made every tensor over 128 KiB a fresh mapping, zero-filled by page
+   faults and unmapped at free. Measured by `python benchmarks/service_step_cpu.py [--dpo]
+   [--root <git archive of a commit>]` (the server's CPU time and minor faults; debug model,
+   LoRA rank 16, 8 x 96 tokens, 10 steps after 3, 2 runs each, load ~2):
+   cross_entropy step 0.68-0.73 CPU s and ~166,000 faults at 128 KiB, 0.37-0.41 s and
+   ~11,000-18,000 without the call, 0.35 s at f4fdbcd; forward_backward_custom (DPO's path)
+   0.99-1.08 -> 0.54-0.59 s, ~242,000 -> ~32,000 faults. The step layer (#23) is not the cost.
+   Fixed on the `svcperf` branch: the threshold is 4 MiB (MMAP_THRESHOLD_BYTES; 0.41-0.45 s,
+   ~18,000-30,000 faults); peak RSS of `tests/integration/test_service_admission.py`'s 16
+   chunks at a46af49: +117 MiB at 128 KiB, +126 at 2 MiB, +162-169 at 4 MiB, +270 without
+   (budget 256). The peers rows above predate the fix.
    TRL's DPO also got faster between the runs (0.318 -> 0.270-0.289 CPU s/step, load 3 ->
    2). skyrl-tx stays 10.8x slower per training step and 7.6x per sample call.
 

@@ -74,19 +74,29 @@ def check_exposure(opts: ServeOptions) -> None:
         )
 
 
-def bound_host_memory() -> None:
+# glibc's mmap threshold for the service process (bound_host_memory). Measured 2026-12-03 on
+# the debug model (benchmarks/peers.md finding 7): 128 KiB mapped every tensor of 128 KiB or
+# more on its own, ~166,000 page faults and 0.70 CPU s per LoRA forward_backward + optim_step
+# (8 x 96 tokens) against 0.37-0.41 s without a fixed threshold; 4 MiB: ~18,000-30,000
+# faults, 0.41 s. Peak RSS over 16 admitted chunks of the admission test: +117 MiB at 128 KiB,
+# +126 at 2 MiB, +162-169 at 4 MiB, +270 without a fixed threshold (budget 256 MiB).
+MMAP_THRESHOLD_BYTES = 4 << 20
+
+
+def bound_host_memory(threshold: int = MMAP_THRESHOLD_BYTES) -> None:
     """Make the process's resident memory follow its live tensors (what admission prices).
 
-    glibc's malloc raises its mmap threshold each time a large block is freed, after which
-    blocks of that size come from the heap and their pages stay resident when freed: the
-    RSS then grows towards the sum of every request's peak, not the largest one. A fixed
-    threshold (mallopt M_MMAP_THRESHOLD = 128 KiB, which also disables the adjustment) maps
-    every tensor of 128 KiB or more on its own and returns it at free. Measured on the tiny
-    service model: +276 MiB peak over 16 admitted requests of a 255 MiB price without it,
-    +113 MiB per request with it. A no-op where mallopt does not exist (not glibc)."""
+    glibc's malloc raises its mmap threshold each time a large block is freed (up to 32 MiB),
+    after which blocks of that size come from the heap and their pages stay resident when
+    freed: the RSS then grows towards the sum of every request's peak, not the largest one.
+    A fixed threshold (mallopt M_MMAP_THRESHOLD, which also disables the adjustment) maps
+    every block of `threshold` bytes or more on its own and returns it at free. The cost is
+    a fresh mapping and its page faults for each such tensor, so the threshold is not set
+    lower than needed: smaller tensors reuse the heap's pages (figures at
+    MMAP_THRESHOLD_BYTES). A no-op where mallopt does not exist (not glibc)."""
     m_mmap_threshold = -3
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).mallopt(m_mmap_threshold, 128 * 1024)
+        ctypes.CDLL(None).mallopt(m_mmap_threshold, threshold)
 
 
 def warm_up(backend: Backend) -> None:
