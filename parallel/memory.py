@@ -546,19 +546,26 @@ class PostTrainMemory:
         )
 
 
+def steps_logits_bytes(w: Workload, tokens: float, *, backward: bool = True) -> float:
+    """Logits of `tokens` tokens as runtime.steps keeps them (the service and the post-training
+    step layer): the whole microbatch's logits in the compute dtype (and their gradient when
+    `backward`), plus one chunk of float32 log-softmax work. Not the pretraining loss's
+    chunked logits (`Stack.loss_chunks`): the logprob matrix is needed whole."""
+    vocab = w.shape.vocab_size / w.layout.tp
+    held = tokens * vocab * (2 if backward else 1) * w.bytes_per_param_compute
+    return held + min(tokens, LOGPROB_CHUNK_TOKENS) * vocab * 12
+
+
 def posttrain_memory(w: Workload, pt: PostTrain, st: Stack | None = None) -> PostTrainMemory:
     """Peak memory per GPU of a post-training job: the trainer's states and one microbatch
     of `pt.microbatch_tokens` tokens (activations as the pretraining model counts them;
     logits as runtime.steps keeps them: the microbatch's logits and their gradient in the
     compute dtype, one chunk of float32 softmax work), plus the generator side."""
     s = w.shape
-    elt = w.bytes_per_param_compute
     mb = w.with_(local_batch_size=1, seq_len=pt.microbatch_tokens, pp_microbatches=0)
     train = estimate_memory(mb, st)
     tokens = pt.microbatch_tokens / w.layout.cp
-    vocab = s.vocab_size / w.layout.tp
-    logits = tokens * vocab * 2 * elt + min(tokens, LOGPROB_CHUNK_TOKENS) * vocab * 12
-    train = replace(train, logits=logits)
+    train = replace(train, logits=steps_logits_bytes(w, tokens))
     if pt.dense_attention_len:
         heads = s.n_heads / w.layout.tp
         dense = tokens * s.n_layers * heads * pt.dense_attention_len * 8

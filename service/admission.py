@@ -29,7 +29,13 @@ import math
 import threading
 from dataclasses import dataclass, replace
 
-from parallel.memory import ALLOCATOR_FRAGMENTATION, GIB, estimate_memory, layer_activation_bytes
+from parallel.memory import (
+    ALLOCATOR_FRAGMENTATION,
+    GIB,
+    estimate_memory,
+    layer_activation_bytes,
+    steps_logits_bytes,
+)
 from parallel.perf import model_flops_per_token
 from parallel.workload import Workload
 
@@ -97,6 +103,19 @@ def price_forward_backward(cm: CostModel, lengths: list[int], *, forward_only: b
     mbs = math.ceil(n / rows)
     w = replace(cm.workload, local_batch_size=rows, seq_len=L, grad_accum=1)
     est = estimate_memory(w)
+    # The backend's logits are runtime.steps' (whole microbatch), not the pretraining loss's
+    # chunks that estimate_memory counts.
+    # Its backward also holds one layer's intermediate tensors and their gradients at a time
+    # (eager, no recompute): twice the un-checkpointed per-token figure. estimate_memory's
+    # workspace is the recompute workspace of activation checkpointing, zero without it.
+    # Both terms were measured against the server's peak RSS
+    # (tests/integration/test_service_admission.py).
+    work = 2 * layer_activation_bytes(w, "none") * rows * L
+    est = replace(
+        est,
+        logits=steps_logits_bytes(w, rows * L, backward=not forward_only),
+        workspace=max(est.workspace, work),
+    )
     layers = w.shape.n_layers
     scores = dense_attention_bytes(cm, rows, L, L)
     if forward_only:  # no_grad: nothing kept for backward, one layer's work at a time
