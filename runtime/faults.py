@@ -6,10 +6,13 @@
     TITANSCALE_FAULT="kill:rank=1:step=5,hang:rank=0:step=9"   several, comma-separated
     TITANSCALE_FAULT="stop:step=2"                   the launcher's stop request arrives in
                                                      step 2 (what SIGUSR1 does in job.sbatch)
+    TITANSCALE_FAULT="kill:step=2:at=shard"          tools.prepare_data dies once its shard 2
+                                                     is durable (step = the shard's number)
 
 Fields: `rank` (global rank; omitted = every rank), `step` (required), `at` = `step`
 (mid-step: after the batch is fetched and the token count all-reduced, before forward and
-backward) or `save` (after the checkpoint's data is written, before it is committed), and
+backward), `save` (after the checkpoint's data is written, before it is committed) or
+`shard` (tools.prepare_data, after shard `step` of a token store is written and recorded), and
 `restart` (the torchelastic restart count on which to fire; default 0, so a job restarted
 by `torchrun --max-restarts` does not fault again). `stop` creates the file named by
 $TITANSCALE_STOP_FILE (launch.stop_request), as the batch script's SIGUSR1 trap does, so
@@ -18,7 +21,7 @@ the run checkpoints and stops at its next stop check: a deterministic requeue in
 Unset (the normal case) costs one list test per seam. A malformed value is a ConfigError
 before training (`runtime.session.prepare`). The seams are
 `TitanscaleTrainer.forward_backward_step`, `runtime.steps.StepGuard.step` (the post-training
-loops) and `AtomicCheckpointManager.dcp_save`.
+loops), `AtomicCheckpointManager.dcp_save` and tools.prepare_data's `on_shard`.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from core.launch_env import launch_env
 
 ENV = "TITANSCALE_FAULT"
 KINDS = ("kill", "hang", "stop")
-POINTS = ("step", "save")
+POINTS = ("step", "save", "shard")
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,11 @@ def inject(point: str, step: int) -> None:
     for f in faults:
         if not f.matches(point, step, rank, restart):
             continue
-        where = f"in step {step}" if point == "step" else f"in the step-{step} checkpoint save"
+        where = {
+            "step": f"in step {step}",
+            "save": f"in the step-{step} checkpoint save",
+            "shard": f"after token-store shard {step}",
+        }[point]
         print(
             f"titanscale fault injection: {f.kind} rank {rank} {where}",
             file=sys.stderr,

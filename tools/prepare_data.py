@@ -153,6 +153,23 @@ def verify(path: str) -> dict:
 
 
 @exit_on_config_error
+def _fault_seam():
+    """TITANSCALE_FAULT's `at=shard` point (runtime/faults.py; tests kill a run after a
+    chosen shard is durable); None when no fault is set, so nothing runs per shard. A
+    malformed value is one line naming the variable."""
+    import os
+
+    from runtime import faults
+
+    if not os.environ.get(faults.ENV):
+        return None
+    try:
+        faults.active()
+    except ValueError as e:
+        raise ConfigError(str(e), key=faults.ENV) from None
+    return lambda n: faults.inject("shard", n)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.verify is not None:
@@ -206,6 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
             num_proc=args.num_proc,
             shard_tokens=args.shard_tokens,
             progress=args.progress,
+            on_shard=_fault_seam(),
         )
     seconds = time.perf_counter() - t0
     if plans:

@@ -8,6 +8,7 @@ argv[2]; prints one JSON line.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -22,11 +23,20 @@ from tests.helpers.runs import child_env  # noqa: E402
 
 
 def fill(disk: Path, leave: int) -> int:
-    """Allocate all but `leave` bytes of `disk` (a real file: tmpfs has no holes)."""
-    st = os.statvfs(disk)
+    """Allocate all but `leave` bytes of `disk` (a real file: tmpfs has no holes). The
+    training process may write between the statvfs and the allocation (metrics, the next
+    save): an ENOSPC there means the disk filled first, so measure again and retry."""
     fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
     try:
-        os.posix_fallocate(fd, 0, max(st.f_bavail * st.f_frsize - leave, 1))
+        for _ in range(50):
+            st = os.statvfs(disk)
+            size = os.fstat(fd).st_size + st.f_bavail * st.f_frsize - leave
+            try:
+                os.posix_fallocate(fd, 0, max(size, 1))
+                break
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
         return os.fstat(fd).st_size
     finally:
         os.close(fd)

@@ -38,10 +38,13 @@ def test_lora_needs_less_memory_and_time_than_full_and_the_planner_knows():
     full = Workload(shape=shape, seq_len=8192, local_batch_size=1, layout=Layout(dp_shard=8))
     lora = full.with_(lora_rank=16)
     m_full, m_lora = estimate_memory(full), estimate_memory(lora)
-    # Base states 16 -> 4 bytes per parameter (+ small adapters), sharded over 8.
-    want = shape.total_params * 4 / 8
+    # Full fine-tuning keeps fp32 weights and two AdamW moments, 12 bytes per parameter at
+    # the peak (the fp32 gradients are freed each step and made after the peak: measured by
+    # tools.dryrun); the LoRA base keeps 4 (+ small adapters). Both sharded over 8.
+    want_full, want = shape.total_params * 12 / 8, shape.total_params * 4 / 8
+    assert abs(m_full.states - want_full) / want_full < 0.02
     assert abs(m_lora.states - want) / want < 0.02
-    assert m_lora.states < m_full.states / 3.5 and m_lora.unsharded < m_full.unsharded
+    assert m_lora.states < m_full.states / 2.9 and m_lora.unsharded < m_full.unsharded
     cl = load_cluster("hgx_h100_ib", nodes=1)
     p_full, p_lora = predict(full, cl), predict(lora, cl)
     # Weight-gradient GEMMs dropped: block matmul time about 2/3 of full (adapters add a bit).
