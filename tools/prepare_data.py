@@ -152,7 +152,6 @@ def verify(path: str) -> dict:
     return m
 
 
-@exit_on_config_error
 def _fault_seam():
     """TITANSCALE_FAULT's `at=shard` point (runtime/faults.py; tests kill a run after a
     chosen shard is durable); None when no fault is set, so nothing runs per shard. A
@@ -170,6 +169,7 @@ def _fault_seam():
     return lambda n: faults.inject("shard", n)
 
 
+@exit_on_config_error
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.verify is not None:
