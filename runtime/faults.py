@@ -100,6 +100,17 @@ def active() -> list[Fault]:
     return _FAULTS
 
 
+def check() -> None:
+    """TITANSCALE_FAULT parsed now: a malformed value is one ConfigError naming the variable
+    (train.py's prepare and tools.prepare_data call this before any work)."""
+    from core.errors import ConfigError
+
+    try:
+        active()
+    except ValueError as e:
+        raise ConfigError(str(e), file="environment", key=ENV) from None
+
+
 def inject(point: str, step: int) -> None:
     """Fire the faults set for this rank, `point` and `step` (no-op when none are set)."""
     faults = _FAULTS if _FAULTS is not None else active()

@@ -30,6 +30,7 @@ from parallel.memory import posttrain_load
 from parallel.planner import apply_plan, best_plan
 from recipe.loader import blamed, check_recipe, effective_shape, load_recipe
 from recipe.schema import Recipe
+from runtime import faults
 from runtime.build import KernelChoice, build_trainer_config, choose_kernels
 from runtime.platform import BRIDGED, Platform, check_pipeline_step
 from runtime.steps import check_posttrain_keys, choose_microbatch_tokens
@@ -222,15 +223,6 @@ def check_wandb(recipe: Recipe) -> None:
             file=recipe.source,
             key="metrics.wandb",
         )
-
-
-def check_faults() -> None:
-    from runtime import faults
-
-    try:
-        faults.active()
-    except ValueError as e:
-        raise ConfigError(str(e), file="environment", key=faults.ENV) from None
 
 
 def check_data_source(recipe: Recipe) -> None:
@@ -443,7 +435,7 @@ def _prepare(recipe: Recipe) -> Job:
         check_vocab(recipe, ids, tokenizer_path)
     check_data_tokenizer(recipe, tokenizer_path)
     check_sft_renders(recipe, tokenizer_path)
-    check_faults()
+    faults.check()
     check_wandb(recipe)
     config = build_trainer_config(
         recipe, layout, platform=platform, kernels=kernels, tokenizer_path=tokenizer_path

@@ -154,18 +154,14 @@ def verify(path: str) -> dict:
 
 def _fault_seam():
     """TITANSCALE_FAULT's `at=shard` point (runtime/faults.py; tests kill a run after a
-    chosen shard is durable); None when no fault is set, so nothing runs per shard. A
-    malformed value is one line naming the variable."""
+    chosen shard is durable); None when no fault is set, so nothing runs per shard."""
     import os
 
     from runtime import faults
 
     if not os.environ.get(faults.ENV):
         return None
-    try:
-        faults.active()
-    except ValueError as e:
-        raise ConfigError(str(e), key=faults.ENV) from None
+    faults.check()
     return lambda n: faults.inject("shard", n)
 
 
