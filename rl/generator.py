@@ -300,6 +300,15 @@ class Generator:
                 out += self._generate_prompts(prompts, chunk, params, gen, version)
         return out
 
+    def _all_logits(self, seqs: list[list[int]], total: int):
+        """(tokens, logits at every position) of one prefill of `seqs`, left-padded to
+        `total`: teacher-forced scoring (score, prompt_scores)."""
+        tokens, positions, _, key_ok, cache = self._prefill_inputs(seqs, total)
+        logits = _forward_cached(
+            self.model, tokens, positions, cache, 0, key_ok, last_only=False, gather=self.gather
+        )
+        return tokens, logits
+
     def _prefill_inputs(self, seqs: list[list[int]], total: int):
         """Left-padded tokens, per-row RoPE positions, lengths, key mask and an empty cache
         of `total` slots."""
@@ -329,17 +338,7 @@ class Generator:
             self._apply_pending()
             seqs = [p + c for p, c in zip(prompts, completions, strict=True)]
             P = max(len(x) for x in seqs)
-            tokens, positions, _, key_ok, cache = self._prefill_inputs(seqs, P)
-            logits = _forward_cached(
-                self.model,
-                tokens,
-                positions,
-                cache,
-                0,
-                key_ok,
-                last_only=False,
-                gather=self.gather,
-            )
+            _, logits = self._all_logits(seqs, P)
             logp = F.log_softmax(logits.float() / temperature, dim=-1)
             out = []
             for b, (p, c) in enumerate(zip(prompts, completions, strict=True)):
@@ -356,17 +355,7 @@ class Generator:
         logprobs at each of those positions ([P-1, k] int32 / float32)."""
         with self._lock:
             self._apply_pending()
-            tokens, positions, _, key_ok, cache = self._prefill_inputs([prompt], len(prompt))
-            logits = _forward_cached(
-                self.model,
-                tokens,
-                positions,
-                cache,
-                0,
-                key_ok,
-                last_only=False,
-                gather=self.gather,
-            )
+            tokens, logits = self._all_logits([prompt], len(prompt))
         logp = F.log_softmax(logits[0, :-1].float(), dim=-1)
         lp = logp.gather(-1, tokens[0, 1:, None]).squeeze(-1).cpu().numpy()
         if k <= 0:
