@@ -468,7 +468,15 @@ def rows() -> list[Row]:
 @dataclass(frozen=True)
 class FitParam:
     """One fitted constant: `get`/`set` it on the stacks map; `affects` says which rows
-    move with it (only those are re-predicted while it is fitted)."""
+    move with it (only those are re-predicted while it is fitted).
+
+    `neutral` is where every cold fit starts: the middle of the bounds, a value no row
+    informed (the profiles' values in stacks/*.toml were fitted on every row, so a fold that
+    started from them, or kept one that no remaining row moves, would price the held-out
+    rows with constants fitted on those rows). `sibling` names the constant that prices
+    this one in a fold where no remaining row informs it (the same stack's nearest
+    precision, or the previous GPU generation): the documented sibling rule. Without one,
+    the rows that need it are set apart, never predicted."""
 
     name: str
     get: Callable[[dict[str, Stack]], float]
@@ -476,9 +484,14 @@ class FitParam:
     affects: Callable[[Row], bool]
     lo: float
     hi: float
+    sibling: str | None = None
+
+    @property
+    def neutral(self) -> float:
+        return round((self.lo + self.hi) / 2, 3)
 
 
-def _mm(stack: str, prec: str) -> FitParam:
+def _mm(stack: str, prec: str, sibling: str | None = None) -> FitParam:
     def get(m: dict[str, Stack]) -> float:
         return m[stack].matmul_eff[prec]
 
@@ -490,7 +503,8 @@ def _mm(stack: str, prec: str) -> FitParam:
         lin = r.workload.linear
         return r.workload.stack == stack and (lin == prec or (prec == "bf16"))
 
-    return FitParam(f"{stack}.matmul_eff.{prec}", get, set_, affects, 0.2, 0.95)
+    sib = f"{stack}.matmul_eff.{sibling}" if sibling else None
+    return FitParam(f"{stack}.matmul_eff.{prec}", get, set_, affects, 0.2, 0.95, sib)
 
 
 def _const(stack: str, name: str, lo: float, hi: float, affects: Callable[[Row], bool]) -> FitParam:
@@ -520,7 +534,7 @@ def _set_generation(m: dict[str, Stack], generation: str, v: float) -> dict[str,
     }
 
 
-def _generation_param(generation: str, name: str) -> FitParam:
+def _generation_param(generation: str, name: str, sibling: str | None = None) -> FitParam:
     """A generation's efficiency relative to Hopper: one hardware factor shared by both
     stacks and every part of the generation (only NVIDIA's tables have Blackwell rows)."""
     ref = kinds_of(generation)[0]
@@ -532,23 +546,32 @@ def _generation_param(generation: str, name: str) -> FitParam:
         return _set_generation(m, generation, v)
 
     return FitParam(
-        f"gpu_eff.{name}", get, set_, lambda r: generation_of(r) == generation, 0.4, 1.2
+        f"gpu_eff.{name}",
+        get,
+        set_,
+        lambda r: generation_of(r) == generation,
+        0.4,
+        1.2,
+        f"gpu_eff.{sibling}" if sibling else None,
     )
 
 
 def fit_params() -> list[FitParam]:
+    """Every fitted constant, with its sibling (the nearest precision of the same stack: a
+    lower-precision GEMM's efficiency is priced by the next higher one's; a GPU generation
+    by the one before it). The order is the coordinate descent's."""
     tt, mc = "torchtitan", "megatron_te"
     return [
         _mm(tt, "bf16"),
-        _mm(tt, "fp8_tensorwise"),
-        _mm(tt, "fp8_rowwise"),
+        _mm(tt, "fp8_tensorwise", "bf16"),
+        _mm(tt, "fp8_rowwise", "fp8_tensorwise"),
         _const(tt, "tp_hidden", 0.0, 1.0, lambda r: r.workload.stack == tt and r.workload.async_tp),
         _mm(mc, "bf16"),
-        _mm(mc, "fp8_tensorwise"),
+        _mm(mc, "fp8_tensorwise", "bf16"),
         _generation_param("Blackwell", "Blackwell"),
-        _generation_param("Blackwell Ultra", "BlackwellUltra"),
-        _mm(mc, "mxfp8"),
-        _mm(mc, "nvfp4"),
+        _generation_param("Blackwell Ultra", "BlackwellUltra", "Blackwell"),
+        _mm(mc, "mxfp8", "fp8_tensorwise"),
+        _mm(mc, "nvfp4", "mxfp8"),
     ]
 
 
@@ -586,32 +609,114 @@ def _sq_loss(prm: FitParam, sub: list[Row], m: dict[str, Stack]) -> Callable[[fl
     return loss
 
 
-def fit(rs: list[Row], stacks: dict[str, Stack] | None = None, sweeps: int = 2) -> dict[str, Stack]:
-    """Coordinate descent (golden section per constant, within its bounds) minimising the
-    sum of squared log errors of the rows each constant moves. A constant no row in `rs`
-    moves keeps the profile's value."""
+# A sweep that moves no constant by more than this (the precision stacks/*.toml keep) ends
+# the coordinate descent; MAX_SWEEPS only turns a non-converging fit into a reported one.
+FIT_TOL = 0.001
+MAX_SWEEPS = 40
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A cold fit: the stacks it produced and how each fitted constant got its value."""
+
+    stacks: dict[str, Stack]
+    informed: tuple[str, ...]  # constants that at least one fitted row moves
+    by_sibling: dict[str, str]  # constant -> the informed sibling whose value it took
+    uninformed: tuple[str, ...]  # neither: left at neutral; rows needing them are set apart
+    sweeps: int
+    converged: bool
+
+
+def neutral_stacks(stacks: dict[str, Stack] | None = None) -> dict[str, Stack]:
+    """The stack profiles with every fitted constant at its neutral start (`FitParam.neutral`):
+    what a fold starts from, so that nothing the profiles learnt from the held-out rows
+    reaches it."""
     m = dict(stacks or base_stacks())
-    for _ in range(sweeps):
-        for prm in fit_params():
-            sub = [r for r in rs if prm.affects(r)]
-            if not sub:
-                continue
-            m = prm.set(m, round(_golden(_sq_loss(prm, sub, m), prm.lo, prm.hi), 3))
+    for prm in fit_params():
+        m = prm.set(m, prm.neutral)
     return m
 
 
-def leave_one_source_out(rs: list[Row] | None = None) -> dict[str, list[tuple[Row, float]]]:
-    """For each source: fit on every other source's rows, predict this source's rows.
-    Returns source -> [(row, signed error %)]."""
+def fit_cold(rs: list[Row], stacks: dict[str, Stack] | None = None) -> Fit:
+    """Coordinate descent (golden section per constant, within its bounds) minimising the
+    sum of squared log errors of the rows each constant moves, from the neutral start, until
+    a whole sweep moves no constant by more than FIT_TOL. A constant that no row in `rs`
+    moves takes its sibling's fitted value (`FitParam.sibling`, recursively), else stays
+    neutral and is reported in `uninformed`."""
+    m = neutral_stacks(stacks)
+    params = fit_params()
+    informed = [p for p in params if any(p.affects(r) for r in rs)]
+    sweeps, converged = 0, False
+    while sweeps < MAX_SWEEPS and not converged:
+        sweeps += 1
+        moved = 0.0
+        for prm in informed:
+            sub = [r for r in rs if prm.affects(r)]
+            v = round(_golden(_sq_loss(prm, sub, m), prm.lo, prm.hi), 3)
+            moved = max(moved, abs(v - prm.get(m)))
+            m = prm.set(m, v)
+        converged = moved <= FIT_TOL + 1e-12
+    by_name = {p.name: p for p in params}
+    names = {p.name for p in informed}
+    by_sibling: dict[str, str] = {}
+    uninformed: list[str] = []
+    for prm in params:  # siblings precede the constants they price (fit_params' order)
+        if prm.name in names:
+            continue
+        sib = prm.sibling
+        while sib is not None and sib not in names and sib not in by_sibling:
+            sib = by_name[sib].sibling
+        if sib is None:
+            uninformed.append(prm.name)
+            continue
+        source = by_sibling.get(sib, sib)
+        m = prm.set(m, by_name[source].get(m))
+        by_sibling[prm.name] = source
+    return Fit(m, tuple(p.name for p in informed), by_sibling, tuple(uninformed), sweeps, converged)
+
+
+def fit(rs: list[Row], stacks: dict[str, Stack] | None = None) -> dict[str, Stack]:
+    """The stacks of a cold fit on `rs` (what stacks/*.toml hold for every row)."""
+    return fit_cold(rs, stacks).stacks
+
+
+@dataclass(frozen=True)
+class Fold:
+    """One held-out group of a cross-validation: its scored rows (row, signed error %), the
+    rows priced through the sibling rule (with the constants it used), and the rows set
+    apart because a constant they need is informed by no remaining row."""
+
+    scored: list[tuple[Row, float]]
+    by_sibling: dict[str, str]
+    set_apart: list[Row]
+    sweeps: int
+    converged: bool
+
+
+def _error_pct(r: Row, m: dict[str, Stack]) -> float:
+    return 100 * (r.predict(m).tokens_per_sec_per_gpu / r.tokens_per_sec_per_gpu - 1)
+
+
+def _fold(train: list[Row], held: list[Row], f: Fit | None = None) -> Fold:
+    f = f or fit_cold(train)
+    missing = [p for p in fit_params() if p.name in f.uninformed]
+    apart = [r for r in held if any(p.affects(r) for p in missing)]
+    scored = [(r, _error_pct(r, f.stacks)) for r in held if r not in apart]
+    used = {
+        k: v for k, v in f.by_sibling.items() for p in fit_params()
+        if p.name == k and any(p.affects(r) for r in held)
+    }  # fmt: skip
+    return Fold(scored, used, apart, f.sweeps, f.converged)
+
+
+def leave_one_source_out(rs: list[Row] | None = None, only: str | None = None) -> dict[str, Fold]:
+    """For each source (or `only` that one): a cold fit on every other source's rows, then
+    this source's rows predicted (or set apart: `Fold`)."""
     rs = rs or rows()
-    out: dict[str, list[tuple[Row, float]]] = {}
-    for key in dict.fromkeys(r.source for r in rs):
+    out: dict[str, Fold] = {}
+    for key in [k for k in dict.fromkeys(r.source for r in rs) if only in (None, k)]:
         held = [r for r in rs if r.source == key]
-        m = fit([r for r in rs if r.source != key])
-        out[key] = [
-            (r, 100 * (r.predict(m).tokens_per_sec_per_gpu / r.tokens_per_sec_per_gpu - 1))
-            for r in held
-        ]
+        out[key] = _fold([r for r in rs if r.source != key], held)
     return out
 
 
@@ -632,36 +737,32 @@ def donor_generation(held: str, present: set[str]) -> str | None:
 def leave_one_generation_out(
     rs: list[Row] | None = None, only: str | None = None
 ) -> dict[str, tuple[str | None, list[tuple[Row, float]], list[Row]]]:
-    """For each GPU generation: fit on the other generations' rows, price the held-out
-    generation with the factor of its donor (`donor_generation`; its own factor has no row
-    left to inform it), predict its rows.
+    """For each GPU generation: a cold fit on the other generations' rows, the held-out
+    generation priced with the factor of its donor (`donor_generation`; its own factor has
+    no row left to inform it), its rows predicted.
 
-    Returns generation -> (donor, [(row, signed error %)], rows not cross-validated). A row
-    whose stack has no row in any other generation cannot be held out honestly (every
-    constant of that stack would keep the profile's value, fitted on that very row): it is
-    returned in the third list instead of being scored. `only`: hold out that generation
-    alone.
+    Returns generation -> (donor, [(row, signed error %)], rows set apart). A row that needs
+    a constant no remaining row informs (nor a sibling: torchtitan's rows are all Hopper, so
+    holding Hopper out leaves every torchtitan constant at its neutral start) cannot be held
+    out honestly: it is returned in the third list instead of being scored. `only`: hold out
+    that generation alone.
     """
     rs = rs or rows()
     gens = [generation_of(r) for r in rs]
+    params = {p.name: p for p in fit_params()}
     out: dict[str, tuple[str | None, list[tuple[Row, float]], list[Row]]] = {}
     for gen in [g for g in GENERATIONS if g in set(gens) and only in (None, g)]:
         train = [r for r, g in zip(rs, gens, strict=True) if g != gen]
         held = [r for r, g in zip(rs, gens, strict=True) if g == gen]
-        stacks_left = {r.workload.stack for r in train}
-        scored = [r for r in held if r.workload.stack in stacks_left]
-        skipped = [r for r in held if r.workload.stack not in stacks_left]
-        m = fit(train)
+        f = fit_cold(train)
+        m = f.stacks
         donor = donor_generation(gen, {g for g in gens if g != gen})
+        own = {n for n, p in params.items() if n.startswith("gpu_eff.") and p.affects(held[0])}
         if donor is not None:
-            ref = kinds_of(donor)[0]
-            m = _set_generation(m, gen, m["megatron_te"].gpu_factor(ref))
-        out[gen] = (
-            donor,
-            [
-                (r, 100 * (r.predict(m).tokens_per_sec_per_gpu / r.tokens_per_sec_per_gpu - 1))
-                for r in scored
-            ],
-            skipped,
-        )
+            m = _set_generation(m, gen, m["megatron_te"].gpu_factor(kinds_of(donor)[0]))
+        else:
+            own = set()
+        f = replace(f, stacks=m, uninformed=tuple(n for n in f.uninformed if n not in own))
+        fold = _fold(train, held, f)
+        out[gen] = (donor, fold.scored, fold.set_apart)
     return out

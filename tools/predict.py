@@ -11,8 +11,9 @@ a software stack (`--stack`, a profile in stacks/: torchtitan, what recipes run,
 megatron_te, to price a published Megatron-Core + Transformer Engine run of that layout).
 `--calibration` predicts every published row of the calibration set and prints (or
 writes) the table of predicted against published, with the error, the leave-one-source-out
-cross-validation and the memory rows; `--fit` refits the stack constants on every row and
-prints them (what the profiles in stacks/ hold).
+cross-validation (every fold a cold fit from a neutral start, rows set apart named) and the
+memory rows; with `--out` it writes the table and prints its summary lines. `--fit` cold-fits
+the stack constants on every row and prints them beside the profiles' (what stacks/ hold).
 
 `--serve` prices the recipe's base as a model resource of `--nodes` whole nodes (default:
 the smallest resource of the profile's GPUs that holds it), as `tools.serve` under torchrun
@@ -136,6 +137,7 @@ def _mean(xs: list[float]) -> float:
 def calibration_markdown() -> str:
     from parallel import memory, perf
     from parallel.calibration import (
+        FIT_TOL,
         SOURCES,
         generation_of,
         leave_one_generation_out,
@@ -164,7 +166,7 @@ def calibration_markdown() -> str:
         lines.append(f"| {k} | [{src.title}]({src.url}) | {src.date} | {src.stack} | {n} |")
     lines += [
         "",
-        "## Throughput (constants as in stacks/*.toml, fitted on all rows)",
+        "## Throughput (in-sample: constants as in stacks/*.toml, cold-fitted on all rows)",
         "",
         "| row | source | stack | GPUs | cluster | published tok/s/GPU | predicted | error | MFU pred |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -197,25 +199,40 @@ def calibration_markdown() -> str:
         f"rows** from {len(SOURCES)} sources, {len(gpus)} GPU types ({', '.join(sorted(gpus))}), "
         f"{sizes[0]:,} to {sizes[-1]:,} GPUs.",
         "",
-        "## Leave-one-source-out cross-validation",
+        "## Leave-one-source-out cross-validation (cold start)",
         "",
-        "For each source: refit the fitted constants (`parallel.calibration.fit_params`) on the",
-        "rows of every other source, then predict that source's rows. A constant that only the",
-        "held-out source informs keeps the profile's value.",
+        "For each source: fit the fitted constants (`parallel.calibration.fit_params`) on the",
+        "rows of every other source from a neutral start that no row informed (the middle of",
+        "each constant's bounds, never the profiles' values, which were fitted on every row),",
+        "by coordinate descent until a whole sweep moves no constant by more than",
+        f"{FIT_TOL}, then predict that source's rows. A constant that no remaining row informs",
+        "takes the fitted value of its sibling (the same stack's next higher precision; the",
+        "previous GPU generation); a row that needs a constant with neither is set apart and",
+        "counted separately, never predicted from its own fit.",
         "",
-        "| held-out source | rows | mean abs error | max abs error |",
-        "|---|---|---|---|",
+        "| held-out source | rows | mean abs error | max abs error | priced by the sibling rule "
+        "| set apart | sweeps |",
+        "|---|---|---|---|---|---|---|",
     ]
     loso = leave_one_source_out(rs)
     all_loso: list[float] = []
-    for k, res in loso.items():
-        es = [abs(e) for _, e in res]
+    apart_rows: list[str] = []
+    for k, fold in loso.items():
+        es = [abs(e) for _, e in fold.scored]
         all_loso += es
-        lines.append(f"| {k} | {len(es)} | {_mean(es):.1f}% | {max(es):.1f}% |")
+        sib = ", ".join(f"{a} <- {b}" for a, b in fold.by_sibling.items()) or "-"
+        apart_rows += [f"{r.name} ({k})" for r in fold.set_apart]
+        conv = f"{fold.sweeps}" + ("" if fold.converged else " (not converged)")
+        mean = f"{_mean(es):.1f}%" if es else "-"
+        most = f"{max(es):.1f}%" if es else "-"
+        lines.append(
+            f"| {k} | {len(es)} | {mean} | {most} | {sib} | {len(fold.set_apart)} | {conv} |"
+        )
     lines += [
         "",
-        f"**Leave-one-source-out: mean |error| {_mean(all_loso):.1f}%, max "
-        f"{max(all_loso):.1f}% over {len(all_loso)} rows.**",
+        f"**Leave-one-source-out (cold start): mean |error| {_mean(all_loso):.1f}%, max "
+        f"{max(all_loso):.1f}% over {len(all_loso)} rows; set apart: "
+        f"{', '.join(apart_rows) if apart_rows else 'none'}.**",
         "",
         *_logo_section(rs, leave_one_generation_out(rs), generation_of),
         "",
@@ -281,12 +298,12 @@ def _logo_section(rs, logo, generation_of) -> list[str]:
     lines = [
         "## Leave-one-GPU-generation-out cross-validation",
         "",
-        "For each GPU generation (core.hardware.GPUS: Hopper, Blackwell, Blackwell Ultra): refit",
-        "the fitted constants on the rows of every other generation, price the held-out",
+        "For each GPU generation (core.hardware.GPUS: Hopper, Blackwell, Blackwell Ultra): fit",
+        "the fitted constants from the neutral start on the rows of every other generation, price the held-out",
         "generation with the efficiency factor of its donor (the nearest earlier generation with",
         "rows, else the nearest later: its own factor has no row left to inform it), then predict",
-        "its rows. Rows whose stack has no row in another generation cannot be held out honestly",
-        "(every constant of that stack would keep the value fitted on them) and are counted apart.",
+        "its rows. Rows that need a constant no other generation's row informs (torchtitan's rows",
+        "are all Hopper) cannot be held out honestly and are counted apart.",
         "",
         "| held-out generation | GPUs | priced with | rows | mean abs error | max abs error "
         "| not cross-validated |",
@@ -317,12 +334,18 @@ def _logo_section(rs, logo, generation_of) -> list[str]:
 
 
 def fit_report() -> str:
-    from parallel.calibration import base_stacks, fit, fit_params, rows
+    """The cold fit on every row (what stacks/*.toml should hold) beside the profiles."""
+    from parallel.calibration import base_stacks, fit_cold, fit_params, rows
 
-    m = fit(rows())
+    f = fit_cold(rows())
     base = base_stacks()
+    head = f"cold fit: {f.sweeps} sweeps, " + ("converged" if f.converged else "NOT converged")
     return "\n".join(
-        f"{p.name}: profile {p.get(base):.3f} -> fitted {p.get(m):.3f}" for p in fit_params()
+        [head]
+        + [
+            f"{p.name}: profile {p.get(base):.3f} -> fitted {p.get(f.stacks):.3f}"
+            for p in fit_params()
+        ]
     )
 
 
@@ -392,6 +415,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.out:
             Path(args.out).write_text(text)
             print(f"wrote {args.out}")
+            print("\n".join(line for line in text.splitlines() if line.startswith("**")))
         else:
             print(text)
         return

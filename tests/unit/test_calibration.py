@@ -66,3 +66,26 @@ def test_megatron_bridge_pipeline_rows_fit_their_h100s():
     }
     worst = max(r.predict(tt_buffers).memory.required_gib_on("H100") for r in rs)
     assert worst > rs[0].load_cluster().hbm_bytes / 2**30
+
+
+def test_a_fold_reads_no_constant_fitted_on_its_held_out_rows(monkeypatch):
+    """Cross-validation starts every fold cold: the profiles' values of the fitted constants
+    (fitted on every row, the held-out ones included) must not reach a held-out prediction.
+    With every fitted constant of the profiles moved to garbage, the folds predict exactly
+    the same. Fails when a fold starts from the profiles or keeps the value of a constant
+    that only the held-out source informs (torchtitan's fp8_rowwise: tt2506 alone)."""
+    import parallel.calibration as cal
+
+    rs = [r for r in rows() if r.source in ("tt2506", "tt2506h200")]
+    honest = cal.leave_one_source_out(rs)  # both folds: each source informs a constant alone
+    real = cal.base_stacks()
+    garbage = real
+    for p in cal.fit_params():
+        garbage = p.set(garbage, p.hi if p.get(real) < (p.lo + p.hi) / 2 else p.lo)
+    monkeypatch.setattr(cal, "base_stacks", lambda: garbage)
+    moved = cal.leave_one_source_out(rs)
+    for key in ("tt2506", "tt2506h200"):
+        assert [e for _, e in moved[key].scored] == [e for _, e in honest[key].scored]
+    assert honest["tt2506"].by_sibling == {
+        "torchtitan.matmul_eff.fp8_rowwise": "torchtitan.matmul_eff.fp8_tensorwise"
+    }
