@@ -389,6 +389,15 @@ def _prepare(recipe: Recipe) -> Job:
     plan = None
     if recipe.parallel.auto:
         recipe, plan = apply_auto_plan(recipe, cluster)
+    if recipe.fault_tolerance.enabled:
+        # The section validates (tools.predict prices it); refusing here keeps a run from
+        # training every group alone while the user believes they are replicas.
+        raise ConfigError(
+            "train.py does not run torchft replica groups yet (docs/fault_tolerance.md, "
+            "Status); set it to false",
+            file=recipe.source,
+            key="fault_tolerance.enabled",
+        )
     layout = check_recipe(recipe, world_size)
     check_pipeline_step(layout.pp)
     if recipe.parallel.async_tp and platform.is_cpu and layout.tp > 1:

@@ -142,3 +142,15 @@ def test_predict_prints_both_goodputs_at_4096_gpus(capsys):
     )
     assert out["goodput_tokens_per_sec_per_gpu"] == w["goodput_tokens_per_sec_per_gpu"]
     assert gp_["per_replica_recovery"]["efficiency"] > w["efficiency"]
+
+
+def test_train_refuses_fault_tolerance_until_it_runs_groups(tmp_path, capsys):
+    from tests.helpers.runs import train_main_error
+
+    code, err = train_main_error(
+        ["--set", f"job.output_dir={tmp_path}", "--set", "fault_tolerance.enabled=true",
+         "--set", "fault_tolerance.replica_groups=2"],
+        capsys,
+    )  # fmt: skip
+    assert code == 2
+    assert len(err) == 1 and "fault_tolerance.enabled" in err[0] and "not run torchft" in err[0]
