@@ -27,7 +27,7 @@ that are not failures (stragglers), asynchronous checkpoint staging (C is a bloc
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Seconds a collective waits on a dead peer before the step is abandoned: torchtitan's
 # fault_tolerance.process_group_timeout_ms default (10 s).
@@ -117,16 +117,21 @@ def whole_job_restart(i: GoodputInputs, interval_s: float | None = None) -> Good
     cost = i.state_bytes / i.gpus / i.checkpoint_bytes_per_s_per_gpu
     restart = i.restart_s + cost
     t = young_interval_s(cost, m) if interval_s is None else interval_s
-    e = efficiency(t, cost, restart, m)
+    return _result("whole_job_restart", i, efficiency(t, cost, restart, m), t, cost, m, restart)
+
+
+def _result(
+    mode: str, i: GoodputInputs, e: float, t: float, cost: float, mtbf: float, lost: float
+) -> Goodput:
     return Goodput(
-        mode="whole_job_restart",
+        mode=mode,
         efficiency=e,
         goodput_tokens_per_sec_per_gpu=i.tokens_per_sec_per_gpu * e,
         checkpoint_interval_s=None if math.isinf(t) else t,
         checkpoint_interval_steps=_steps(t, i.step_time_s),
         checkpoint_cost_s=cost,
-        mtbf_s=m,
-        lost_per_failure_s=restart,
+        mtbf_s=mtbf,
+        lost_per_failure_s=lost,
     )
 
 
@@ -149,8 +154,8 @@ def per_replica_lost_s(i: GoodputInputs) -> float:
 def per_replica_recovery(i: GoodputInputs, interval_s: float | None = None) -> Goodput:
     """torchft replica groups: a failure costs `per_replica_lost_s`; checkpoints (same cost
     as whole-job) guard only against the lighthouse host failing."""
-    if i.replica_groups < 2:
-        return whole_job_restart(i, interval_s)  # one group: nothing to recover from
+    if i.replica_groups < 2:  # one group: nothing to recover from
+        return replace(whole_job_restart(i, interval_s), mode="per_replica_recovery")
     m_group = mtbf_s(i.failures_per_gpu_hour, i.gpus)
     m_whole = mtbf_s(i.failures_per_gpu_hour, i.lighthouse_gpus)
     cost = i.state_bytes / i.gpus / i.checkpoint_bytes_per_s_per_gpu
@@ -159,16 +164,7 @@ def per_replica_recovery(i: GoodputInputs, interval_s: float | None = None) -> G
     e = efficiency(t, cost, i.restart_s + cost, m_whole)
     if not math.isinf(m_group):
         e = max(0.0, e - lost / m_group)
-    return Goodput(
-        mode="per_replica_recovery",
-        efficiency=e,
-        goodput_tokens_per_sec_per_gpu=i.tokens_per_sec_per_gpu * e,
-        checkpoint_interval_s=None if math.isinf(t) else t,
-        checkpoint_interval_steps=_steps(t, i.step_time_s),
-        checkpoint_cost_s=cost,
-        mtbf_s=m_group,
-        lost_per_failure_s=lost,
-    )
+    return _result("per_replica_recovery", i, e, t, cost, m_group, lost)
 
 
 def inputs_for(recipe, cluster, layout, step_time_s: float, tokens_per_sec_per_gpu: float):
@@ -188,7 +184,11 @@ def inputs_for(recipe, cluster, layout, step_time_s: float, tokens_per_sec_per_g
         failures_per_gpu_hour=cluster.failures_per_gpu_hour,
         state_bytes=effective_shape(recipe).total_params * STATE_BYTES_PER_PARAM,
         checkpoint_bytes_per_s_per_gpu=cluster.checkpoint_gbps_per_gpu * 1e9 / 8,
-        net_bytes_per_s_per_gpu=cluster.net_bytes_per_s,
+        # One node (no network in the profile): the peer is across NVLink; neither (a CPU
+        # profile): the group reads its state back from storage instead.
+        net_bytes_per_s_per_gpu=cluster.net_bytes_per_s
+        or cluster.nvlink_bytes_per_s
+        or cluster.checkpoint_gbps_per_gpu * 1e9 / 8,
         restart_s=cluster.restart_s,
         replica_groups=max(1, groups),
         lighthouse_gpus=cluster.gpus_per_node,

@@ -233,7 +233,7 @@ class TitanscaleMetrics(MetricsProcessor):
         }
         if extra_metrics:
             rec.update({k: v for k, v in extra_metrics.items() if isinstance(v, (int, float))})
-        if self.arrivals is not None and self.is_metrics_rank:
+        if self.is_metrics_rank and self.arrivals is not None:
             rec.update(self._stragglers(step, rec["step_time_s"]))
         self.records.append(rec)
         if self._jsonl is not None:

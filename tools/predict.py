@@ -14,6 +14,11 @@ writes) the table of predicted against published, with the error, the leave-one-
 cross-validation and the memory rows; `--fit` refits the stack constants on every row and
 prints them (what the profiles in stacks/ hold).
 
+Beside tokens_per_sec_per_gpu, `goodput_tokens_per_sec_per_gpu`: what is kept after failures,
+checkpoints and restarts (parallel.goodput; the cluster profile's failure rate), for
+whole-job restart and for torchft per-replica recovery, each at its best checkpoint interval
+(docs/fault_tolerance.md).
+
 `--serve` prices the recipe's base as a model resource of `--nodes` whole nodes (default:
 the smallest resource of the profile's GPUs that holds it), as `tools.serve` under torchrun
 lays it out (parallel/serve.py): memory per GPU by part, the budgets it would choose, the
