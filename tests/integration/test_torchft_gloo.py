@@ -87,7 +87,9 @@ def _reference_loss(stop: int) -> float:
 def _eval_loss(state: dict) -> float:
     model = w.init_model()
     model.load_state_dict(state)
-    x, y = w.batch(10**6, 0, 0)  # a batch no step trains on
+    # 512 held-out rows (steps no run reaches): one batch of 8 is too noisy to compare.
+    held_out = [w.batch(10**6 + i, 0, 0) for i in range(64)]
+    x, y = torch.cat([b[0] for b in held_out]), torch.cat([b[1] for b in held_out])
     with torch.no_grad():
         return float(torch.nn.functional.mse_loss(model(x), y))
 
