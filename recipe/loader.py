@@ -180,6 +180,19 @@ def replica_groups(recipe: Recipe) -> int:
     return ft.replica_groups or recipe.parallel.dp_replicate
 
 
+def check_trainable_fault_tolerance(recipe: Recipe) -> None:
+    """train.py and tools.launch: [fault_tolerance] validates and tools.predict prices it, but
+    train.py does not run replica groups yet; refused so that no run trains every group alone
+    while the user believes they are replicas (docs/fault_tolerance.md, Status)."""
+    if recipe.fault_tolerance.enabled:
+        raise ConfigError(
+            "train.py does not run torchft replica groups yet (docs/fault_tolerance.md, "
+            "Status); set it to false",
+            file=recipe.source,
+            key="fault_tolerance.enabled",
+        )
+
+
 def check_fault_tolerance(recipe: Recipe, layout: Layout) -> None:
     """[fault_tolerance] against the layout: at least two replica groups, each an equal
     share of the world (a group is one HSDP replica), and the loops it is built for."""

@@ -155,3 +155,15 @@ def test_train_refuses_fault_tolerance_until_it_runs_groups(tmp_path, capsys):
     )  # fmt: skip
     assert code == 2
     assert len(err) == 1 and "fault_tolerance.enabled" in err[0] and "not run torchft" in err[0]
+
+
+def test_launch_refuses_fault_tolerance_before_the_queue():
+    from parallel.cluster import load_cluster
+    from tests.helpers.job_scripts import render_job
+    from tests.helpers.runs import ROOT
+
+    cluster = load_cluster("hgx_h100_ib")
+    sets = ["fault_tolerance.enabled=true", "fault_tolerance.replica_groups=2"]
+    with pytest.raises(ConfigError, match="fault_tolerance.enabled"):
+        render_job(ROOT / "recipes" / "llama3_8b.toml", cluster, 1, sets)
+    render_job(ROOT / "recipes" / "llama3_8b.toml", cluster, 1)  # without it: renders
