@@ -36,7 +36,7 @@ from core.safe_text import (
 )
 from launch.fabric_env import FabricEnv, fabric_env
 from launch.topology import leaf_switches_needed
-from recipe.loader import check_recipe
+from recipe.loader import check_recipe, check_trainable_fault_tolerance
 from recipe.schema import Recipe
 
 if TYPE_CHECKING:  # the profile schema lives in parallel.cluster
@@ -131,6 +131,8 @@ def check_launch(recipe: Recipe, cluster: Cluster, opts: LaunchOptions) -> tuple
         )
     world = opts.nodes * procs_per_node(cluster)
     layout = check_recipe(recipe, world)
+    if opts.serve_args is None:
+        check_trainable_fault_tolerance(recipe)  # refused here, not after the queue wait
     if not 1 <= opts.signal_seconds <= 65535:  # sbatch --signal's limit
         raise ConfigError(
             f"expected seconds from 1 to 65535, got {opts.signal_seconds}", key="--signal-seconds"

@@ -47,6 +47,14 @@ PHYSICAL_BOUNDS = {
     "power_limit_w": (10_000, "GB300: 1,400 W"),
 }
 
+# Goodput defaults (parallel.goodput). Meta, "The Llama 3 Herd of Models" (2024), section
+# 3.3.4: 419 unexpected interruptions in a 54-day snapshot of pretraining on 16,384 H100s.
+FAILURES_PER_GPU_HOUR = 419 / (54 * 24 * 16_384)
+# Same paper, section 3.3.1: Tectonic sustains 2 TB/s (peak 7 TB/s) for 16,384 GPUs.
+CHECKPOINT_GBPS_PER_GPU = 2e12 * 8 / 1e9 / 16_384
+# Failure detection (collective timeout), requeue and init: an assumption (docs/fault_tolerance.md).
+RESTART_S = 300.0
+
 # Keys every profile file must set (after its `base` chain): without them an empty or
 # truncated file would describe a default 1 x 8 H100 cluster and plan on it silently.
 REQUIRED_KEYS = ("gpu", "nodes", "gpus_per_node")
@@ -189,6 +197,30 @@ class Cluster:
     host_prefix: str = field(
         default="node", metadata=doc("Host names for a regular topology: <prefix>0000 ...")
     )
+    # Goodput inputs (parallel.goodput; docs/fault_tolerance.md gives the sources).
+    failures_per_gpu_hour: float = field(
+        default=FAILURES_PER_GPU_HOUR,
+        metadata=doc(
+            "Job-interrupting failures per GPU-hour (GPU, NIC, host, switch, software). "
+            "Default: Meta's Llama 3 405B run, 419 unexpected interruptions in 54 days on "
+            "16,384 H100s = 1.97e-5."
+        ),
+    )
+    restart_s: float = field(
+        default=RESTART_S,
+        metadata=doc(
+            "Seconds from a failure to the restarted processes' first step, not counting the "
+            "checkpoint read: detection, Slurm requeue/step start, process-group and model "
+            "init (an assumption, not a published figure: measure yours)."
+        ),
+    )
+    checkpoint_gbps_per_gpu: float = field(
+        default=CHECKPOINT_GBPS_PER_GPU,
+        metadata=doc(
+            "Checkpoint storage bandwidth per GPU, Gb/s, read or write. Default: Llama 3's "
+            "Tectonic, 2 TB/s sustained over 16,384 GPUs = 0.98 Gb/s."
+        ),
+    )
     topology: TopologySection = field(default_factory=TopologySection)
     nccl: NcclSection = field(default_factory=NcclSection)
     source: str = field(default="<defaults>", init=False, compare=False)
@@ -221,6 +253,19 @@ class Cluster:
         for name in ("nvlink_domain_gpus",):
             if getattr(self, name) < 0:
                 raise ConfigError(f"expected >= 0, got {getattr(self, name)}", key=name)
+        if not 0 <= self.failures_per_gpu_hour < 1:  # nan fails too
+            raise ConfigError(
+                f"expected a rate in [0, 1) per GPU-hour, got {self.failures_per_gpu_hour}",
+                key="failures_per_gpu_hour",
+            )
+        if not 0 <= self.restart_s <= 86_400:
+            raise ConfigError(f"expected 0 to 86400 seconds, got {self.restart_s}", key="restart_s")
+        if not 0 < self.checkpoint_gbps_per_gpu <= 100_000:
+            raise ConfigError(
+                f"expected a positive bandwidth up to 100,000 Gb/s, got "
+                f"{self.checkpoint_gbps_per_gpu}",
+                key="checkpoint_gbps_per_gpu",
+            )
         for name in ("nvlink_gbps", "ib_gbps_per_gpu", "hbm_gib", "power_limit_w"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"expected >= 0, got {getattr(self, name)}", key=name)

@@ -167,7 +167,74 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> Layout:
         )
     if not recipe.parallel.auto:
         check_graph_options(recipe, layout)
+    check_fault_tolerance(recipe, layout)
     return layout
+
+
+def replica_groups(recipe: Recipe) -> int:
+    """torchft replica groups of the recipe: fault_tolerance.replica_groups, else
+    parallel.dp_replicate (1 when fault tolerance is off)."""
+    ft = recipe.fault_tolerance
+    if not ft.enabled:
+        return 1
+    return ft.replica_groups or recipe.parallel.dp_replicate
+
+
+def check_trainable_fault_tolerance(recipe: Recipe) -> None:
+    """train.py and tools.launch: [fault_tolerance] validates and tools.predict prices it, but
+    train.py does not run replica groups yet; refused so that no run trains every group alone
+    while the user believes they are replicas (docs/fault_tolerance.md, Status)."""
+    if recipe.fault_tolerance.enabled:
+        raise ConfigError(
+            "train.py does not run torchft replica groups yet (docs/fault_tolerance.md, "
+            "Status); set it to false",
+            file=recipe.source,
+            key="fault_tolerance.enabled",
+        )
+
+
+def check_fault_tolerance(recipe: Recipe, layout: Layout) -> None:
+    """[fault_tolerance] against the layout: at least two replica groups, each an equal
+    share of the world (a group is one HSDP replica), and the loops it is built for."""
+    ft = recipe.fault_tolerance
+    if not ft.enabled:
+        return
+    f = recipe.source
+    groups = replica_groups(recipe)
+    if groups < 2:
+        raise ConfigError(
+            f"fault tolerance needs at least 2 replica groups, got {groups} (set "
+            "fault_tolerance.replica_groups or parallel.dp_replicate)",
+            file=f,
+            key="fault_tolerance.replica_groups",
+        )
+    if recipe.parallel.dp_replicate not in (1, groups):
+        raise ConfigError(
+            f"replica_groups = {groups} but parallel.dp_replicate = "
+            f"{recipe.parallel.dp_replicate}: each replica group is one HSDP replica (set them "
+            "equal, or dp_replicate = 1)",
+            file=f,
+            key="fault_tolerance.replica_groups",
+        )
+    world = layout.world_size
+    if world % groups:
+        raise ConfigError(
+            f"{groups} replica groups do not split {world} processes evenly",
+            file=f,
+            key="fault_tolerance.replica_groups",
+        )
+    if ft.min_replicas > groups:
+        raise ConfigError(
+            f"min_replicas {ft.min_replicas} exceeds the {groups} replica groups",
+            file=f,
+            key="fault_tolerance.min_replicas",
+        )
+    if recipe.rl.enabled or recipe.adapters:
+        raise ConfigError(
+            "fault tolerance covers pretraining and SFT; RL and [[adapters]] jobs restart whole",
+            file=f,
+            key="fault_tolerance.enabled",
+        )
 
 
 def check_model_fields(recipe: Recipe) -> None:

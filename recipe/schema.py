@@ -1,7 +1,7 @@
 """The recipe contract: one dataclass per TOML section, every field documented.
 
 Sections: [job] [model] [training] [parallel] [kernels] [data] [checkpoint] [metrics]
-[finetune] [lora] [[adapters]] [validation] [profiling] [rl] [torchtitan].
+[finetune] [lora] [[adapters]] [validation] [profiling] [rl] [fault_tolerance] [torchtitan].
 Field-local checks (ranges, choices) run in `__post_init__` and raise ConfigError with the
 key; checks that need several sections or the world size live in `recipe.loader`
 (`check_recipe`, `check_layout`).
@@ -10,6 +10,7 @@ Extend this contract by adding fields; never rename one (users' recipes depend o
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -542,10 +543,27 @@ class MetricsSection:
         default="", metadata=doc("W&B entity (team or user); '' = the account's default.")
     )
     wandb_run_name: str = field(default="", metadata=doc("W&B run name; '' = job.name."))
+    straggler_ratio: float = field(
+        default=1.5,
+        metadata=doc(
+            "A rank whose step time exceeds this many times the median rank's, for "
+            "`straggler_steps` logged steps in a row, is named in metrics.jsonl "
+            "(straggler_rank) and the log (runtime.stragglers); 0 = off. > 1 otherwise."
+        ),
+    )
+    straggler_steps: int = field(
+        default=3, metadata=doc("Consecutive slow logged steps before a rank is named.")
+    )
 
     def __post_init__(self) -> None:
         _positive("log_every", self.log_every)
         _positive("summary_skip_steps", self.summary_skip_steps, allow_zero=True)
+        r = self.straggler_ratio
+        if r != 0 and not 1.0 < r <= 100.0:  # nan fails both comparisons
+            raise ConfigError(
+                f"expected 0 (off) or a ratio in (1, 100], got {r}", key="straggler_ratio"
+            )
+        _positive("straggler_steps", self.straggler_steps)
 
 
 @dataclass
@@ -677,6 +695,69 @@ class RLSection:
         _positive("max_policy_lag", self.max_policy_lag, allow_zero=True)
         if self.loss == "custom" and not self.custom_loss:
             raise ConfigError("loss = 'custom' needs custom_loss = 'module:function'", key="loss")
+
+
+@dataclass
+class FaultToleranceSection:
+    """Per-replica-group fault tolerance with torchft (docs/fault_tolerance.md): HSDP
+    replica groups leave and rejoin per step while the others train on."""
+
+    enabled: bool = field(
+        default=False,
+        metadata=doc(
+            "Train as `replica_groups` torchft replica groups (torchtitan's "
+            "experiments/torchft): a group that dies is restarted alone and heals from a "
+            "live group; needs the torchft package."
+        ),
+    )
+    replica_groups: int = field(
+        default=0,
+        metadata=doc(
+            "Replica groups (each a torchrun of world_size / replica_groups ranks holding one "
+            "copy of the model, FSDP-sharded inside); 0 = parallel.dp_replicate. At least 2."
+        ),
+    )
+    lighthouse: str = field(
+        default="",
+        metadata=doc(
+            "torchft lighthouse address (http://host:port); '' = tools.launch starts one on "
+            "the first node, port 29510."
+        ),
+    )
+    min_replicas: int = field(
+        default=1,
+        metadata=doc("Fewest live replica groups a step may commit with (torchft quorum)."),
+    )
+    quorum_timeout_s: int = field(
+        default=60,
+        metadata=doc(
+            "Seconds a group waits for the quorum (and its collectives for a dead peer) "
+            "before the step is abandoned and retried without the missing group."
+        ),
+    )
+    semi_sync: Literal["off", "diloco", "local_sgd"] = field(
+        default="off",
+        metadata=doc(
+            "off: every step all-reduces gradients across groups. diloco / local_sgd "
+            "(torchft.local_sgd): groups train alone and synchronise every `sync_steps`."
+        ),
+    )
+    sync_steps: int = field(
+        default=5, metadata=doc("Semi-synchronous modes: inner steps between synchronisations.")
+    )
+
+    def __post_init__(self) -> None:
+        _positive("replica_groups", self.replica_groups, allow_zero=True)
+        _positive("min_replicas", self.min_replicas)
+        _positive("quorum_timeout_s", self.quorum_timeout_s)
+        _positive("sync_steps", self.sync_steps)
+        # Written into job scripts and environment variables: host names and a port only.
+        if self.lighthouse and not re.fullmatch(
+            r"https?://[A-Za-z0-9.\-]+:[0-9]{1,5}", self.lighthouse
+        ):
+            raise ConfigError(
+                f"expected http://host:port, got {shown(self.lighthouse)}", key="lighthouse"
+            )
 
 
 @dataclass
@@ -889,6 +970,7 @@ class Recipe:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
     rl: RLSection = field(default_factory=RLSection)
+    fault_tolerance: FaultToleranceSection = field(default_factory=FaultToleranceSection)
     finetune: FinetuneSection = field(default_factory=FinetuneSection)
     lora: LoraSection = field(default_factory=LoraSection)
     adapters: list[AdapterSection] = field(

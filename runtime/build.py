@@ -345,6 +345,8 @@ def build_trainer_config(
             enable_tensorboard=recipe.metrics.tensorboard,
             jsonl=recipe.metrics.jsonl,
             summary_skip_steps=recipe.metrics.summary_skip_steps,
+            straggler_ratio=recipe.metrics.straggler_ratio,
+            straggler_steps=recipe.metrics.straggler_steps,
             precision=kernels.precision,
             device_name=platform.device_name,
             flavor=recipe.model.flavor,

@@ -8,12 +8,15 @@
                                                      step 2 (what SIGUSR1 does in job.sbatch)
     TITANSCALE_FAULT="kill:step=2:at=shard"          tools.prepare_data dies once its shard 2
                                                      is durable (step = the shard's number)
+    TITANSCALE_FAULT="slow:rank=1:step=1:at=batch:seconds=0.5"   rank 1 sleeps 0.5 s in every
+                                                     step from step 1 on (a straggler)
 
 Fields: `rank` (global rank; omitted = every rank), `step` (required), `at` = `step`
 (mid-step: after the batch is fetched and the token count all-reduced, before forward and
 backward), `save` (after the checkpoint's data is written, before it is committed) or
-`shard` (tools.prepare_data, after shard `step` of a token store is written and recorded), and
-`restart` (the torchelastic restart count on which to fire; default 0, so a job restarted
+`shard` (tools.prepare_data, after shard `step` of a token store is written and recorded) or
+`batch` (after the step's batches are fetched, before its first collective), `seconds` (slow:
+the sleep, default 1), and `restart` (the torchelastic restart count on which to fire; default 0, so a job restarted
 by `torchrun --max-restarts` does not fault again). `stop` creates the file named by
 $TITANSCALE_STOP_FILE (launch.stop_request), as the batch script's SIGUSR1 trap does, so
 the run checkpoints and stops at its next stop check: a deterministic requeue in tests.
@@ -35,8 +38,8 @@ from dataclasses import dataclass
 from core.launch_env import launch_env
 
 ENV = "TITANSCALE_FAULT"
-KINDS = ("kill", "hang", "stop")
-POINTS = ("step", "save", "shard")
+KINDS = ("kill", "hang", "stop", "slow")
+POINTS = ("step", "save", "shard", "batch")
 
 
 @dataclass(frozen=True)
@@ -46,11 +49,13 @@ class Fault:
     rank: int | None = None
     at: str = "step"
     restart: int = 0
+    seconds: float = 1.0
 
     def matches(self, point: str, step: int, rank: int, restart: int) -> bool:
         return (
             self.at == point
-            and self.step == step
+            # slow fires in every step from `step` on; the others once
+            and (self.step == step or (self.kind == "slow" and step > self.step))
             and self.restart == restart
             and (self.rank is None or self.rank == rank)
         )
@@ -66,11 +71,19 @@ def parse(spec: str) -> list[Fault]:
         kv: dict[str, str] = {}
         for f in fields:
             k, sep, v = f.partition("=")
-            if not sep or k not in ("rank", "step", "at", "restart"):
-                raise ValueError(f"fault {item!r}: expected rank=, step=, at= or restart=")
+            if not sep or k not in ("rank", "step", "at", "restart", "seconds"):
+                raise ValueError(
+                    f"fault {item!r}: expected rank=, step=, at=, restart= or seconds="
+                )
             kv[k] = v
         if "step" not in kv:
             raise ValueError(f"fault {item!r}: step= is required")
+        try:
+            seconds_ok = 0 <= float(kv.get("seconds", "1")) <= 3600  # nan fails
+        except ValueError:
+            seconds_ok = False
+        if not seconds_ok:
+            raise ValueError(f"fault {item!r}: seconds must be a number in [0, 3600]")
         at = kv.get("at", "step")
         if at not in POINTS:
             raise ValueError(f"fault {item!r}: at must be one of {', '.join(POINTS)}")
@@ -82,10 +95,13 @@ def parse(spec: str) -> list[Fault]:
                     rank=int(kv["rank"]) if "rank" in kv else None,
                     at=at,
                     restart=int(kv.get("restart", "0")),
+                    seconds=float(kv.get("seconds", "1")),
                 )
             )
         except ValueError:
-            raise ValueError(f"fault {item!r}: rank, step and restart are integers") from None
+            raise ValueError(
+                f"fault {item!r}: rank, step and restart are integers, seconds a number"
+            ) from None
     return faults
 
 
@@ -125,6 +141,7 @@ def inject(point: str, step: int) -> None:
             "step": f"in step {step}",
             "save": f"in the step-{step} checkpoint save",
             "shard": f"after token-store shard {step}",
+            "batch": f"after the step-{step} batches",
         }[point]
         print(
             f"titanscale fault injection: {f.kind} rank {rank} {where}",
@@ -135,6 +152,9 @@ def inject(point: str, step: int) -> None:
             # SIGKILL: no exception handlers, no atexit, no flush, like a node losing power
             # or the OOM killer.
             os.kill(os.getpid(), signal.SIGKILL)
+        if f.kind == "slow":
+            time.sleep(f.seconds)
+            continue
         if f.kind == "stop":
             from pathlib import Path
 

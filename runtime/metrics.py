@@ -35,6 +35,7 @@ from core.hardware import peak_flops
 from core.launch_env import launch_env
 from core.models import model_shape
 from data.accounting import doc_masked_flops
+from runtime.stragglers import Arrivals, StragglerDetector
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -119,6 +120,12 @@ class TitanscaleMetrics(MetricsProcessor):
         wandb_run_name: str = ""
         """W&B run name."""
 
+        straggler_ratio: float = 1.5
+        """runtime.stragglers: own step time over the others' median that names a rank."""
+
+        straggler_steps: int = 3
+        """Consecutive logged steps over the ratio before a rank is named."""
+
     # Re-declared from the base class: mypy cannot infer them through torchtitan's slots.
     time_last_log: float
     ntokens_since_last_log: int
@@ -153,6 +160,9 @@ class TitanscaleMetrics(MetricsProcessor):
         self.jsonl_path = os.path.join(dump_folder, "metrics.jsonl")
         self.summary_path = os.path.join(dump_folder, "summary.json")
         self._jsonl = JsonlLog(self.jsonl_path) if config.jsonl and self.is_metrics_rank else None
+        # Set by the trainer once the process group exists (runtime.stragglers).
+        self.arrivals: Arrivals | None = None
+        self.stragglers = StragglerDetector(config.straggler_ratio, config.straggler_steps)
 
     def write_event(self, event: str, **fields: Any) -> None:
         if self._jsonl is not None:
@@ -223,6 +233,8 @@ class TitanscaleMetrics(MetricsProcessor):
         }
         if extra_metrics:
             rec.update({k: v for k, v in extra_metrics.items() if isinstance(v, (int, float))})
+        if self.is_metrics_rank and self.arrivals is not None:
+            rec.update(self._stragglers(step, rec["step_time_s"]))
         self.records.append(rec)
         if self._jsonl is not None:
             self._jsonl.write(rec)
@@ -242,6 +254,18 @@ class TitanscaleMetrics(MetricsProcessor):
         self.last_logged_step = step
         self.device_memory_monitor.reset_peak_stats()
         self.time_last_log = time.perf_counter()
+
+    def _stragglers(self, step: int, step_time_s: float) -> dict[str, Any]:
+        assert self.arrivals is not None
+        fields = self.stragglers.observe(self.arrivals.read(step), step_time_s)
+        if fields.get("straggler_rank", -1) >= 0:
+            logger.warning(
+                f"straggler: rank {fields['straggler_rank']} took "
+                f"{fields['slowest_rank_ratio']:.2f}x the other ranks' median step time for "
+                f"{self.stragglers.steps}+ logged steps (step {step}; it arrives "
+                f"{fields['slowest_rank_lateness_s']:.3f} s after the median rank)"
+            )
+        return fields
 
     def log_validation(
         self, loss: float, step: int, extra_metrics: dict[str, Any] | None = None

@@ -28,7 +28,13 @@ from core.models import model_shape
 from parallel.cluster import Cluster, load_cluster
 from parallel.memory import posttrain_load
 from parallel.planner import apply_plan, best_plan
-from recipe.loader import blamed, check_recipe, effective_shape, load_recipe
+from recipe.loader import (
+    blamed,
+    check_recipe,
+    check_trainable_fault_tolerance,
+    effective_shape,
+    load_recipe,
+)
 from recipe.schema import Recipe
 from runtime import faults
 from runtime.build import KernelChoice, build_trainer_config, choose_kernels
@@ -389,6 +395,7 @@ def _prepare(recipe: Recipe) -> Job:
     plan = None
     if recipe.parallel.auto:
         recipe, plan = apply_auto_plan(recipe, cluster)
+    check_trainable_fault_tolerance(recipe)
     layout = check_recipe(recipe, world_size)
     check_pipeline_step(layout.pp)
     if recipe.parallel.async_tp and platform.is_cpu and layout.tp > 1:

@@ -8,7 +8,9 @@
 - `train`: writes a `start` event (resumed step, restart count) and, at the end, the
   steady-state summary; runs the step watchdog (runtime.watchdog) around the loop.
 - `train_step`: marks step begin/end for the watchdog; a collective timeout becomes a
-  `RankTimeoutError` naming the rank that stopped answering and its groups.
+  `RankTimeoutError` naming the rank that stopped answering and its groups. After the step's
+  batches are fetched: the `batch` fault seam and, on logged steps, this rank's arrival for
+  straggler detection (runtime.stragglers).
 - `forward_backward_step`: the mid-step fault-injection seam (runtime.faults, tests only),
   and SFT's per-example weights: a step whose groups carry weights (data.loader) divides by
   the step's global weight sum instead of its trained-token count, and
@@ -35,6 +37,7 @@ from parallel.fabric import Fabric
 from runtime import faults
 from runtime.metrics import TitanscaleMetrics
 from runtime.steps import watched_step
+from runtime.stragglers import Arrivals
 from runtime.watchdog import StepWatchdog, default_store
 
 
@@ -119,10 +122,27 @@ class TitanscaleTrainer(StopOnRequest, Trainer):
             attempt=launch_env().restart_count,
         ).start()
 
+    def _arrival_marked(self, data_iterator: Iterator[Any]) -> Iterator[Any]:
+        """The step's batches; after the last one (just before the step's first collective)
+        the `batch` fault seam, then this rank's arrival on logged steps
+        (runtime.stragglers)."""
+        metrics = self.metrics_processor
+        assert isinstance(metrics, TitanscaleMetrics)
+        n = self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches
+        step = self.step
+        for i in range(n):
+            item = next(data_iterator)
+            if i == n - 1:
+                faults.inject("batch", step)
+                if metrics.arrivals is not None and metrics.should_log(step):
+                    metrics.arrivals.publish(step)
+            yield item
+
     def train_step(self, data_iterator) -> None:
         # torchtitan fetches all of a step's microbatches before the first forward, so by
         # then batch_generator has summed the whole step's weight delta.
         self._weight_delta = None
+        data_iterator = self._arrival_marked(data_iterator)
         wd = self.watchdog
         if wd is None:
             return super().train_step(data_iterator)
@@ -186,6 +206,16 @@ class TitanscaleTrainer(StopOnRequest, Trainer):
 
     def train(self) -> None:
         self.watchdog = self._start_watchdog()
+        metrics = self.metrics_processor
+        assert isinstance(metrics, TitanscaleMetrics)
+        if metrics.stragglers.ratio > 0 and self.parallel_dims.world_size > 1:
+            metrics.arrivals = Arrivals(
+                default_store(),
+                rank=torch.distributed.get_rank(),
+                world_size=self.parallel_dims.world_size,
+                attempt=launch_env().restart_count,
+                log_every=self.config.metrics.log_freq,
+            )
         try:
             super().train()
         finally:

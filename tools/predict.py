@@ -15,6 +15,11 @@ cross-validation (every fold a cold fit from a neutral start, rows set apart nam
 memory rows; with `--out` it writes the table and prints its summary lines. `--fit` cold-fits
 the stack constants on every row and prints them beside the profiles' (what stacks/ hold).
 
+Beside tokens_per_sec_per_gpu, `goodput_tokens_per_sec_per_gpu`: what is kept after failures,
+checkpoints and restarts (parallel.goodput; the cluster profile's failure rate), for
+whole-job restart and for torchft per-replica recovery, each at its best checkpoint interval
+(docs/fault_tolerance.md).
+
 `--serve` prices the recipe's base as a model resource of `--nodes` whole nodes (default:
 the smallest resource of the profile's GPUs that holds it), as `tools.serve` under torchrun
 lays it out (parallel/serve.py): memory per GPU by part, the budgets it would choose, the
@@ -28,7 +33,7 @@ import json
 import sys
 from pathlib import Path
 
-from core.errors import exit_on_config_error
+from core.errors import ConfigError, exit_on_config_error
 from tools.cli import (
     ArgumentParser,
     add_recipe_cluster_args,
@@ -47,6 +52,7 @@ def predict_recipe(recipe, cluster, stack: str = "torchtitan") -> tuple[dict, ob
     from parallel.workload import workload_from_recipe
 
     world = cluster.world_size
+    extra: dict[str, object] = {}
     if recipe.parallel.auto:
         plan = best_plan(recipe, cluster, nodes=cluster.nodes, stack=stack)
         # What training checks after applying the plan (runtime.session.prepare).
@@ -62,10 +68,18 @@ def predict_recipe(recipe, cluster, stack: str = "torchtitan") -> tuple[dict, ob
             r = copy.deepcopy(recipe)
             r.parallel.world_size = 0
             r.parallel.dp_shard = -1
-        layout = check_job(r, cluster, world)  # training's checks, on the profile's GPU
+        try:
+            layout = check_job(r, cluster, world)  # training's checks, on the profile's GPU
+        except ConfigError as e:
+            if r is recipe or e.key != "training.global_batch_size":
+                raise
+            # The recipe's fixed global batch does not divide this many GPUs' data-parallel
+            # size: price the same local batch per rank (weak scaling), and say so.
+            r.training.global_batch_size = -1
+            extra = {"global_batch_priced": "local_batch_size x data-parallel size"}
+            layout = check_job(r, cluster, world)
         w = workload_from_recipe(r, layout, cluster, stack)
         pred = predict(w, cluster)
-        extra = {}
     out = pred.to_json()
     hbm = cluster.hbm_bytes / 2**30
     prec = pred.mfu_pct_precision_peak
@@ -91,6 +105,9 @@ def predict_recipe(recipe, cluster, stack: str = "torchtitan") -> tuple[dict, ob
             **extra,
         }
     )
+    from parallel.goodput import goodput_json
+
+    out.update(goodput_json(recipe, cluster, layout, pred.step_time_s, pred.tokens_per_sec_per_gpu))
     pt = posttrain_prediction(recipe, layout, cluster, stack)
     if pt is not None:
         # What runs is the post-training job, not a pretraining step: its memory replaces
@@ -452,6 +469,15 @@ def main(argv: list[str] | None = None) -> None:
     for k, v in out["breakdown"].items():
         if v:
             print(f"    {k:<22} {v:9.4f} s")
+    gp = out["goodput"]
+    for mode in ("whole_job_restart", "per_replica_recovery"):
+        g = gp[mode]
+        every = g["checkpoint_interval_steps"]
+        print(
+            f"  goodput, {mode.replace('_', ' ')}: {g['goodput_tokens_per_sec_per_gpu']:,.1f} "
+            f"tokens/s/GPU ({100 * g['efficiency']:.1f}%), checkpoint every "
+            f"{'never' if every is None else f'{every:,} steps'}"
+        )
     pt = out.get("posttrain")
     if pt:
         verdict = "fits" if pt["memory_fits"] else "DOES NOT FIT"
