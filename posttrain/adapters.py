@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from core.errors import ConfigError
 from data.chat import ChatRenderer, make_renderer
-from data.packing import LOSS_WEIGHTS
+from data.packing import IGNORE_INDEX, LOSS_WEIGHTS
 from posttrain.adapter_checks import resume_problem
 from posttrain.evaluate import exact_match, load_examples
 from posttrain.lora import (
@@ -54,8 +54,6 @@ from runtime.steps import (
     recipe_optimizer,
     token_logprobs,
 )
-
-IGNORE_INDEX = -100
 
 
 @dataclass

@@ -55,7 +55,6 @@ import re
 import shutil
 import threading
 import time
-import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -72,13 +71,20 @@ from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
 
+from core.atomic import (
+    crc32_file,
+    folder_crcs,
+    move_aside,
+    publish_folder,
+    read_manifest,
+    verify_manifest,
+    write_manifest,
+)
 from core.errors import ConfigError
 from runtime import faults
 
-MANIFEST = "manifest.json"
 PARTIAL = ".partial"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_CHUNK = 8 * 2**20
 
 
 class CheckpointError(ConfigError):
@@ -235,14 +241,6 @@ def drop_absent_adapter_keys(state_dict: dict[str, Any], checkpoint_id: str) -> 
 # ---------------------------------------------------------------------------- verification
 
 
-def crc32_file(path: str) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
 def _dist_on() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -284,58 +282,16 @@ def verify_checkpoint(
             problems.append(f"{rel} is missing")
         elif os.path.getsize(fp) < end:
             problems.append(f"{rel} is truncated ({os.path.getsize(fp)} bytes, need {end})")
-    man_path = os.path.join(path, MANIFEST)
-    if not os.path.exists(man_path):
+    try:
+        files = read_manifest(path)
+    except ValueError as e:
+        return [*problems, str(e)]
+    if files is None:
         return problems  # written by stock torchtitan: metadata checks only
-    try:
-        with open(man_path) as f:
-            manifest = json.load(f)
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return [*problems, f"{MANIFEST} is unreadable: {e}"]
     reported = {p.split(" ", 1)[0] for p in problems}
-    for i, (rel, rec) in enumerate(sorted(files.items())):
-        fp = os.path.join(path, rel)
-        if rel in reported:
-            continue
-        if not os.path.isfile(fp):
-            problems.append(f"{rel} is missing")
-            continue
-        size = os.path.getsize(fp)
-        if size != rec.get("size"):
-            problems.append(f"{rel} has {size} bytes, the manifest says {rec.get('size')}")
-            continue
-        if checksums and rec.get("crc32") is not None and i % share[1] == share[0]:
-            crc = crc32_file(fp)
-            if crc != rec["crc32"]:
-                problems.append(
-                    f"{rel} is corrupted (CRC32 {crc:08x}, expected {rec['crc32']:08x})"
-                )
-    return problems
-
-
-def write_manifest(path: str, step: int, crcs: dict[str, int]) -> None:
-    """Write manifest.json for folder `path` (sizes of all files, CRC32 where given)."""
-    files = {}
-    for name in sorted(os.listdir(path)):
-        fp = os.path.join(path, name)
-        if name == MANIFEST or not os.path.isfile(fp):
-            continue
-        files[name] = {"size": os.path.getsize(fp), "crc32": crcs.get(name)}
-    tmp = os.path.join(path, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"step": step, "written": time.time(), "files": files}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(path, MANIFEST))
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return problems + verify_manifest(
+        path, files, checksums=checksums, share=share, reported=reported
+    )
 
 
 def committed_steps(folder: str) -> list[int]:
@@ -394,7 +350,7 @@ def set_aside(path: str) -> str:
     while os.path.exists(dest):
         n += 1
         dest = f"{path.rstrip('/')}{DAMAGED}-{n}"
-    os.replace(path, dest)
+    move_aside(path, dest)
     return dest
 
 
@@ -504,19 +460,8 @@ def commit_folder(
     """Manifest, then one rename of `tmp` to `final` (replacing a damaged one only once the
     new one is complete), fsync of the parent; with `verify`, the committed DCP checkpoint
     is read back (metadata, sizes) and moved aside with an OSError if it fails."""
-    write_manifest(tmp, step, crcs)
-    old = None
-    if os.path.exists(final):
-        # A damaged step-N that a fallback skipped: replace it only once the new
-        # one is complete.
-        old = final + ".replaced"
-        if os.path.exists(old):
-            shutil.rmtree(old)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _fsync_dir(os.path.dirname(final) or ".")
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
+    write_manifest(tmp, crcs, step=step)
+    publish_folder(tmp, final)
     if verify:
         # Read back what was committed (metadata, sizes; the CRC32s were computed from the
         # written files): only a checkpoint that passes counts.
@@ -529,15 +474,6 @@ def commit_folder(
                 f"moved aside to {aside}",
             )
     logger.info(f"Checkpoint committed: {final}")
-
-
-def all_crcs(folder: str) -> dict[str, int]:
-    """CRC32 of every file of `folder` except the manifest."""
-    return {
-        n: crc32_file(os.path.join(folder, n))
-        for n in sorted(os.listdir(folder))
-        if os.path.isfile(os.path.join(folder, n)) and n != MANIFEST
-    }
 
 
 def save_states(
@@ -554,8 +490,8 @@ def save_states(
     rename, read-back): for states outside a run's step-N series (the RL reference policy,
     a service adapter's training state). One process writes it (no collective). A failed
     write is one line naming `key` (CheckpointError), the partial folder removed.
-    `in_place`: write into the existing `folder`, which the caller renames into place (the
-    service's storage); the manifest then covers every file already in it too."""
+    `in_place`: write into the existing `folder`, which the caller commits with its manifest
+    (the service's storage: core.atomic's manifest over every file of the folder)."""
     final = folder.rstrip("/")
     tmp = final if in_place else final + PARTIAL
     if not in_place:
@@ -564,11 +500,8 @@ def save_states(
     try:
         with single_process():
             dcp.save(flat, checkpoint_id=tmp, no_dist=True)
-        crcs = all_crcs(tmp) if checksums else {}
-        if in_place:
-            write_manifest(tmp, -1, crcs)
-        else:
-            commit_folder(tmp, final, -1, crcs)
+        if not in_place:  # in place: the caller writes the manifest as it commits
+            commit_folder(tmp, final, -1, folder_crcs(tmp) if checksums else {})
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException
         if not in_place:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -668,8 +601,8 @@ class AtomicCheckpointManager(CheckpointManager):
             prev = -1 if self._verified_step is None else self._verified_step
             self._verified_step = max(step, prev)
 
-    def _all_crcs(self, folder: str) -> dict[str, int]:
-        return all_crcs(folder) if self.checksums else {}
+    def _folder_crcs(self, folder: str) -> dict[str, int]:
+        return folder_crcs(folder) if self.checksums else {}
 
     def _commit_when_written(self, fut: Future, tmp: str, final: str, step: int) -> None:
         """Done-callback of an async save (rank 0, in the saving thread)."""
@@ -679,7 +612,7 @@ class AtomicCheckpointManager(CheckpointManager):
             if err is not None:
                 logger.error(f"Async checkpoint {final} failed ({err}); left as {tmp}")
                 return
-            self._commit(tmp, final, step, self._all_crcs(tmp))
+            self._commit(tmp, final, step, self._folder_crcs(tmp))
         except Exception as e:  # a failed commit must not kill the saving thread silently
             logger.error(f"Committing async checkpoint {final} failed: {e}; left as {tmp}")
         finally:
@@ -792,7 +725,7 @@ class AtomicCheckpointManager(CheckpointManager):
             token_ids=special_token_ids(cfg.tokenizer_dir),
         )
         finish_export(tmp, config, cfg.tokenizer_dir, step=step, run=export_run_id(self.folder))
-        self._commit(tmp, final, step, self._all_crcs(tmp), dcp=False)
+        self._commit(tmp, final, step, self._folder_crcs(tmp), dcp=False)
         logger.info(
             f"Hugging Face export ({dtype}) written to {final} in {time.monotonic() - begin:.1f} s"
         )
