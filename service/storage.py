@@ -43,12 +43,15 @@ from core.atomic import (
     write_json_atomic,
     write_manifest,
 )
+from posttrain.lora import PEFT_CONFIG, PEFT_WEIGHTS
 from service.errors import ServiceError, bad_request, not_found
 
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 _MODEL_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,127}$")
 RUN_FILE = "run.json"
+_ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
+_MLP = {"gate_proj", "up_proj", "down_proj"}
 META = "meta.json"
 
 
@@ -227,6 +230,34 @@ class CheckpointStore:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
         return ref.tinker_path
+
+    def import_peft(
+        self, ref: CheckpointRef, source: str | Path, *, base_model: str, seed: int | None = None
+    ) -> str:
+        """Copy a PEFT LoRA folder (an [[adapters]] job's export, a folder from peft) into
+        this tenant's tree as training checkpoint `ref` (weights/<name>, no optimizer state),
+        committed like a save; the SDK's `create_training_client_from_state` then starts from
+        it. The adapter's shape comes from its adapter_config.json (r; target modules by their
+        HF names: q/k/v/o_proj train attention, gate/up/down_proj the MLP, lm_head the
+        unembedding). Whether the tensors fit the served model is checked when it loads."""
+        src = Path(source)
+        try:
+            cfg = _read_json(src / PEFT_CONFIG)
+            targets = set(cfg.get("target_modules") or [])
+            rank = cfg["r"]
+            if not isinstance(rank, int) or not (src / PEFT_WEIGHTS).is_file():
+                raise ValueError(f"needs an integer 'r' and {PEFT_WEIGHTS}")
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise bad_request("path", f"not a PEFT LoRA folder ({_why(e)})") from None
+        lora = {"rank": rank, "seed": seed, "train_attn": bool(targets & _ATTN),
+                "train_mlp": bool(targets & _MLP), "train_unembed": "lm_head" in targets}  # fmt: skip
+
+        def write(tmp: Path) -> None:
+            for n in (PEFT_WEIGHTS, PEFT_CONFIG):
+                shutil.copyfile(src / n, tmp / n)
+
+        meta = {"base_model": base_model, "lora": lora, "imported": True}
+        return self.save(ref, write, meta)
 
     def delete(self, ref: CheckpointRef) -> None:
         """Remove a checkpoint (moved aside atomically, then deleted); 404 if missing."""
