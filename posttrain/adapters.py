@@ -118,12 +118,8 @@ def _saved_adapter(path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, Any
     None when they cannot be read: the checkpoint manager's verification reports that."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from runtime.checkpoint import (
-        SafeFileSystemReader,
-        safe_dcp_load,
-        single_process,
-        verify_checkpoint,
-    )
+    from runtime.checkpoint import single_process, verify_checkpoint
+    from runtime.safe_load import SafeFileSystemReader, safe_dcp_load
 
     if verify_checkpoint(path, checksums=False):  # damaged: the manager's to report
         return None
@@ -152,8 +148,8 @@ def load_base(model: nn.Module, path: str, *, file: str | None = None) -> None:
     layers, other shapes or adapter weights that would be dropped are one line naming
     checkpoint.load_from (ConfigError), before any tensor is read."""
     from core.errors import ConfigError
-    from runtime.checkpoint import drop_absent_adapter_keys, safe_dcp_load
     from runtime.checkpoint_fit import check_fits, expected_from_module
+    from runtime.safe_load import drop_absent_adapter_keys, safe_dcp_load
 
     expected = expected_from_module([model])
     expected.model = {k: v for k, v in expected.model.items() if ".lora_" not in k}

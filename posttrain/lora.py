@@ -52,13 +52,17 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def base_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every non-adapter parameter and buffer (for the bit-identical-base check)."""
-    return {
-        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-        for k, v in model.state_dict().items()
-        if ".lora_" not in k
-    }
+def base_state(model: nn.Module, *, copy: bool = True) -> dict[str, torch.Tensor]:
+    """Every non-adapter parameter and buffer, whole (FSDP shards gathered: collective).
+    `copy=False` for a reader that does not keep or change them (the export): a sharded
+    tensor's gather is already a new tensor, an unsharded one is then the model's own."""
+    out = {}
+    for k, v in model.state_dict().items():
+        if ".lora_" in k:
+            continue
+        whole = v.full_tensor() if hasattr(v, "full_tensor") else v
+        out[k] = whole.detach().clone() if copy and whole is v else whole.detach()
+    return out
 
 
 class AdapterWeights(nn.Module):
@@ -368,23 +372,42 @@ def export_adapter(
 ) -> str:
     """The adapter bound in `model` as a PEFT folder <finetune.export_dir>/<name> (and, with
     finetune.export_merged, the merged model in its merged/ subfolder). Every rank calls
-    (gathering sharded tensors is collective); rank 0 writes."""
+    (gathering sharded tensors is collective); rank 0 writes, into a hidden sibling that is
+    committed whole (core.atomic: manifest, fsync, one rename; a previous export of the same
+    name is replaced only once the new one is complete)."""
+    import shutil
+
     import torch.distributed as dist
+
+    from core.atomic import folder_crcs, fsync_files, publish_folder, write_manifest
 
     r = recipe
     folder = os.path.join(r.finetune.export_dir.replace("{output_dir}", r.output_dir), name)
     adapter = adapter_state(model)
-    base = base_state(model) if r.finetune.export_merged else None  # FSDP: an all-gather
-    if dist.is_initialized() and dist.get_rank() != 0:
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    # FSDP: an all-gather on every rank (collective); no further copy of the base anywhere.
+    base = base_state(model, copy=False) if r.finetune.export_merged else None
+    if not rank0:
         return folder
     kw = {
         "model_config": model_config,
         "adapter": adapter,
         "state_dict_adapter": state_dict_adapter,
     }
-    export_peft(folder, rank=r.lora.rank, alpha=r.lora.alpha, **kw)
-    if base is not None:
-        scale = r.lora.alpha / r.lora.rank
-        export_merged(os.path.join(folder, "merged"), base=base, scale=scale,
-                      family=r.model.family, **kw)  # fmt: skip
+    parent, leaf = os.path.split(folder.rstrip("/"))
+    tmp = os.path.join(parent, f".{leaf}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        export_peft(tmp, rank=r.lora.rank, alpha=r.lora.alpha, **kw)
+        if base is not None:
+            scale = r.lora.alpha / r.lora.rank
+            merged = os.path.join(tmp, "merged")
+            export_merged(merged, base=base, scale=scale, family=r.model.family, **kw)
+            write_manifest(merged, folder_crcs(merged))
+            fsync_files(merged)
+        write_manifest(tmp, folder_crcs(tmp))
+        fsync_files(tmp)
+        publish_folder(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder

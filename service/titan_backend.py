@@ -70,7 +70,7 @@ from service.types import (
 
 def _has_moments(folder: Path) -> bool:
     """Whether the checkpoint in `folder` holds optimizer state per parameter (DCP metadata)."""
-    from runtime.checkpoint import SafeFileSystemReader
+    from runtime.safe_load import SafeFileSystemReader
 
     md = SafeFileSystemReader(str(folder)).read_metadata()
     return any(k.startswith("optimizer.state.") for k in md.state_dict_metadata)
