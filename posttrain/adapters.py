@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from core.atomic import write_json_atomic
 from core.errors import ConfigError
 from data.chat import ChatRenderer, make_renderer
 from data.packing import IGNORE_INDEX, LOSS_WEIGHTS
@@ -549,8 +550,7 @@ class AdapterJob:
             }
         summary["world_size"] = self.world
         if self.rank == 0:
-            with open(os.path.join(self.out, "adapters_summary.json"), "w") as f:
-                json.dump(summary, f, indent=1)
+            write_json_atomic(os.path.join(self.out, "adapters_summary.json"), summary)
         self.close()
         return summary
 

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import zlib
 
@@ -18,39 +19,37 @@ from core import atomic
 from tests.unit.test_layers import project_modules
 
 
-def _calls(tree: ast.AST, names: set[str]) -> list[int]:
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            f = node.func
-            if isinstance(f.value, ast.Name) and f.value.id == "os" and f.attr in names:
-                out.append(node.lineno)
+@functools.cache
+def _facts() -> dict[str, list[str]]:
+    """One walk over every project module: renames outside core/atomic.py, functions named
+    *crc32*, module-level IGNORE_INDEX assignments (one parse each: the unit tier's budget)."""
+    out: dict[str, list[str]] = {"renames": [], "crc32": [], "ignore_index": []}
+    for path, _ in project_modules():
+        where = f"{path.parent.name}/{path.name}"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                f = node.func
+                if (isinstance(f.value, ast.Name) and f.value.id == "os"
+                        and f.attr in ("replace", "rename", "renames")
+                        and where != "core/atomic.py"):  # fmt: skip
+                    out["renames"].append(f"{where}:{node.lineno}")
+            elif isinstance(node, ast.FunctionDef) and "crc32" in node.name:
+                out["crc32"].append(f"{where}:{node.name}")
+            elif isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "IGNORE_INDEX" for t in node.targets
+            ):
+                out["ignore_index"].append(where)
     return out
 
 
 def test_only_core_atomic_renames_into_place():
-    found = []
-    for path, _ in project_modules():
-        if path.name == "atomic.py" and path.parent.name == "core":
-            continue
-        tree = ast.parse(path.read_text(), str(path))
-        found += [f"{path}:{n}" for n in _calls(tree, {"replace", "rename", "renames"})]
+    found = _facts()["renames"]
     assert found == [], "commit through core.atomic instead: " + ", ".join(found)
 
 
 def test_one_file_checksum_and_one_ignore_index():
-    crc_defs, ignore_defs = [], []
-    for path, _ in project_modules():
-        tree = ast.parse(path.read_text(), str(path))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and "crc32" in node.name:
-                crc_defs.append(f"{path.parent.name}/{path.name}:{node.name}")
-            if isinstance(node, ast.Assign) and any(
-                isinstance(t, ast.Name) and t.id == "IGNORE_INDEX" for t in node.targets
-            ):
-                ignore_defs.append(f"{path.parent.name}/{path.name}")
-    assert crc_defs == ["core/atomic.py:crc32_file"], crc_defs
-    assert ignore_defs == ["data/packing.py"], ignore_defs
+    assert _facts()["crc32"] == ["core/atomic.py:crc32_file"], _facts()["crc32"]
+    assert _facts()["ignore_index"] == ["data/packing.py"], _facts()["ignore_index"]
     from torchtitan.components.loss import IGNORE_INDEX as TITAN
 
     from data.packing import IGNORE_INDEX
