@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable, Iterator
 from functools import wraps
 from typing import Any, TypeVar
 
+from core.atomic import write_text_atomic
+
 EXIT_BAD_INPUT = 2
 # Set by tools.torchrun for the ranks it starts: a rank hands its one-line message over as a
 # file in this folder instead of printing it, and the wrapper prints each distinct one once.
@@ -49,10 +51,7 @@ def hand_over(line: str) -> bool:
     rank = os.environ.get("RANK", "")
     rank = rank if rank.isdigit() else "x"
     try:
-        tmp = os.path.join(folder, f".rank-{rank}-{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            f.write(line + "\n")
-        os.replace(tmp, os.path.join(folder, f"rank-{rank}-{os.getpid()}.txt"))
+        write_text_atomic(os.path.join(folder, f"rank-{rank}-{os.getpid()}.txt"), line + "\n")
     except OSError:
         return False
     return True

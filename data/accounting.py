@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-IGNORE_INDEX = -100
+from data.packing import IGNORE_INDEX
 
 
 def useful_tokens(labels: torch.Tensor) -> int:

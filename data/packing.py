@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-IGNORE_INDEX = -100  # torchtitan.components.loss.IGNORE_INDEX (not imported: keep this pure)
+# The one IGNORE_INDEX of the project's own code: torchtitan.components.loss.IGNORE_INDEX's value
+# (not imported: keep this module pure); tests/unit/test_layers.py holds the two equal.
+IGNORE_INDEX = -100
 PACKINGS = ("concat", "bfd", "none")
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from core.atomic import publish_folder
 from data.packing import PACKINGS, BestFitDecreasingPacker, Piece, Row
 
 Pieces = list[tuple[int, int, int]]  # (doc, start pair, end pair) within one epoch
@@ -239,7 +240,7 @@ def _save_bfd(folder: Path, arrays: tuple[np.ndarray, ...]) -> None:
                 np.save(f, a)
                 f.flush()
                 os.fsync(f.fileno())
-        os.rename(tmp, folder)
+        publish_folder(tmp, folder, replace=False)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)  # another rank won the race, or read-only
 

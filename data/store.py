@@ -27,7 +27,7 @@ line naming the shard and the document rather than an IndexError in the embeddin
 Writing (`prepare`): shards are written into `<out>.partial/` one at a time (file written,
 fsynced, renamed), with `progress.json` naming the shards done and the next source record,
 so an interrupted run resumes at the last finished shard. The finished folder is fsynced
-and renamed to `<out>` in one `os.rename`: a reader sees a whole store or none.
+and renamed to `<out>` in one rename (core.atomic.publish_folder): a reader sees a whole store or none.
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ import shutil
 import stat
 import sys
 import time
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import numpy as np
 
+from core.atomic import crc32_file, fsync_path, publish_file, publish_folder, write_json_atomic
 from core.errors import ConfigError
 
 FORMAT = "titanscale-token-store"
@@ -104,31 +104,6 @@ class StoreDamaged(ConfigError):
 # get the size and structure checks only; `tools.prepare_data --verify` checksums them.
 CHECKSUM_BYTES = 1 << 30
 _VERIFIED: set[tuple[Any, ...]] = set()
-
-
-def crc32_path(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -325,7 +300,7 @@ class TokenStore:
         if checksums is None and total > CHECKSUM_BYTES:
             return
         for name, crc in files:
-            got = crc32_path(self.path / name)
+            got = crc32_file(self.path / name)
             if got != crc:
                 self._damaged(
                     f"{name} has CRC32 {got:08x}, the manifest records {crc:08x} (its bytes "
@@ -410,9 +385,8 @@ def _write_shard(path: Path, docs: list[np.ndarray], dtype: str) -> tuple[int, i
     with ArrowWriter(features=features, path=str(tmp), writer_batch_size=len(docs) or 1) as w:
         w.write_table(table)
         w.finalize()
-    _fsync_path(tmp)
-    size, crc = tmp.stat().st_size, crc32_path(tmp)
-    os.replace(tmp, path)
+    size, crc = tmp.stat().st_size, crc32_file(tmp)
+    publish_file(tmp, path)
     return size, crc
 
 
@@ -445,7 +419,7 @@ def _shard_ok(work: Path, shard: Any) -> str | None:
         return f"{name} has no size, checksum and source position recorded"
     if size != shard["bytes"]:
         return f"{name} is {size} bytes, {shard['bytes']} were written"
-    if crc32_path(p) != shard["crc32"]:
+    if crc32_file(p) != shard["crc32"]:
         return f"{name} differs from what was written (CRC32)"
     return None
 
@@ -690,7 +664,7 @@ def prepare(
         for sh in prog["shards"]
     ]
     index = {"file": INDEX, "bytes": (work / INDEX).stat().st_size,
-             "crc32": crc32_path(work / INDEX)}  # fmt: skip
+             "crc32": crc32_file(work / INDEX)}  # fmt: skip
     manifest = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -708,7 +682,6 @@ def prepare(
     }
     prog_path.unlink()
     write_json_atomic(work / MANIFEST, manifest)
-    _fsync_path(work)
-    os.rename(work, out)  # atomic publish; fails if `out` exists (checked by the caller)
-    _fsync_path(out.parent if str(out.parent) else Path("."))
+    fsync_path(work)
+    publish_folder(work, out, replace=False)  # fails if `out` exists (checked by the caller)
     return manifest

@@ -16,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+from core.atomic import publish_folder
 from core.errors import ConfigError
 
 BOS = "<|begin_of_text|>"
@@ -65,7 +66,7 @@ def _train_embedded(out: Path, vocab_size: int) -> None:
     (tmp / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}, indent=1)
     )
-    os.replace(tmp, out)  # atomic: readers see all files or none
+    publish_folder(tmp, out, replace=False)  # atomic: readers see all files or none
 
 
 def resolve_tokenizer(spec: str, *, vocab_size: int, recipe_file: str | None = None) -> str:

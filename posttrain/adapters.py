@@ -8,8 +8,9 @@ verified checkpoints (<output_dir>/adapters/<name>/step-N) and metrics (metrics.
 records carry "adapter"; TensorBoard, W&B). Rounds run under runtime.steps.StepGuard.
 Schedules (`finetune.adapter_schedule`, benchmarks/adapters.md): "turns" binds one adapter
 at a time (posttrain.lora.bind_adapter, no copy): each adapter's arithmetic is exactly its
-own; "batched" runs one forward over every adapter's rows with a segmented multi-LoRA
-matmul (one microbatch), then each steps its own optimizer.
+own; "batched" runs every adapter's rows as one batch with a segmented multi-LoRA matmul,
+on a StepEngine over all their tensors (the same token budget, microbatches and non-finite
+guard as "turns"), then each steps its own optimizer.
 
 Several processes: data parallel over a 1-D mesh; the frozen base FSDP2-sharded, the
 adapters replicated (`ignored_params`) with their gradients summed once per step (their loss
@@ -31,9 +32,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from core.atomic import write_json_atomic
 from core.errors import ConfigError
 from data.chat import ChatRenderer, make_renderer
-from data.packing import LOSS_WEIGHTS
+from data.packing import IGNORE_INDEX, LOSS_WEIGHTS
 from posttrain.adapter_checks import resume_problem
 from posttrain.evaluate import exact_match, load_examples
 from posttrain.lora import (
@@ -52,10 +54,7 @@ from runtime.steps import (
     StepGuard,
     recipe_checkpointer,
     recipe_optimizer,
-    token_logprobs,
 )
-
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -83,15 +82,42 @@ class AdapterState:
         return self.step >= self.spec.steps
 
 
-class _RowGroupLinear(nn.Module):
-    """y = x W_g^T for the rows of group g (rows grouped contiguously by adapter)."""
+class _RowGroups:
+    """Which adapter each row of a batched round belongs to (rows grouped contiguously by
+    adapter), and the group sizes of the rows the model is running now: the whole round,
+    or the microbatch `_GroupedRows.span` cut last."""
 
-    def __init__(self, weights: list[torch.Tensor], sizes: list[int]) -> None:
+    def __init__(self, sizes: list[int]) -> None:
+        self.owner = [g for g, n in enumerate(sizes) for _ in range(n)]
+        self.sizes = list(sizes)
+
+    def select(self, lo: int, hi: int) -> None:
+        part = self.owner[lo:hi]
+        self.sizes = [part.count(g) for g in range(len(self.sizes))]
+
+
+@dataclass
+class _GroupedRows(Rows):
+    """Rows of a batched round: cutting a microbatch (StepEngine cuts every microbatch with
+    `span`, just before running it) points the row-group linears at its rows."""
+
+    groups: _RowGroups | None = None
+
+    def span(self, lo: int, hi: int) -> Rows:
+        assert self.groups is not None
+        self.groups.select(lo, hi)
+        return super().span(lo, hi)
+
+
+class _RowGroupLinear(nn.Module):
+    """y = x W_g^T for the rows of group g (the sizes of the rows being run: `_RowGroups`)."""
+
+    def __init__(self, weights: list[torch.Tensor], groups: _RowGroups) -> None:
         super().__init__()
-        self.weights, self.sizes = weights, sizes
+        self.weights, self.groups = weights, groups
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts = torch.split(x, self.sizes, dim=0)
+        parts = torch.split(x, self.groups.sizes, dim=0)
         return torch.cat([F.linear(p, w) for p, w in zip(parts, self.weights, strict=True)])
 
 
@@ -120,12 +146,8 @@ def _saved_adapter(path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, Any
     None when they cannot be read: the checkpoint manager's verification reports that."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from runtime.checkpoint import (
-        SafeFileSystemReader,
-        safe_dcp_load,
-        single_process,
-        verify_checkpoint,
-    )
+    from runtime.checkpoint import single_process, verify_checkpoint
+    from runtime.safe_load import SafeFileSystemReader, safe_dcp_load
 
     if verify_checkpoint(path, checksums=False):  # damaged: the manager's to report
         return None
@@ -154,8 +176,8 @@ def load_base(model: nn.Module, path: str, *, file: str | None = None) -> None:
     layers, other shapes or adapter weights that would be dropped are one line naming
     checkpoint.load_from (ConfigError), before any tensor is read."""
     from core.errors import ConfigError
-    from runtime.checkpoint import drop_absent_adapter_keys, safe_dcp_load
     from runtime.checkpoint_fit import check_fits, expected_from_module
+    from runtime.safe_load import drop_absent_adapter_keys, safe_dcp_load
 
     expected = expected_from_module([model])
     expected.model = {k: v for k, v in expected.model.items() if ".lora_" not in k}
@@ -317,34 +339,49 @@ class AdapterJob:
         return out
 
     def _step_batched(self, active: list[AdapterState]) -> list[tuple[AdapterState, float, float]]:
+        """One round on a StepEngine over every active adapter's tensors: the rows of all
+        adapters in one batch, each LoRA linear a segmented multi-LoRA matmul, the round's
+        loss the sum of the adapters' own losses (so each adapter's gradient is its own
+        loss's). The engine prices it (microbatches under `microbatch_tokens`, the same
+        count on every rank) and guards it (a non-finite loss or d loss / d logprobs refuses
+        the round before any optimizer runs); then each adapter steps its own optimizer."""
         data = [[t.to(self.device) for t in next(a.batches)] for a in active]
         x, pos, y = (torch.cat([d[i] for d in data]) for i in range(3))
         sizes = [d[0].shape[0] for d in data]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        ces = [self._ce(d[2]) for d in data]
+
+        def round_loss(lp: torch.Tensor) -> torch.Tensor:
+            return torch.stack([ce(lp[o : o + n]) for (ce, _), o, n in
+                                zip(ces, offsets, sizes, strict=True)]).sum()  # fmt: skip
+
+        groups = _RowGroups(sizes)
+        engine = StepEngine(self.model, None, microbatch_tokens=self.microbatch_tokens,
+                            named_params=[(f"{a.spec.name}/{n}", p) for a in active
+                                          for n, p in a.params.items()],
+                            dp_group=self.group,
+                            label="adapters " + ", ".join(a.spec.name for a in active))  # fmt: skip
         mods = list(lora_modules(self.model))
         saved = [(m.lora_a, m.lora_b) for _, m in mods]
         try:
             for name, m in mods:
                 m.lora_a = _RowGroupLinear(
-                    [a.params[f"{name}.lora_a.weight"] for a in active], sizes
+                    [a.params[f"{name}.lora_a.weight"] for a in active], groups
                 )
                 m.lora_b = _RowGroupLinear(
-                    [a.params[f"{name}.lora_b.weight"] for a in active], sizes
+                    [a.params[f"{name}.lora_b.weight"] for a in active], groups
                 )
-            lps = torch.split(token_logprobs(self.model, Rows(x, y, pos)), sizes)
+            _, lp = engine.forward_backward(_GroupedRows(x, y, pos, groups=groups), round_loss)
         finally:
             for (_, m), (la, lb) in zip(mods, saved, strict=True):
                 m.lora_a, m.lora_b = la, lb
-        losses = []
-        for a, d, lp in zip(active, data, lps, strict=True):
-            loss_fn, n = self._ce(d[2])
-            losses.append(a.engine.check_loss(loss_fn(lp)))
+        out = []
+        for a, d, (ce, n), o, k in zip(active, data, ces, offsets, sizes, strict=True):
             a.tokens += d[2].numel() * self.world
             a.trained_tokens += n
-        torch.stack(losses).sum().backward()
-        return [
-            (a, self._global(float(lo.detach())), a.engine.optim_step())
-            for a, lo in zip(active, losses, strict=True)
-        ]
+            loss = float(ce(lp[o : o + k]).detach())
+            out.append((a, self._global(loss), a.engine.optim_step()))
+        return out
 
     # -- evaluation, checkpoints -----------------------------------------------------------
     def heldout(self, a: AdapterState) -> dict[str, Any] | None:
@@ -513,8 +550,7 @@ class AdapterJob:
             }
         summary["world_size"] = self.world
         if self.rank == 0:
-            with open(os.path.join(self.out, "adapters_summary.json"), "w") as f:
-                json.dump(summary, f, indent=1)
+            write_json_atomic(os.path.join(self.out, "adapters_summary.json"), summary)
         self.close()
         return summary
 

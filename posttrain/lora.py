@@ -52,13 +52,17 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def base_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every non-adapter parameter and buffer (for the bit-identical-base check)."""
-    return {
-        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-        for k, v in model.state_dict().items()
-        if ".lora_" not in k
-    }
+def base_state(model: nn.Module, *, copy: bool = True) -> dict[str, torch.Tensor]:
+    """Every non-adapter parameter and buffer, whole (FSDP shards gathered: collective).
+    `copy=False` for a reader that does not keep or change them (the export): a sharded
+    tensor's gather is already a new tensor, an unsharded one is then the model's own."""
+    out = {}
+    for k, v in model.state_dict().items():
+        if ".lora_" in k:
+            continue
+        whole = v.full_tensor() if hasattr(v, "full_tensor") else v
+        out[k] = whole.detach().clone() if copy and whole is v else whole.detach()
+    return out
 
 
 class AdapterWeights(nn.Module):
@@ -152,6 +156,8 @@ def peft_tensors(
     for name in names:
         a = adapter[f"{name}.lora_a.weight"]
         b = adapter[f"{name}.lora_b.weight"]
+        if a.shape[0] == 0:  # an untargeted module (rank 0): not an adapter in PEFT's terms
+            continue
         if name == "lm_head":
             put("lm_head", a, b)
             continue
@@ -183,6 +189,85 @@ def peft_tensors(
             perm = perms[which]
             put(f"{prefix}.self_attn.{which}_proj", a, bp[perm] if perm is not None else bp)
     return out, sorted(targets)
+
+
+def adapter_from_peft(
+    model_config: Any,
+    peft: dict[str, torch.Tensor],
+    state_dict_adapter: Any,
+    like: dict[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """PEFT tensors -> our adapter names, shaped like `like` (the adapter's own tensors,
+    lora_modules names): the inverse of `peft_tensors`, found by running each module's row
+    indices through `peft_tensors` itself (so the q/k/v split and the HF row permutation are
+    the export's, not a second copy). A module PEFT leaves out keeps `like`'s tensors (its
+    initialisation: B = 0, no effect); q/k/v of a fused wqkv that PEFT holds with different
+    A matrices cannot share one A: ValueError, as for a shape that does not fit or a PEFT
+    module this model has no slot for."""
+    out = {k: v.detach().clone() for k, v in like.items()}
+    used: set[str] = set()
+    for name in sorted({k.rsplit(".lora_", 1)[0] for k in like}):
+        a0, b0 = like[f"{name}.lora_a.weight"], like[f"{name}.lora_b.weight"]
+        if a0.shape[0] == 0:
+            continue
+        rows = torch.arange(b0.shape[0], dtype=torch.float64).unsqueeze(1)
+        probe = {f"{name}.lora_a.weight": torch.zeros(1, a0.shape[1], dtype=torch.float64),
+                 f"{name}.lora_b.weight": rows}  # fmt: skip
+        mapped, _ = peft_tensors(model_config, probe, state_dict_adapter)
+        pieces = [k.removesuffix(".lora_B.weight") for k in mapped if k.endswith(".lora_B.weight")]
+        present = [p for p in pieces if f"{p}.lora_A.weight" in peft]
+        if not present:
+            continue
+        a = peft[f"{present[0]}.lora_A.weight"]
+        if tuple(a.shape) != tuple(a0.shape):
+            raise ValueError(f"{present[0]}.lora_A.weight has shape {tuple(a.shape)}, this "
+                             f"model's adapter needs {tuple(a0.shape)}")  # fmt: skip
+        for p in present[1:]:
+            if not torch.equal(peft[f"{p}.lora_A.weight"], a):
+                raise ValueError(f"{present[0]} and {p} have different lora_A matrices; the "
+                                 "fused q/k/v projection holds one A for all three")  # fmt: skip
+        b = torch.zeros(b0.shape, dtype=torch.float32)
+        for p in present:
+            idx = mapped[f"{p}.lora_B.weight"][:, 0].round().long()
+            pb = peft.get(f"{p}.lora_B.weight")
+            if pb is None or tuple(pb.shape) != (len(idx), a0.shape[0]):
+                raise ValueError(f"{p}.lora_B.weight is missing or not [{len(idx)}, {a0.shape[0]}]")
+            b[idx] = pb.float()
+        out[f"{name}.lora_a.weight"] = a.to(a0.dtype).to(a0.device)
+        out[f"{name}.lora_b.weight"] = b.to(b0.dtype).to(b0.device)
+        used.update(present)
+    extra = sorted({k.rsplit(".lora_", 1)[0] for k in peft} - used)
+    if extra:
+        raise ValueError(f"no trained adapter slot for PEFT module(s) {', '.join(extra[:3])}")
+    return out
+
+
+def read_peft(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, adapter_config) of a PEFT LoRA folder, refusing what our LoRA cannot
+    compute (another PEFT type, rsLoRA, DoRA, biases, fan_in_fan_out): ValueError naming it.
+    safetensors holds no code."""
+    from safetensors.torch import load_file
+
+    try:
+        with open(os.path.join(folder, PEFT_CONFIG)) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{PEFT_CONFIG} is unreadable ({type(e).__name__})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{PEFT_CONFIG} is not a JSON object")
+    wrong = {"peft_type": cfg.get("peft_type") != "LORA", "use_rslora": bool(cfg.get("use_rslora")),
+             "use_dora": bool(cfg.get("use_dora")), "bias": cfg.get("bias", "none") != "none",
+             "fan_in_fan_out": bool(cfg.get("fan_in_fan_out"))}  # fmt: skip
+    bad = [k for k, v in wrong.items() if v]
+    if bad:
+        raise ValueError(f"{PEFT_CONFIG}: {bad[0]}={cfg.get(bad[0])!r} is not plain LoRA")
+    if not isinstance(cfg.get("r"), int) or not isinstance(cfg.get("lora_alpha"), int | float):
+        raise ValueError(f"{PEFT_CONFIG} needs an integer 'r' and a numeric 'lora_alpha'")
+    try:
+        tensors = load_file(os.path.join(folder, PEFT_WEIGHTS))
+    except Exception as e:  # safetensors raises its own error types for damaged files
+        raise ValueError(f"{PEFT_WEIGHTS} is unreadable ({type(e).__name__})") from None
+    return tensors, cfg
 
 
 def export_peft(
@@ -287,23 +372,42 @@ def export_adapter(
 ) -> str:
     """The adapter bound in `model` as a PEFT folder <finetune.export_dir>/<name> (and, with
     finetune.export_merged, the merged model in its merged/ subfolder). Every rank calls
-    (gathering sharded tensors is collective); rank 0 writes."""
+    (gathering sharded tensors is collective); rank 0 writes, into a hidden sibling that is
+    committed whole (core.atomic: manifest, fsync, one rename; a previous export of the same
+    name is replaced only once the new one is complete)."""
+    import shutil
+
     import torch.distributed as dist
+
+    from core.atomic import folder_crcs, fsync_files, publish_folder, write_manifest
 
     r = recipe
     folder = os.path.join(r.finetune.export_dir.replace("{output_dir}", r.output_dir), name)
     adapter = adapter_state(model)
-    base = base_state(model) if r.finetune.export_merged else None  # FSDP: an all-gather
-    if dist.is_initialized() and dist.get_rank() != 0:
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    # FSDP: an all-gather on every rank (collective); no further copy of the base anywhere.
+    base = base_state(model, copy=False) if r.finetune.export_merged else None
+    if not rank0:
         return folder
     kw = {
         "model_config": model_config,
         "adapter": adapter,
         "state_dict_adapter": state_dict_adapter,
     }
-    export_peft(folder, rank=r.lora.rank, alpha=r.lora.alpha, **kw)
-    if base is not None:
-        scale = r.lora.alpha / r.lora.rank
-        export_merged(os.path.join(folder, "merged"), base=base, scale=scale,
-                      family=r.model.family, **kw)  # fmt: skip
+    parent, leaf = os.path.split(folder.rstrip("/"))
+    tmp = os.path.join(parent, f".{leaf}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        export_peft(tmp, rank=r.lora.rank, alpha=r.lora.alpha, **kw)
+        if base is not None:
+            scale = r.lora.alpha / r.lora.rank
+            merged = os.path.join(tmp, "merged")
+            export_merged(merged, base=base, scale=scale, family=r.model.family, **kw)
+            write_manifest(merged, folder_crcs(merged))
+            fsync_files(merged)
+        write_manifest(tmp, folder_crcs(tmp))
+        fsync_files(tmp)
+        publish_folder(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder

@@ -21,10 +21,10 @@
   chain, or torch's "unexpected pos" short write) or another I/O error ends in one line
   naming checkpoint.folder, the disk, its free space and the size needed; the partial
   folder is removed, committed checkpoints are untouched.
-- Safe loading (`dcp_load`): DCP's stock reader unpickles `.metadata` with `pickle.load`
-  and its planner loads non-tensor items with `torch.load(weights_only=False)`; both run
-  code from the file. Here the metadata unpickler accepts only DCP's metadata classes,
-  and non-tensor items load with `weights_only=True` (tensors already do).
+- Safe loading (`dcp_load`): through runtime/safe_load.py (DCP metadata unpickled with
+  DCP's classes only, non-tensor items with `weights_only=True`): no code runs from a file.
+- The commit itself (manifest of sizes and CRC32s, fsync, one rename) is core/atomic.py's,
+  shared with every other writer of durable state.
 
 - Async saves (`checkpoint.async_mode`): torchtitan's `dcp.async_save` writes into
   `step-N.partial` while training continues; when rank 0's save future completes (DCP has
@@ -47,15 +47,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import io
 import json
 import os
-import pickle
 import re
 import shutil
 import threading
 import time
-import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -63,22 +60,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import ReadItem
 from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
 
+from core.atomic import (
+    crc32_file,
+    folder_crcs,
+    move_aside,
+    publish_folder,
+    read_manifest,
+    verify_manifest,
+    write_manifest,
+)
 from core.errors import ConfigError
 from runtime import faults
+from runtime.safe_load import drop_absent_adapter_keys, load_metadata, safe_dcp_load
 
-MANIFEST = "manifest.json"
 PARTIAL = ".partial"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_CHUNK = 8 * 2**20
 
 
 class CheckpointError(ConfigError):
@@ -123,124 +124,7 @@ def _chain(e: BaseException) -> list[BaseException]:
     return out
 
 
-# ---------------------------------------------------------------------------- safe loading
-
-# Everything a DCP `.metadata` pickle refers to (torch 2.14): DCP's metadata dataclasses,
-# torch.Size / dtype / layout / memory format, and pathlib paths (storage_meta). Calling
-# any of these with attacker-chosen arguments constructs plain data; nothing else is found.
-_SAFE_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "TensorProperties",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch":
-            obj = getattr(torch, name, None)
-            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-                return obj
-        raise pickle.UnpicklingError(
-            f"refusing to load global {module}.{name} from checkpoint metadata "
-            "(only DCP metadata classes are allowed)"
-        )
-
-
-def load_metadata(data: bytes | io.IOBase) -> Metadata:
-    """Unpickle DCP metadata allowing DCP's own classes only."""
-    stream = io.BytesIO(data) if isinstance(data, bytes) else data
-    md = _MetadataUnpickler(stream).load()
-    if not isinstance(md, Metadata):
-        raise pickle.UnpicklingError(f"metadata is a {type(md).__name__}, not DCP Metadata")
-    return md
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader whose metadata unpickler only builds DCP metadata classes."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            md = load_metadata(f)
-        meta = getattr(md, "storage_meta", None) or StorageMeta()
-        meta.load_id = self.load_id
-        md.storage_meta = meta
-        return md
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DefaultLoadPlanner that loads non-tensor items with `weights_only=True`."""
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        try:
-            obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            lines = str(e).splitlines()
-            why = next(
-                (ln.strip() for ln in lines if "Unsupported" in ln), lines[0] if lines else ""
-            )
-            raise pickle.UnpicklingError(
-                f"checkpoint item {read_item.dest_index.fqn!r} is not plain data; refusing "
-                f"to run code from it ({why[:200]})"
-            ) from None
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
-
-def safe_dcp_load(state_dict: dict[str, Any], checkpoint_id: str, *, no_dist: bool = False) -> None:
-    dcp.load(
-        state_dict,
-        storage_reader=SafeFileSystemReader(checkpoint_id),
-        planner=SafeLoadPlanner(),
-        no_dist=no_dist,
-    )
-
-
-def drop_absent_adapter_keys(state_dict: dict[str, Any], checkpoint_id: str) -> dict[str, Any]:
-    """LoRA fine-tuning starts from a base checkpoint that has no adapter weights: leave the
-    model's `lora_a` / `lora_b` entries out of the load (they keep their initialisation,
-    B = 0, so the model starts as the base). Every other missing key still fails the load."""
-    if not any(".lora_" in k for k in state_dict):
-        return state_dict
-    present = SafeFileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
-    return {k: v for k, v in state_dict.items() if ".lora_" not in k or k in present}
-
-
 # ---------------------------------------------------------------------------- verification
-
-
-def crc32_file(path: str) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
 
 
 def _dist_on() -> bool:
@@ -284,58 +168,16 @@ def verify_checkpoint(
             problems.append(f"{rel} is missing")
         elif os.path.getsize(fp) < end:
             problems.append(f"{rel} is truncated ({os.path.getsize(fp)} bytes, need {end})")
-    man_path = os.path.join(path, MANIFEST)
-    if not os.path.exists(man_path):
+    try:
+        files = read_manifest(path)
+    except ValueError as e:
+        return [*problems, str(e)]
+    if files is None:
         return problems  # written by stock torchtitan: metadata checks only
-    try:
-        with open(man_path) as f:
-            manifest = json.load(f)
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return [*problems, f"{MANIFEST} is unreadable: {e}"]
     reported = {p.split(" ", 1)[0] for p in problems}
-    for i, (rel, rec) in enumerate(sorted(files.items())):
-        fp = os.path.join(path, rel)
-        if rel in reported:
-            continue
-        if not os.path.isfile(fp):
-            problems.append(f"{rel} is missing")
-            continue
-        size = os.path.getsize(fp)
-        if size != rec.get("size"):
-            problems.append(f"{rel} has {size} bytes, the manifest says {rec.get('size')}")
-            continue
-        if checksums and rec.get("crc32") is not None and i % share[1] == share[0]:
-            crc = crc32_file(fp)
-            if crc != rec["crc32"]:
-                problems.append(
-                    f"{rel} is corrupted (CRC32 {crc:08x}, expected {rec['crc32']:08x})"
-                )
-    return problems
-
-
-def write_manifest(path: str, step: int, crcs: dict[str, int]) -> None:
-    """Write manifest.json for folder `path` (sizes of all files, CRC32 where given)."""
-    files = {}
-    for name in sorted(os.listdir(path)):
-        fp = os.path.join(path, name)
-        if name == MANIFEST or not os.path.isfile(fp):
-            continue
-        files[name] = {"size": os.path.getsize(fp), "crc32": crcs.get(name)}
-    tmp = os.path.join(path, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"step": step, "written": time.time(), "files": files}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(path, MANIFEST))
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return problems + verify_manifest(
+        path, files, checksums=checksums, share=share, reported=reported
+    )
 
 
 def committed_steps(folder: str) -> list[int]:
@@ -394,7 +236,7 @@ def set_aside(path: str) -> str:
     while os.path.exists(dest):
         n += 1
         dest = f"{path.rstrip('/')}{DAMAGED}-{n}"
-    os.replace(path, dest)
+    move_aside(path, dest)
     return dest
 
 
@@ -504,19 +346,8 @@ def commit_folder(
     """Manifest, then one rename of `tmp` to `final` (replacing a damaged one only once the
     new one is complete), fsync of the parent; with `verify`, the committed DCP checkpoint
     is read back (metadata, sizes) and moved aside with an OSError if it fails."""
-    write_manifest(tmp, step, crcs)
-    old = None
-    if os.path.exists(final):
-        # A damaged step-N that a fallback skipped: replace it only once the new
-        # one is complete.
-        old = final + ".replaced"
-        if os.path.exists(old):
-            shutil.rmtree(old)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _fsync_dir(os.path.dirname(final) or ".")
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
+    write_manifest(tmp, crcs, step=step)
+    publish_folder(tmp, final)
     if verify:
         # Read back what was committed (metadata, sizes; the CRC32s were computed from the
         # written files): only a checkpoint that passes counts.
@@ -529,15 +360,6 @@ def commit_folder(
                 f"moved aside to {aside}",
             )
     logger.info(f"Checkpoint committed: {final}")
-
-
-def all_crcs(folder: str) -> dict[str, int]:
-    """CRC32 of every file of `folder` except the manifest."""
-    return {
-        n: crc32_file(os.path.join(folder, n))
-        for n in sorted(os.listdir(folder))
-        if os.path.isfile(os.path.join(folder, n)) and n != MANIFEST
-    }
 
 
 def save_states(
@@ -554,8 +376,8 @@ def save_states(
     rename, read-back): for states outside a run's step-N series (the RL reference policy,
     a service adapter's training state). One process writes it (no collective). A failed
     write is one line naming `key` (CheckpointError), the partial folder removed.
-    `in_place`: write into the existing `folder`, which the caller renames into place (the
-    service's storage); the manifest then covers every file already in it too."""
+    `in_place`: write into the existing `folder`, which the caller commits with its manifest
+    (the service's storage: core.atomic's manifest over every file of the folder)."""
     final = folder.rstrip("/")
     tmp = final if in_place else final + PARTIAL
     if not in_place:
@@ -564,11 +386,8 @@ def save_states(
     try:
         with single_process():
             dcp.save(flat, checkpoint_id=tmp, no_dist=True)
-        crcs = all_crcs(tmp) if checksums else {}
-        if in_place:
-            write_manifest(tmp, -1, crcs)
-        else:
-            commit_folder(tmp, final, -1, crcs)
+        if not in_place:  # in place: the caller writes the manifest as it commits
+            commit_folder(tmp, final, -1, folder_crcs(tmp) if checksums else {})
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException
         if not in_place:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -668,8 +487,8 @@ class AtomicCheckpointManager(CheckpointManager):
             prev = -1 if self._verified_step is None else self._verified_step
             self._verified_step = max(step, prev)
 
-    def _all_crcs(self, folder: str) -> dict[str, int]:
-        return all_crcs(folder) if self.checksums else {}
+    def _folder_crcs(self, folder: str) -> dict[str, int]:
+        return folder_crcs(folder) if self.checksums else {}
 
     def _commit_when_written(self, fut: Future, tmp: str, final: str, step: int) -> None:
         """Done-callback of an async save (rank 0, in the saving thread)."""
@@ -679,7 +498,7 @@ class AtomicCheckpointManager(CheckpointManager):
             if err is not None:
                 logger.error(f"Async checkpoint {final} failed ({err}); left as {tmp}")
                 return
-            self._commit(tmp, final, step, self._all_crcs(tmp))
+            self._commit(tmp, final, step, self._folder_crcs(tmp))
         except Exception as e:  # a failed commit must not kill the saving thread silently
             logger.error(f"Committing async checkpoint {final} failed: {e}; left as {tmp}")
         finally:
@@ -792,7 +611,7 @@ class AtomicCheckpointManager(CheckpointManager):
             token_ids=special_token_ids(cfg.tokenizer_dir),
         )
         finish_export(tmp, config, cfg.tokenizer_dir, step=step, run=export_run_id(self.folder))
-        self._commit(tmp, final, step, self._all_crcs(tmp), dcp=False)
+        self._commit(tmp, final, step, self._folder_crcs(tmp), dcp=False)
         logger.info(
             f"Hugging Face export ({dtype}) written to {final} in {time.monotonic() - begin:.1f} s"
         )

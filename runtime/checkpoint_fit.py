@@ -94,7 +94,7 @@ def read_present(path: str, non_model: Iterable[str] = NON_MODEL_STATES) -> Pres
     Raises on unreadable metadata (callers verify the folder first)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from runtime.checkpoint import SafeFileSystemReader
+    from runtime.safe_load import SafeFileSystemReader
 
     md = SafeFileSystemReader(path).read_metadata()
     prefixes = tuple(f"{n}." for n in non_model)

@@ -31,6 +31,7 @@ import torch
 from torchtitan.components.metrics import MetricsProcessor, _get_metrics_rank
 from torchtitan.tools.logging import logger
 
+from core.atomic import write_text_atomic
 from core.hardware import peak_flops
 from core.launch_env import launch_env
 from core.models import model_shape
@@ -342,10 +343,7 @@ def wandb_run_id(dump_folder: str) -> str:
             return run_id
     os.makedirs(dump_folder, exist_ok=True)
     run_id = uuid.uuid4().hex[:12]
-    tmp = f"{path}.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(run_id + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, run_id + "\n")
     return run_id
 
 

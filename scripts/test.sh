@@ -10,8 +10,11 @@ export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE
 if [ $# -gt 0 ]; then
     exec .venv/bin/python -m pytest -q -rs --durations=15 "$@"
 fi
-# The unit tier on both cores (pure tests: two xdist workers halve its wall time), then the
-# integration tier one test at a time (its tests start process groups, servers and clusters
-# of their own and carry deadlines that a second worker's load would eat into).
-.venv/bin/python -m pytest -q -rs --durations=5 -n 2 tests/unit
-.venv/bin/python -m pytest -q -rs --durations=15 tests/integration
+# The unit tier on both cores (pure tests: two xdist workers halve its wall time). The
+# integration tier in two passes: the tests not marked `serial` on two workers, a whole file
+# per worker (`--dist loadfile`: a module's server or training run is built once), then the
+# `serial` ones alone (multiproc / slurm, deadlines, filled disks, signals, benchmarks: see
+# SERIAL_FILES in tests/conftest.py). Each pass prints its 20 slowest tests.
+.venv/bin/python -m pytest -q -rs --durations=20 -n 2 tests/unit
+.venv/bin/python -m pytest -q -rs --durations=20 -n 2 --dist loadfile -m "not serial" tests/integration
+.venv/bin/python -m pytest -q -rs --durations=20 -m serial tests/integration

@@ -502,11 +502,11 @@ class Service:
     def _checkpoint(
         self, tenant: str, path: str, field: str = "path"
     ) -> tuple[CheckpointRef, dict, Path]:
-        """A checkpoint of this tenant: 404 when missing or another tenant's, 422 when
-        damaged."""
+        """A checkpoint of this tenant to load: 404 when missing or another tenant's, 422
+        when damaged (meta.json, or a file that does not match the manifest)."""
         ref = parse_tinker_path(path, field)
         store = self.store(tenant)
-        meta = store.meta(ref)
+        meta = store.meta(ref, verify=True)  # every load: manifest sizes and CRC32s
         return ref, meta, store.folder(ref)
 
     def _spec(self, ref: CheckpointRef, meta: dict) -> LoraSpec:

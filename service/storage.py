@@ -13,8 +13,11 @@ A tinker:// path is resolved inside the caller's tenant folder only, so another 
 path is "not found" exactly like a path that never existed. Names and model ids come from
 clients, so each is checked against a strict pattern (no `/`, no `..`, no leading dot) and the
 resolved folder must lie under the tenant's root. A save writes into a hidden temporary
-folder, fsyncs, then renames it into place, so a crash or SIGTERM mid-save leaves either the
-old checkpoint or the new one, never half of one. A checkpoint whose `meta.json` is damaged
+folder, writes a manifest (size and CRC32 of every file but meta.json), fsyncs, then renames it
+into place (core.atomic), so a crash or SIGTERM mid-save leaves either the old checkpoint or
+the new one, never half of one; every load verifies the files against the manifest
+(`meta(ref, verify=True)`), sampler weights included. The weights are a PEFT LoRA folder
+(`adapter_model.safetensors` + `adapter_config.json`, posttrain/lora.py's format). A checkpoint whose `meta.json` is damaged
 is reported as damaged (listing shows it apart, loading it fails naming it) and hides nothing
 else. Client-facing messages name tinker:// paths, never server folders.
 """
@@ -22,7 +25,6 @@ else. Client-facing messages name tinker:// paths, never server folders.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import time
@@ -32,13 +34,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from data.store import write_json_atomic
+from core.atomic import (
+    check_folder,
+    folder_crcs,
+    fsync_files,
+    move_aside,
+    publish_folder,
+    write_json_atomic,
+    write_manifest,
+)
+from posttrain.lora import PEFT_CONFIG, PEFT_WEIGHTS
 from service.errors import ServiceError, bad_request, not_found
 
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 _MODEL_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,127}$")
 RUN_FILE = "run.json"
+_ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
+_MLP = {"gate_proj", "up_proj", "down_proj"}
+META = "meta.json"
 
 
 def check_name(name: str, field: str = "path") -> str:
@@ -150,8 +164,11 @@ class CheckpointStore:
     def exists(self, ref: CheckpointRef) -> bool:
         return (self.folder(ref) / "meta.json").is_file()
 
-    def meta(self, ref: CheckpointRef) -> dict[str, Any]:
-        """The checkpoint's meta.json: 404 if missing (or expired), 422 if damaged."""
+    def meta(self, ref: CheckpointRef, *, verify: bool = False) -> dict[str, Any]:
+        """The checkpoint's meta.json: 404 if missing (or expired), 422 if damaged. With
+        `verify` (every load: training state and sampler weights alike) its files are also
+        checked against the manifest (sizes, CRC32s): a damaged one is a 422 naming it,
+        never loaded (and never replaced by the base model)."""
         f = self.folder(ref) / "meta.json"
         if not f.is_file():
             raise not_found(f"checkpoint {ref.tinker_path}")
@@ -166,6 +183,14 @@ class CheckpointStore:
         expires = meta.get("expires_at")
         if isinstance(expires, int | float) and expires < time.time():
             raise not_found(f"checkpoint {ref.tinker_path} (it has expired)")
+        if verify:
+            problems = check_folder(self.folder(ref))
+            if problems:  # names files inside the checkpoint only, never the server's path
+                raise ServiceError(
+                    422,
+                    f"checkpoint {ref.tinker_path} is damaged ({'; '.join(problems)}); "
+                    "delete it or save it again",
+                )
         return meta
 
     def save(
@@ -195,26 +220,44 @@ class CheckpointStore:
                 "created_at": now,
                 "expires_at": now + ttl_seconds if ttl_seconds else None,
             }
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-            for f in tmp.iterdir():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-            if final.exists():  # overwrite: move the old one aside first, then drop it
-                old = final.parent / f".old-{ref.name}-{uuid.uuid4().hex[:8]}"
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
-            dfd = os.open(final.parent, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            (tmp / META).write_text(json.dumps(meta, indent=1))
+            # One manifest (size, CRC32) over every file but meta.json (set_ttl rewrites
+            # it): `verify` refuses a checkpoint whose weights no longer match it.
+            write_manifest(tmp, folder_crcs(tmp, skip=[META]), skip=[META])
+            fsync_files(tmp)
+            publish_folder(tmp, final)  # an existing one (overwrite) goes only once replaced
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
         return ref.tinker_path
+
+    def import_peft(
+        self, ref: CheckpointRef, source: str | Path, *, base_model: str, seed: int | None = None
+    ) -> str:
+        """Copy a PEFT LoRA folder (an [[adapters]] job's export, a folder from peft) into
+        this tenant's tree as training checkpoint `ref` (weights/<name>, no optimizer state),
+        committed like a save; the SDK's `create_training_client_from_state` then starts from
+        it. The adapter's shape comes from its adapter_config.json (r; target modules by their
+        HF names: q/k/v/o_proj train attention, gate/up/down_proj the MLP, lm_head the
+        unembedding). Whether the tensors fit the served model is checked when it loads."""
+        src = Path(source)
+        try:
+            cfg = _read_json(src / PEFT_CONFIG)
+            targets = set(cfg.get("target_modules") or [])
+            rank = cfg["r"]
+            if not isinstance(rank, int) or not (src / PEFT_WEIGHTS).is_file():
+                raise ValueError(f"needs an integer 'r' and {PEFT_WEIGHTS}")
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise bad_request("path", f"not a PEFT LoRA folder ({_why(e)})") from None
+        lora = {"rank": rank, "seed": seed, "train_attn": bool(targets & _ATTN),
+                "train_mlp": bool(targets & _MLP), "train_unembed": "lm_head" in targets}  # fmt: skip
+
+        def write(tmp: Path) -> None:
+            for n in (PEFT_WEIGHTS, PEFT_CONFIG):
+                shutil.copyfile(src / n, tmp / n)
+
+        meta = {"base_model": base_model, "lora": lora, "imported": True}
+        return self.save(ref, write, meta)
 
     def delete(self, ref: CheckpointRef) -> None:
         """Remove a checkpoint (moved aside atomically, then deleted); 404 if missing."""
@@ -222,7 +265,7 @@ class CheckpointStore:
         if not final.is_dir():
             raise not_found(f"checkpoint {ref.tinker_path}")
         gone = final.parent / f".del-{ref.name}-{uuid.uuid4().hex[:8]}"
-        os.replace(final, gone)
+        move_aside(final, gone)
         shutil.rmtree(gone, ignore_errors=True)
 
     def set_ttl(self, ref: CheckpointRef, ttl_seconds: int | None) -> None:

@@ -11,22 +11,24 @@ torchtitan's AdamW container, microbatches under `microbatch_tokens`, the non-fi
 reference for each operation. Operations run one at a time (the scheduler's worker), so an
 adapter's numbers never depend on the others. Losses are `rl.losses`' (sum-aggregated, as
 Tinker defines them), sampling `rl.generator.Generator` decoding through the same base (no
-copy; `generators = 0`: none). `save_state` writes the adapter (safetensors) and its optimizer
-state (DCP) with one manifest over the folder, verified by `load_state`.
+copy; `generators = 0`: none). `save_state` writes the adapter as a PEFT LoRA folder
+(posttrain.lora: adapter_model.safetensors + adapter_config.json with HF module names, the one
+adapter format) and its optimizer state (DCP) beside it; the storage's manifest covers the
+folder and is verified on every load. Any plain-LoRA PEFT folder of the architecture loads
+(`_read_adapter`).
 
 Several processes (a model resource, service/distributed.py): the base is FSDP2-sharded over
 `group` (`shard_base`; a `checkpoint.load_from` base is built on the meta device, sharded,
 then loaded sharded), adapters are replicated; each rank trains on its share of a request's
 datums (the losses are sums, so the gradients summed over ranks are the request's) and every
-rank decodes every sample (the generator gathers one layer at a time). Not done: PEFT key
-names in saved adapter weights, tensor parallelism.
+rank decodes every sample (the generator gathers one layer at a time). Not done: tensor
+parallelism.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,11 +37,18 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from parallel.serve import GENERATOR_MAX_ROWS
-from posttrain.lora import AdapterWeights, bind_adapter, init_adapter, lora_modules
+from posttrain.lora import (
+    AdapterWeights,
+    adapter_from_peft,
+    bind_adapter,
+    export_peft,
+    init_adapter,
+    lora_modules,
+    read_peft,
+)
 from rl.generator import Generator
 from rl.generator import SamplingParams as GenParams
 from rl.losses import BUILTIN_LOSSES, LossBatch, LossConfig
@@ -61,7 +70,7 @@ from service.types import (
 
 def _has_moments(folder: Path) -> bool:
     """Whether the checkpoint in `folder` holds optimizer state per parameter (DCP metadata)."""
-    from runtime.checkpoint import SafeFileSystemReader
+    from runtime.safe_load import SafeFileSystemReader
 
     md = SafeFileSystemReader(str(folder)).read_metadata()
     return any(k.startswith("optimizer.state.") for k in md.state_dict_metadata)
@@ -247,11 +256,17 @@ class TitanLoraBackend:
         generators: int = 1,
         generator_tokens: int = 2**62,
         whole_base_decode: bool = False,
+        model_config: Any = None,
+        state_dict_adapter: Any = None,
     ):
         """`group`: the process group the base is sharded over (None: one process);
         `generators`: 0 or 1; `generator_tokens`: KV-cache positions the generator may hold
         at once (rows x (prompt + max_tokens) per decode batch)."""
         self.model = model
+        # The HF names of saved adapters (PEFT format): the model's config and torchtitan's
+        # state-dict adapter for its family (None: adapters cannot be saved or loaded).
+        self.model_config = model_config
+        self.state_dict_adapter = state_dict_adapter
         self.microbatch_tokens = microbatch_tokens  # per forward/backward (runtime.steps)
         self.info = info
         self.alpha = alpha
@@ -311,9 +326,13 @@ class TitanLoraBackend:
         if plan is None:
             plan = local_plan(recipe, served)
         model, info = build_lora_model(recipe, device, served, mesh)
-        kw: dict[str, Any] = {}
+        from runtime.build import recipe_model_spec
+
+        spec = recipe_model_spec(recipe)
+        sda = spec.state_dict_adapter(spec.model, None) if spec.state_dict_adapter else None
+        kw: dict[str, Any] = {"model_config": spec.model, "state_dict_adapter": sda}
         if served is not None:
-            kw = {"tokenizer_dir": served.tokenizer_dir, "eos_ids": served.eos_ids}
+            kw |= {"tokenizer_dir": served.tokenizer_dir, "eos_ids": served.eos_ids}
         return cls(
             model,
             info,
@@ -463,13 +482,18 @@ class TitanLoraBackend:
 
     # --- checkpoints --------------------------------------------------------------------------
 
+    def _peft_layout(self) -> tuple[Any, Any]:
+        if self.model_config is None or self.state_dict_adapter is None:
+            raise ServiceError(501, "this model family has no Hugging Face names for adapters")
+        return self.model_config, self.state_dict_adapter
+
     def _write_adapter(self, ad: _Adapter, folder: Path) -> None:
-        state = {k: p.detach().cpu().contiguous() for k, p in ad.params.items() if p.requires_grad}
-        save_file(state, str(folder / "adapter_model.safetensors"))
-        targets = sorted({_category(k) for k, p in ad.params.items() if p.requires_grad})
-        (folder / "adapter_config.json").write_text(
-            json.dumps({"r": ad.spec.rank, "lora_alpha": self.alpha, "targets": targets}, indent=1)
-        )
+        """The adapter as a PEFT LoRA folder (posttrain.lora.export_peft: HF module names,
+        q/k/v split from the fused wqkv), loadable by peft and by `_read_adapter`."""
+        cfg, sda = self._peft_layout()
+        state = {k: p.detach().cpu() for k, p in ad.params.items() if p.requires_grad}
+        export_peft(str(folder), model_config=cfg, adapter=state, state_dict_adapter=sda,
+                    rank=ad.spec.rank, alpha=self.alpha, base_model=self.info.name)  # fmt: skip
 
     def save_state(self, adapter: str, folder: Path) -> None:
         from runtime.checkpoint import save_states
@@ -480,26 +504,39 @@ class TitanLoraBackend:
         # the storage renames the folder into place.
         save_states(str(folder), {"optimizer": ad.engine.optimizers}, in_place=True)
 
-    def _read_adapter(self, folder: Path) -> dict[str, torch.Tensor]:
-        return load_file(str(folder / "adapter_model.safetensors"), device=str(self.device))
+    def _read_adapter(self, folder: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A PEFT LoRA folder (ours, an [[adapters]] job's export, any plain-LoRA PEFT folder
+        of this architecture) in our names, shaped like `like`; its lora_alpha is honoured
+        by scaling B to this service's alpha (the same alpha/r * B A). 422 if it does not fit."""
+        cfg, sda = self._peft_layout()
+        try:
+            tensors, peft_cfg = read_peft(str(folder))
+            state = adapter_from_peft(cfg, tensors, sda, like)
+        except ValueError as e:
+            raise ServiceError(422, f"the adapter does not load: {e}") from None
+        ratio = float(peft_cfg["lora_alpha"]) / self.alpha
+        if ratio != 1.0:
+            state = {k: v * ratio if ".lora_b." in k else v for k, v in state.items()}
+        return {k: v.to(self.device) for k, v in state.items()}
 
     def load_state(self, adapter: str, folder: Path, *, optimizer: bool) -> None:
         from runtime.checkpoint import CheckpointError, load_states, verify_checkpoint
 
         ad = self._adapter(adapter)
-        problems = verify_checkpoint(str(folder))
+        # The storage verified the files against the manifest (sizes, CRC32s); a folder
+        # with optimizer state also gets DCP's checks (metadata readable, files long enough).
+        # A PEFT folder imported without optimizer state has none (`_has_moments`: False).
+        dcp_state = (folder / ".metadata").exists()
+        problems = verify_checkpoint(str(folder), checksums=False) if dcp_state else []
         if problems:  # names files inside the checkpoint only, never the server's path
             raise bad_request("path", f"the checkpoint is damaged: {'; '.join(problems)}")
-        state = self._read_adapter(folder)
+        state = self._read_adapter(folder, {k: p.detach() for k, p in ad.params.items()})
         with torch.no_grad():
             for k, p in ad.params.items():
-                if not p.requires_grad:
-                    continue
-                if k not in state or state[k].shape != p.shape:
-                    raise bad_request("path", f"checkpoint lacks a matching {k}")
-                p.copy_(state[k])
+                if p.requires_grad:
+                    p.copy_(state[k])
         opts = ad.engine.optimizers
-        if not optimizer or not _has_moments(folder):
+        if not optimizer or not dcp_state or not _has_moments(folder):
             # A state saved before its first optim_step has no AdamW moments (torch does not
             # initialise them while gradients are pending): it resumes as "no moments yet".
             for opt in opts:
@@ -527,14 +564,11 @@ class TitanLoraBackend:
         )
 
     def load_sampler(self, folder: Path, spec: LoraSpec) -> str:
-        state = self._read_adapter(folder)
-        # untargeted modules: the rank-0 pair of a fresh adapter of this shape
-        shape = self._weights(spec, 0).params
-        for k, p in shape.items():  # a targeted tensor missing is a damaged checkpoint, not 0
-            if p.requires_grad and (k not in state or state[k].shape != p.shape):
-                raise ServiceError(422, f"sampler weights lack a matching {k}")
-        params = {k: state.get(k, p.detach()) for k, p in shape.items()}
-        return self._store_sampler(spec.rank, params)
+        # Shaped as a fresh adapter of this spec (untargeted modules: rank-0 pairs); the
+        # storage verified the files against their manifest before this (a damaged one is
+        # a 422 there, never the base model).
+        shape = {k: p.detach() for k, p in self._weights(spec, 0).params.items()}
+        return self._store_sampler(spec.rank, self._read_adapter(folder, shape))
 
     def drop_sampler(self, handle: str) -> None:
         self._samplers.pop(handle, None)

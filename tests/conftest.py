@@ -86,6 +86,37 @@ def _isolated_root_logging():
             root.removeHandler(h)
 
 
+# The integration tier runs in two passes (scripts/test.sh): everything not `serial` on two
+# xdist workers (whole files per worker, so module-scoped servers and runs are built once),
+# then the `serial` tests alone. Serial: several processes of their own (multiproc, slurm) or a
+# claim a second worker's load would distort (a deadline, a filled disk, a signal's timing,
+# a benchmark's figures). A file that proves one of those belongs in this list.
+SERIAL_FILES = frozenset({
+    "test_bench.py", "test_peers.py", "test_kernel_bench_cpu.py", "test_gpu_check_smoke.py",
+    "test_reliability_ckpt_full_tmpfs.py", "test_reliability_checkpoint_crash.py",
+    "test_service_shutdown.py", "test_service_admission.py", "test_service_load.py",
+    "test_stop_request.py", "test_readme_commands.py", "test_reliability_train_extremes.py",
+})  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items):
+    """`serial` on every multiproc / slurm test and on the files in SERIAL_FILES."""
+    for item in items:
+        name = item.path.name if hasattr(item, "path") else ""
+        if name in SERIAL_FILES or any(item.get_closest_marker(m) for m in ("multiproc", "slurm")):
+            item.add_marker(pytest.mark.serial)
+
+
+def pytest_configure(config):
+    """Under CI=true a missing or broken tinker / peft / transformers fails the run here
+    (tests/helpers/deps.py) instead of skipping the tests that importorskip it."""
+    from tests.helpers.deps import ci_refusal
+
+    why = ci_refusal()
+    if why:
+        raise pytest.UsageError(why)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """The reliability figures this process recorded (tools.reliability_report.record and
     record_case, called by the tests where they measure) are merged into

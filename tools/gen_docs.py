@@ -313,6 +313,9 @@ def _value(a: argparse.Action) -> str:
     return what
 
 
+_INTERPRETERS = {sys.executable, os.path.realpath(sys.executable)}
+
+
 def _flag_rows(p: argparse.ArgumentParser) -> list[str]:
     fmt = p._get_formatter()
     rows = []
@@ -323,6 +326,10 @@ def _flag_rows(p: argparse.ArgumentParser) -> list[str]:
         default = a.default
         if default is None or default is False or default is argparse.SUPPRESS or default == []:
             shown = ""  # (`is`: 0 == False, and a default of 0 is shown)
+        elif isinstance(default, str) and default in _INTERPRETERS:
+            # The interpreter running the tool: its path depends on the user's environment
+            # (a venv in the checkout or elsewhere), so the docs name it, not its path.
+            shown = "the running Python"
         elif isinstance(default, str) and default:
             shown = f"`{_cell(default)}`"
         else:

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from core.atomic import write_text_atomic
 from tools.cli import add_override_arg, run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,9 +130,7 @@ class Report:
     def write(self) -> None:
         d = self.data
         d["derived"] = derived(d["runs"])
-        tmp = self.out / "gpu_check.json.tmp"
-        tmp.write_text(json.dumps(d, indent=2) + "\n")
-        os.replace(tmp, self.out / "gpu_check.json")
+        write_text_atomic(self.out / "gpu_check.json", json.dumps(d, indent=2) + "\n")
         (self.out / "gpu_check.md").write_text(markdown(d))
 
 

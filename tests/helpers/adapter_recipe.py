@@ -58,7 +58,7 @@ def adapter_weights(folder: Path) -> dict:
     import torch
     from torch.distributed.checkpoint import load as dcp_load
 
-    from runtime.checkpoint import SafeFileSystemReader
+    from runtime.safe_load import SafeFileSystemReader
 
     meta = SafeFileSystemReader(str(folder)).read_metadata().state_dict_metadata
     skip = ("optimizer", "lr_scheduler", "dataloader", "train_state")

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from runtime.checkpoint import SafeFileSystemReader, safe_dcp_load
+from runtime.safe_load import SafeFileSystemReader, safe_dcp_load
 from tests.helpers.runs import run_train
 from tools.reliability_report import record_case
 

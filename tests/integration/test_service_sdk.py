@@ -163,7 +163,7 @@ def test_failing_step_fails_its_future_and_service_keeps_serving(server):
         b"not a safetensors file"
     )
     # The manifest's CRC32 catches it: a client error naming the damaged file, no server path.
-    with pytest.raises(tinker.RequestFailedError, match="damaged.*adapter_model") as e:
+    with pytest.raises(tinker.APIStatusError, match="damaged.*adapter_model") as e:
         sc.create_training_client_from_state(path).result()
     assert str(server.storage) not in str(e.value)
     # The same session and a new one keep working.

@@ -618,29 +618,32 @@ def test_revoking_a_key_by_editing_the_key_file(server, attacker):
     assert status(KEY_B2) == 200
 
 
-def test_sampler_whose_weights_fail_to_load_never_samples_the_base(server):
+def test_damaged_sampler_weights_are_refused_naming_the_checkpoint(server):
+    """Sampler weights are verified like every checkpoint (core.atomic's manifest): a
+    truncated file or one flipped byte makes create_sampling_client a 422 naming the
+    checkpoint and the file, never a sampler of the base model."""
     sc = tinker.ServiceClient(base_url=server.url, api_key=KEY_B)
     tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=6).result()
     tc.forward_backward([datum()], "cross_entropy").result()
     tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
-    greedy = types.SamplingParams(max_tokens=4, temperature=0.0, seed=0)
-    prompt = types.ModelInput.from_ints(SEQ[:4])
     folder = server.tenant_dir(name="bob") / tc.model_id / "sampler_weights"
     truncated = tc.save_weights_for_sampler("truncated").result().path
     f = folder / "truncated" / "adapter_model.safetensors"
-    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    partial = tc.save_weights_for_sampler("partial").result().path
-    from safetensors.numpy import load_file, save_file
-
-    g = folder / "partial" / "adapter_model.safetensors"
-    state = load_file(str(g))
-    save_file({k: v for i, (k, v) in enumerate(sorted(state.items())) if i % 2}, str(g))
-    # each damage has its own message: unreadable safetensors / a targeted tensor missing
-    for path, why in ((truncated, "could not be loaded"), (partial, "lack a matching")):
-        smp = sc.create_sampling_client(model_path=path).result()
-        with pytest.raises(tinker.RequestFailedError, match=f"sampler weights .*{why}") as e:
-            smp.sample(prompt, 1, greedy).result()
-        assert str(server.storage) not in str(e.value)
+    size = f.stat().st_size
+    f.write_bytes(f.read_bytes()[: size // 2])
+    flipped = tc.save_weights_for_sampler("flipped").result().path
+    g = folder / "flipped" / "adapter_model.safetensors"
+    raw = bytearray(g.read_bytes())
+    raw[-1] ^= 0x40  # inside the last tensor's data: the file still parses
+    g.write_bytes(bytes(raw))
+    why = {truncated: f"has {size // 2} bytes, the manifest says {size}", flipped: "is corrupted"}
+    for path, because in why.items():
+        with pytest.raises(tinker.APIStatusError) as e:
+            sc.create_sampling_client(model_path=path).result()
+        msg = str(e.value)
+        assert e.value.status_code == 422, msg
+        assert f"checkpoint {path} is damaged (adapter_model.safetensors {because}" in msg, msg
+        assert str(server.storage) not in msg
     sc.close("success").result()
 
 
@@ -655,9 +658,10 @@ def test_client_errors_carry_no_server_paths(server):
         / "gone"
         / "adapter_model.safetensors"
     )
-    with pytest.raises(tinker.RequestFailedError) as e:
+    with pytest.raises(tinker.APIStatusError) as e:  # verified at the route: a 422
         sc.create_training_client_from_state(path).result()
     msg = str(e.value)
+    assert e.value.status_code == 422, msg
     # Names the file it lacks, never where the server keeps it.
     assert "adapter_model.safetensors" in msg, msg
     assert str(server.storage) not in msg and "/tmp" not in msg, msg

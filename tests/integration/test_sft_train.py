@@ -10,7 +10,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from posttrain.tasks import letter_sort
-from runtime.checkpoint import SafeFileSystemReader, safe_dcp_load
+from runtime.safe_load import SafeFileSystemReader, safe_dcp_load
 from tests.helpers.runs import run_train
 
 pytestmark = pytest.mark.slow  # training runs: ~1-3 min on 2 shared cores

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from core.atomic import MANIFEST
 from runtime.checkpoint import (
-    MANIFEST,
     PARTIAL,
     CheckpointError,
     committed_steps,

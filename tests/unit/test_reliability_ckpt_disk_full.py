@@ -135,7 +135,7 @@ def test_enospc_writing_the_manifest(tmp_path, monkeypatch):
     """The data fits, the commit's manifest does not."""
 
     def fail(mp):
-        def write_manifest(path, step, crcs):
+        def write_manifest(path, crcs, **fields):
             raise OSError(errno.ENOSPC, "No space left on device", os.path.join(path, "m"))
 
         mp.setattr(ck, "write_manifest", write_manifest)

@@ -18,10 +18,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from core.atomic import write_manifest
 from core.errors import ConfigError
 from recipe.loader import load_recipe
 from runtime.build import recipe_model_spec
-from runtime.checkpoint import PARTIAL, CheckpointError, committed_steps, write_manifest
+from runtime.checkpoint import PARTIAL, CheckpointError, committed_steps
 from runtime.checkpoint_fit import (
     Expected,
     Present,
@@ -66,7 +67,7 @@ def write_checkpoint(
     sd["train_state"] = {"step": 2, "ntokens_seen": 0}
     path.mkdir(parents=True)
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path)))
-    write_manifest(str(path), 2, {})
+    write_manifest(path, {}, step=2)
     return path
 
 
