@@ -353,6 +353,7 @@ class TitanLoraBackend:
             replicated_group=self.group,
             dp_group=self.group,
             label=f"adapter {adapter}",
+            guard_weights=True,  # a step that makes the adapter non-finite is undone (400)
         )
         self.adapters[adapter] = _Adapter(spec, weights, engine)
 

@@ -5,7 +5,8 @@
                           [--max-request-gib G] [--max-queued-per-session N]
                           [--max-queued-per-tenant N] [--base-name NAME] [--context N]
                           [--tokenizer-id ID] [--generators 0|1] [--generator-tokens T]
-                          [--adapters N] [--op-timeout S] [--set k=v ...]
+                          [--adapters N] [--op-timeout S] [--limit NAME=VALUE ...]
+                          [--set k=v ...]
 
 A model resource over several devices (every rank holds a shard of the base; rank 0 serves):
 
@@ -108,6 +109,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="what get_info tells clients to load with AutoTokenizer (default: the Hugging "
         "Face name, else the tokenizer folder's path)",
     )
+    p.add_argument(
+        "--limit",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a per-request or per-tenant limit (service/limits.py, docs/service.md "
+        '"Limits"): max_data, max_samples, max_stop, max_stop_chars, max_metadata_bytes, '
+        "max_sessions_per_tenant, max_models_per_tenant, max_finished_sessions_per_tenant, "
+        "op_deadline_factor, op_deadline_min_s",
+    )
     add_resource_args(p)
     p.add_argument(
         "--op-timeout",
@@ -134,6 +145,13 @@ def check_args(args: argparse.Namespace) -> None:
     positive_arg(args.max_queued_per_tenant, "--max-queued-per-tenant", bound=1 << 20)
     check_resource_args(args)
     positive_arg(args.op_timeout, "--op-timeout", bound=7 * 86400)
+    from service.limits import parse_limit
+
+    for text in args.limit:
+        try:
+            parse_limit(text)
+        except ValueError as e:
+            raise ConfigError(str(e), key="--limit") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,7 +174,7 @@ def _prepare(args: argparse.Namespace):
     from recipe.loader import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
-    from service.core import Limits
+    from service.limits import Limits, with_settings
     from service.server import ServeOptions, bind, check_exposure
     from service.tenants import KeyFile
 
@@ -167,10 +185,13 @@ def _prepare(args: argparse.Namespace):
         storage=args.storage or os.path.join(recipe.output_dir, "service"),
         session_ttl_s=args.session_ttl,
         drain_s=args.drain,
-        limits=Limits(
-            max_body_bytes=int(args.max_body_mb * (1 << 20)),
-            max_queued_per_session=args.max_queued_per_session,
-            max_queued_per_tenant=args.max_queued_per_tenant,
+        limits=with_settings(
+            Limits(
+                max_body_bytes=int(args.max_body_mb * (1 << 20)),
+                max_queued_per_session=args.max_queued_per_session,
+                max_queued_per_tenant=args.max_queued_per_tenant,
+            ),
+            args.limit,
         ),
     )
     check_exposure(opts)  # bad input before the model is built

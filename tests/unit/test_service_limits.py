@@ -1,0 +1,274 @@
+"""Issue #41 in-process: body decoding bounded before allocation, per-request and per-tenant
+limits named in their refusal, admission before registration (a create refused with 429 is
+accepted when retried), every seq_id resolved whatever the validation raises, and a
+non-finite optimizer step undone. A `Service` over a fake backend whose ops block on an
+event: no HTTP, no model, no sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+
+from service import proto, wire
+from service import tinker_proto as pb
+from service.backend import BaseModelInfo
+from service.core import Service
+from service.errors import ServiceError
+from service.limits import Limits, parse_limit
+from service.storage import Storage
+
+VOCAB, CONTEXT = 64, 32
+
+
+class GatedBackend:
+    """Every op waits for `gate`; records what ran."""
+
+    devices = 1
+    max_lora_rank = 8
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.ran: list[str] = []
+
+    def base_model(self) -> BaseModelInfo:
+        return BaseModelInfo("fake/base", CONTEXT, VOCAB, "fake")
+
+    def create_adapter(self, adapter, spec) -> None:
+        self.gate.wait(10)
+        self.ran.append(f"create {adapter}")
+
+    def drop_adapter(self, adapter) -> None:
+        pass
+
+    def optim_step(self, adapter, params):
+        self.gate.wait(10)
+        self.ran.append(f"optim {adapter}")
+        return {}
+
+
+@pytest.fixture
+def svc(tmp_path):
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    backend = GatedBackend()
+    limits = Limits(max_queued_per_tenant=2, max_sessions_per_tenant=2, max_models_per_tenant=4)
+    s = Service(backend, Storage(str(tmp_path / "st")), loop, limits=limits)
+    yield s, backend
+    backend.gate.set()
+    s.scheduler.drain(5)
+    loop.call_soon_threadsafe(loop.stop)
+
+
+def _wait(fut, timeout=10):
+    end = time.monotonic() + timeout
+    while fut.outcome is None and time.monotonic() < end:
+        time.sleep(0.01)
+    return fut.outcome
+
+
+def _session(s: Service, tenant="t", meta=None) -> str:
+    return s.create_session(tenant, wire.CreateSessionBody(user_metadata=meta))
+
+
+def _create(s: Service, sid: str, seq: int, tenant="t"):
+    body = wire.CreateModelBody.model_validate(
+        {"session_id": sid, "model_seq_id": seq, "base_model": "fake/base",
+         "lora_config": {"rank": 2}}
+    )  # fmt: skip
+    return s.create_model(tenant, body)
+
+
+def test_create_refused_with_429_is_accepted_when_retried(svc):
+    s, backend = svc
+    sid = _session(s)
+    first = [_create(s, sid, 0)]
+    while s.scheduler._running is None:  # the worker holds the first; two more queue
+        time.sleep(0.01)
+    first += [_create(s, sid, i) for i in (1, 2)]  # the tenant's queue cap: 2
+    with pytest.raises(ServiceError) as e:
+        _create(s, sid, 3)
+    assert e.value.status == 429
+    assert f"{sid}:train:3" not in s.registry.models  # refused: nothing registered
+    backend.gate.set()
+    assert all(_wait(f).error is None for f in first)
+    again = _create(s, sid, 3)  # the SDK's retry of the same create
+    assert _wait(again).error is None
+    assert f"create {sid}:train:3" in backend.ran
+
+
+def test_a_validation_crash_still_resolves_its_seq_id(svc, monkeypatch):
+    s, backend = svc
+    backend.gate.set()
+    sid = _session(s)
+    mid = f"{sid}:train:0"
+    assert _wait(_create(s, sid, 0)).error is None
+
+    def damaged(*a, **k):  # a meta.json nested past the recursion limit
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(wire, "adam_params", damaged)
+    body = wire.OptimStepBody.model_validate(
+        {"model_id": mid, "seq_id": 1, "adam_params": {"learning_rate": 1e-3}}
+    )
+    with pytest.raises(ServiceError) as e:
+        s.optim_step("t", body)
+    assert e.value.status == 500 and "RecursionError" in e.value.message
+    monkeypatch.undo()
+    nxt = s.optim_step("t", body.model_copy(update={"seq_id": 2}))
+    assert _wait(nxt).error is None  # seq 2 ran: seq 1's place was resolved
+    assert backend.ran[-1] == f"optim {mid}"
+
+
+def test_tenant_limits_are_named(svc):
+    s, backend = svc
+    backend.gate.set()
+    a, b = _session(s), _session(s)
+    with pytest.raises(ServiceError) as e:
+        _session(s)
+    assert e.value.status == 429 and "max_sessions_per_tenant" in e.value.message
+    _session(s, tenant="other")  # another tenant is not counted
+    for i in range(4):
+        assert _wait(_create(s, a if i < 2 else b, i)).error is None
+    with pytest.raises(ServiceError) as e:
+        _create(s, b, 9)
+    assert e.value.status == 429 and "max_models_per_tenant" in e.value.message
+    s.finish_session("t", a, "done")  # its models and the session slot are freed
+    _session(s)
+    assert _wait(_create(s, b, 10)).error is None
+    with pytest.raises(ServiceError) as e:
+        _session(s, tenant="other", meta={"k": "x" * 20_000})
+    assert e.value.status == 413 and "max_metadata_bytes" in e.value.message
+
+
+def test_finished_sessions_kept_per_tenant_are_bounded(svc):
+    s, backend = svc
+    backend.gate.set()
+    keep = 3
+    for _ in range(5):
+        s.finish_session("t", _session(s), "done")
+    forgotten = s.registry.forget_finished(keep)
+    assert len(forgotten) == 2 and len(s.registry.tenant_sessions("t")) == keep
+
+
+def _csr_request(rows: int, cols: int, model="s-x:train:0", seq=1, nnz=1_000_000) -> bytes:
+    msg = pb.ForwardBackwardRequest(model_id=model, seq_id=seq, loss_fn="cross_entropy")
+    d = msg.data.add()
+    d.model_input.add().encoded_text.tokens = np.int32([1, 2]).tobytes()
+    t = d.loss_fn_inputs["weights"]
+    t.dtype, t.shape[:] = pb.DTYPE_FLOAT32, [rows, cols]
+    t.sparse_csr.values = np.ones(nnz, np.float32).tobytes()
+    t.sparse_csr.col_indices = np.zeros(nnz, np.int64).tobytes()
+    crow = np.zeros(rows + 1, np.int64)
+    crow[1:] = nnz
+    t.sparse_csr.crow_indices = crow.tobytes()
+    return msg.SerializeToString()
+
+
+def test_a_csr_tensor_is_bounded_before_it_is_expanded():
+    raw = _csr_request(500_000, 1024, nnz=100_000)
+    assert len(raw) > 4 << 20
+    tracemalloc.start()
+    req = proto.decode_forward_backward_request(raw, proto.Bounds(max_data=8, max_len=CONTEXT))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    # Refused naming the tensor; header kept (the refusal takes the seq_id place); nothing
+    # near the declared 500000 x 1024 x 4 bytes (2 GiB) was allocated.
+    assert req.error is not None and req.error.status == 413
+    assert "data[0].loss_fn_inputs.weights.shape" in req.error.message
+    assert (req.model_id, req.seq_id) == ("s-x:train:0", 1)
+    assert peak < 3 * len(raw)
+
+
+def test_datum_and_token_counts_are_bounded_before_decoding():
+    msg = pb.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="cross_entropy")
+    for _ in range(9):
+        msg.data.add().model_input.add().encoded_text.tokens = np.int32([1]).tobytes()
+    req = proto.decode_forward_backward_request(msg.SerializeToString(), proto.Bounds(8, 32))
+    assert req.error is not None and req.error.status == 413 and req.data == []
+    msg = pb.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="cross_entropy")
+    msg.data.add().model_input.add().encoded_text.tokens = np.zeros(33, np.int32).tobytes()
+    req = proto.decode_forward_backward_request(msg.SerializeToString(), proto.Bounds(8, 32))
+    assert req.error is not None and "33 tokens exceed the model's 32" in req.error.message
+
+
+def test_a_refused_decode_takes_its_seq_place(svc):
+    s, backend = svc
+    backend.gate.set()
+    sid = _session(s)
+    mid = f"{sid}:train:0"
+    assert _wait(_create(s, sid, 0)).error is None
+    with pytest.raises(ServiceError) as e:
+        s.forward_backward("t", s.decode_forward_backward(_csr_request(500, 1024, mid, 1, 10)))
+    assert e.value.status == 413
+    body = wire.OptimStepBody.model_validate(
+        {"model_id": mid, "seq_id": 2, "adam_params": {"learning_rate": 1e-3}}
+    )
+    assert _wait(s.optim_step("t", body)).error is None
+
+
+@pytest.mark.parametrize(
+    "stop, limit",
+    [(["x"] * 65, "max_stop"), (["y" * 4097], "max_stop_chars"), (list(range(65)), "max_stop")],
+)
+def test_stop_sequences_are_bounded(stop, limit):
+    from service.limits import check_stop
+
+    with pytest.raises(ServiceError) as e:
+        check_stop(stop, Limits())
+    assert e.value.status == 413 and f"(limit {limit})" in e.value.message
+    check_stop(stop[:64] if limit == "max_stop" else ["y" * 4096], Limits())
+
+
+def test_negative_stop_token_is_one_clear_error():
+    from service.sampling import sample_request
+
+    body = wire.SampleBody.model_validate(
+        {"prompt": {"chunks": [{"tokens": [1, 2]}]}, "sampling_params": {"stop": [3, -1]}}
+    )
+    with pytest.raises(ServiceError) as e:
+        sample_request(body, vocab=VOCAB, max_context=CONTEXT, max_samples=4)
+    assert e.value.message == "sampling_params.stop: token id -1 outside the vocabulary [0, 64)"
+
+
+@pytest.mark.parametrize(
+    "text", ["max_stop", "max_stop=0", "max_stop=nan", "nope=3", "max_stop=1.5"]
+)
+def test_limit_settings_are_checked(text):
+    with pytest.raises(ValueError):
+        parse_limit(text)
+    assert parse_limit("op_deadline_min_s=2.5") == ("op_deadline_min_s", 2.5)
+
+
+def test_a_step_to_non_finite_weights_is_undone():
+    from torchtitan.components.optimizer import default_adamw
+
+    from runtime.steps import NonFiniteError, StepEngine
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    opt = default_adamw(lr=1e-3, eps=1e-12, weight_decay=0.0).build(model_parts=[lin])
+    eng = StepEngine(lin, opt, microbatch_tokens=8, max_norm=0, guard_weights=True)
+    x = torch.randn(3, 4)
+    lin(x).sum().backward()
+    eng.optim_step()  # one good step: the optimizer has state
+    before = {k: v.detach().clone() for k, v in lin.state_dict().items()}
+    state = {k: v.clone() for k, v in opt.optimizers[0].state[lin.weight].items()}
+    loss_before = float(lin(x).detach().square().sum())
+    for g in opt.optimizers[0].param_groups:
+        g["lr"] = 1e30  # finite weights of ~1e30: their squares overflow float32
+    lin(x).sum().backward()
+    with pytest.raises(NonFiniteError, match="the step was undone"):
+        eng.optim_step()
+    for k, v in lin.state_dict().items():
+        assert torch.equal(v, before[k])
+    for k, v in opt.optimizers[0].state[lin.weight].items():
+        assert torch.equal(v, state[k])
+    assert lin.weight.grad is None or not lin.weight.grad.any()
+    assert float(lin(x).detach().square().sum()) == loss_before
