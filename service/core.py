@@ -35,6 +35,7 @@ from service.admission import (
     price_sample,
 )
 from service.backend import NO_GENERATOR, Backend, check_generator_capacity
+from service.deadline import op_deadline
 from service.errors import ServiceError, bad_request, log_safe, not_found, scrub_paths
 from service.futures import Future, FutureStore, Outcome
 from service.limits import Limits, check_count, check_metadata, check_stop
@@ -119,6 +120,11 @@ class Service:
             record=accounting.write if accounting is not None else None,
             throughput=self.throughput,
             roots=(str(storage.root),),
+            # Each op under a deadline priced like its admission (checked by one process's
+            # backend; a resource's ranks have --op-timeout instead, service/deadline.py).
+            deadline_s=lambda priced_s: op_deadline(
+                priced_s, factor=limits.op_deadline_factor, min_s=limits.op_deadline_min_s
+            ),
         )
         self.registry = Registry(session_ttl_s)
         self.records = sampling.StabilityRecords()  # what stable_reinforce trains on

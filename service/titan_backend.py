@@ -44,7 +44,7 @@ from rl.generator import Generator
 from rl.generator import SamplingParams as GenParams
 from rl.losses import BUILTIN_LOSSES, LossBatch, LossConfig
 from runtime.steps import IGNORE_INDEX, NonFiniteError, Rows, StepEngine
-from service import proto
+from service import deadline, proto
 from service.backend import NO_GENERATOR, BaseModelInfo, check_generator_capacity
 from service.errors import ServiceError, bad_request
 from service.served_base import ServedBase, load_hf_weights
@@ -551,6 +551,8 @@ class TitanLoraBackend:
             self._generator = Generator(
                 self.model, decode=decode, shared=True, gather=self._gather_layer
             )
+            if self.group is None:  # a resource's ranks share --op-timeout instead
+                self._generator.on_token = deadline.check
         return self._generator
 
     def _gather_layer(self, module: nn.Module) -> contextlib.AbstractContextManager:

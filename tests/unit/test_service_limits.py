@@ -272,3 +272,44 @@ def test_a_step_to_non_finite_weights_is_undone():
         assert torch.equal(v, state[k])
     assert lin.weight.grad is None or not lin.weight.grad.any()
     assert float(lin(x).detach().square().sum()) == loss_before
+
+
+def test_deadline_with_an_injected_clock():
+    from service.deadline import Deadline, op_deadline
+
+    now = [100.0]
+    d = Deadline(op_deadline(2.0, factor=20, min_s=10), 2.0, clock=lambda: now[0])
+    assert d.seconds == 40
+    now[0] += 40
+    d.check()  # at the deadline: still running
+    now[0] += 0.5
+    with pytest.raises(ServiceError) as e:
+        d.check()
+    assert e.value.status == 413 and "deadline of 40 s (priced at 2.0 s)" in e.value.message
+    assert op_deadline(0.01, factor=20, min_s=10) == 10
+
+
+def test_an_op_past_its_deadline_fails_alone():
+    from service import deadline
+    from service.futures import FutureStore, Outcome
+    from service.scheduler import Op, Scheduler
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    sched = Scheduler(FutureStore(loop), devices=1, deadline_s=lambda priced: -1.0)
+    steps = []
+
+    def endless() -> Outcome:  # a decode loop that never ends on its own
+        while True:
+            steps.append(1)
+            deadline.check()
+
+    def small() -> Outcome:
+        return Outcome(json={"ok": True})
+
+    a = sched.submit(Op("s-a", "sample", endless, tenant="a"))
+    b = sched.submit(Op("s-b", "sample", small, tenant="b"))
+    assert "past its deadline" in _wait(a).error and _wait(a).category == "user"
+    assert _wait(b).json == {"ok": True} and len(steps) == 1
+    sched.drain(5)
+    loop.call_soon_threadsafe(loop.stop)
