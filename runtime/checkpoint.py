@@ -77,7 +77,7 @@ from runtime import faults
 
 MANIFEST = "manifest.json"
 PARTIAL = ".partial"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+_STEP_DIR = re.compile(r"^step-(\d+)\Z")
 _CHUNK = 8 * 2**20
 
 

@@ -313,3 +313,42 @@ def test_an_op_past_its_deadline_fails_alone():
     assert _wait(b).json == {"ok": True} and len(steps) == 1
     sched.drain(5)
     loop.call_soon_threadsafe(loop.stop)
+
+
+@pytest.mark.parametrize("name", ["ckpt\n", "ckpt\n\n"])
+def test_names_with_a_trailing_newline_are_refused(name):
+    from service import tenants
+    from service.served_base import HF_NAME
+    from service.storage import check_model_id, check_name
+
+    with pytest.raises(ServiceError):
+        check_name(name, "path")
+    with pytest.raises(ServiceError):
+        check_model_id("s-1:train:0" + name[4:], "model_id")
+    assert tenants._NAME.match(name) is None and tenants._KEY.match("tml-" + name) is None
+    assert HF_NAME.match("org/" + name) is None
+
+
+def test_a_deleted_key_file_is_logged_once(tmp_path, caplog):
+    from service.tenants import KeyFile
+
+    f = tmp_path / "keys.txt"
+    f.write_text("tml-0123456789abcdef0123456789\n")
+    f.chmod(0o600)
+    ring = KeyFile(str(f))
+    f.unlink()
+    with caplog.at_level("ERROR", logger="service"):
+        for _ in range(5):
+            assert ring.tenant("tml-0123456789abcdef0123456789") is not None  # keys stay
+    assert len([r for r in caplog.records if r.levelname == "ERROR"]) == 1
+
+
+def test_empty_recipe_is_an_error():
+    from core.errors import ConfigError
+    from tools.cli import ArgumentParser, add_recipe_arg
+
+    p = ArgumentParser()
+    add_recipe_arg(p)
+    with pytest.raises(ConfigError, match="--recipe: expected a recipe TOML"):
+        p.parse_args(["--recipe="])
+    assert p.parse_args([]).recipe is None  # absent: the default, as before
