@@ -229,6 +229,12 @@ def _prepare(args: argparse.Namespace):
                 file=recipe.source,
                 key="checkpoint.load_from",
             )
+    if recipe.checkpoint.load_hf:  # the checks train.py runs (runtime/session.py)
+        from runtime.build import recipe_model_spec
+        from runtime.hf import hf_expected, verify_hf_folder
+
+        verify_hf_folder(recipe.checkpoint.load_hf, hf_expected(recipe_model_spec(recipe)),
+                         file=recipe.source, rank=env.rank, world=env.world_size)  # fmt: skip
     # The port before the model: "in use" is one line now, not after a minute of loading.
     sock = bind(opts.host, opts.port) if env.rank == 0 else None
     return recipe, opts, keys, served, sock, plan
