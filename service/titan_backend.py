@@ -485,9 +485,13 @@ class TitanLoraBackend:
         return load_file(str(folder / "adapter_model.safetensors"), device=str(self.device))
 
     def load_state(self, adapter: str, folder: Path, *, optimizer: bool) -> None:
-        from runtime.checkpoint import CheckpointError, load_states, verify_checkpoint
+        from runtime.checkpoint import MANIFEST, CheckpointError, load_states, verify_checkpoint
 
         ad = self._adapter(adapter)
+        if not (folder / MANIFEST).is_file():  # verify_checkpoint accepts a legacy folder
+            raise bad_request(
+                "path", f"the checkpoint has no {MANIFEST}: it cannot be verified, not loaded"
+            )
         problems = verify_checkpoint(str(folder))
         if problems:  # names files inside the checkpoint only, never the server's path
             raise bad_request("path", f"the checkpoint is damaged: {'; '.join(problems)}")

@@ -146,5 +146,12 @@ def test_a_step_to_non_finite_weights_is_refused_and_undone(server):
         assert after == before
         tc.forward_backward([d], "cross_entropy").result()  # and it trains on
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        # A saved state without its manifest cannot be verified: refused, not loaded.
+        path = tc.save_state("no-manifest").result().path
+        run_id = path.split("/")[2]
+        folder = server.tenant_dir(name="bob") / run_id / "weights" / "no-manifest"
+        (folder / "manifest.json").unlink()
+        with pytest.raises(tinker.RequestFailedError, match="no manifest.json"):
+            sc.create_training_client_from_state(path).result()
     finally:
         sc.close("success").result()
