@@ -72,6 +72,7 @@ from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
 
+from core import jsonio
 from core.errors import ConfigError
 from runtime import faults
 
@@ -289,7 +290,7 @@ def verify_checkpoint(
         return problems  # written by stock torchtitan: metadata checks only
     try:
         with open(man_path) as f:
-            manifest = json.load(f)
+            manifest = jsonio.loads(f.read())
         files = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return [*problems, f"{MANIFEST} is unreadable: {e}"]

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+from core import jsonio
 from core.errors import ConfigError
 from core.models import HF_MODEL_TYPE, ModelShape
 
@@ -61,7 +62,7 @@ def read_hf_config(folder: str | Path, *, file: str | None, key: str) -> dict[st
             f"no *.safetensors in {folder} (only safetensors weights are read)", file=file, key=key
         )
     try:
-        data = json.loads(cfg.read_text())
+        data = jsonio.loads(cfg.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"{cfg} is not readable JSON: {e}", file=file, key=key) from None
     if not isinstance(data, dict):
@@ -154,7 +155,7 @@ def _header(path: Path, fail: Callable[[str], NoReturn]) -> dict[str, _Tensor]:
     if text is None:
         fail(f"{path.name} is not a safetensors file (header length {n}, file {size} bytes)")
     try:
-        head = json.loads(text)
+        head = jsonio.loads(text)
     except ValueError as e:
         fail(f"{path.name} has a garbage header ({str(e).splitlines()[0][:100]})")
     if not isinstance(head, dict):
@@ -238,7 +239,7 @@ def verify_hf_folder(
     index = root / INDEX_FILE
     if index.exists():
         try:
-            wmap = json.loads(index.read_bytes()).get("weight_map")
+            wmap = jsonio.loads(index.read_bytes()).get("weight_map")
             if not isinstance(wmap, dict):
                 raise ValueError("no weight_map")
         except (OSError, ValueError, AttributeError) as e:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core import jsonio
 from data.store import write_json_atomic
 from service.errors import ServiceError, bad_request, not_found
 
@@ -112,7 +113,7 @@ def check_meta(meta: Any) -> dict[str, Any]:
 
 
 def _read_json(path: Path) -> Any:
-    return json.loads(path.read_bytes())
+    return jsonio.loads(path.read_bytes())  # a nesting bomb: ValueError, not RecursionError
 
 
 class Storage:

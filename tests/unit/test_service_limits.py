@@ -352,3 +352,21 @@ def test_empty_recipe_is_an_error():
     with pytest.raises(ConfigError, match="--recipe: expected a recipe TOML"):
         p.parse_args(["--recipe="])
     assert p.parse_args([]).recipe is None  # absent: the default, as before
+
+
+def test_json_readers_bound_nesting_depth(tmp_path):
+    from core import jsonio
+    from service.storage import CheckpointRef, CheckpointStore
+
+    bomb = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(ValueError, match="nested 100000 levels"):
+        jsonio.loads(bomb)
+    assert jsonio.loads(b'{"a": "[[[[", "b": [[1]]}') == {"a": "[[[[", "b": [[1]]}
+    assert jsonio.nesting_depth(b'["\\"[", {"x": []}]') == 3
+    store = CheckpointStore(tmp_path)
+    ref = CheckpointRef("s-1:train:0", "weights", "w")
+    store.folder(ref).mkdir(parents=True)
+    (store.folder(ref) / "meta.json").write_bytes(b'{"lora": ' + bomb + b"}")
+    with pytest.raises(ServiceError) as e:  # was a RecursionError: a hole in the seq order
+        store.meta(ref)
+    assert e.value.status == 422 and "nested" in e.value.message
