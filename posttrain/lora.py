@@ -21,6 +21,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -290,12 +291,15 @@ def export_adapter(
     (gathering sharded tensors is collective); rank 0 writes."""
     import torch.distributed as dist
 
+    from runtime.hf import export_run_id, mark_export
+
     r = recipe
-    folder = os.path.join(r.finetune.export_dir.replace("{output_dir}", r.output_dir), name)
+    folder = adapter_export_folder(r, name)
     adapter = adapter_state(model)
     base = base_state(model) if r.finetune.export_merged else None  # FSDP: an all-gather
     if dist.is_initialized() and dist.get_rank() != 0:
         return folder
+    check_adapter_export(r, name)  # again at export time: another run may have written since
     kw = {
         "model_config": model_config,
         "adapter": adapter,
@@ -306,4 +310,28 @@ def export_adapter(
         scale = r.lora.alpha / r.lora.rank
         export_merged(os.path.join(folder, "merged"), base=base, scale=scale,
                       family=r.model.family, **kw)  # fmt: skip
+    mark_export(folder, export_run_id(r.checkpoint_dir))
     return folder
+
+
+def adapter_export_folder(recipe: Any, name: str) -> str:
+    r = recipe
+    return os.path.join(r.finetune.export_dir.replace("{output_dir}", r.output_dir), name)
+
+
+def check_adapter_export(recipe: Any, name: str) -> None:
+    """ConfigError when <finetune.export_dir>/<name> holds another run's export (two runs
+    given one export_dir silently replaced the first one's adapter, #41); this run's own
+    (a resume) may be written again."""
+    from core.errors import ConfigError
+    from runtime.hf import export_owner_problem, export_run_id
+
+    folder = adapter_export_folder(recipe, name)
+    who = export_owner_problem(Path(folder), export_run_id(recipe.checkpoint_dir))
+    if who is not None:
+        raise ConfigError(
+            f"{folder} is {who}; this run would replace it with its adapter: point "
+            "finetune.export_dir at a folder of its own",
+            file=recipe.source,
+            key="finetune.export_dir",
+        )

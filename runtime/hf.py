@@ -404,25 +404,39 @@ def check_export_target(
     """ConfigError when `<export_folder>/step-N` (N in `steps`) exists and is not `run`'s."""
     for step in steps:
         target = Path(export_folder) / f"step-{step}"
-        if not target.exists():
-            continue
-        try:
-            owner = json.loads((target / EXPORT_INFO).read_bytes()).get("run")
-        except (OSError, ValueError, AttributeError):
-            owner = None
-        if owner == run:
-            continue
-        who = (
-            f"another run's (checkpoint folder {owner})"
-            if isinstance(owner, str)
-            else f"not a titanscale export of this run (no readable {EXPORT_INFO})"
-        )
-        raise ConfigError(
-            f"{target} is {who}; this run would replace it with its own step {step}: point "
-            "checkpoint.export_folder at a folder of its own (default <job.output_dir>/hf)",
-            file=file,
-            key="checkpoint.export_folder",
-        )
+        who = export_owner_problem(target, run)
+        if who is not None:
+            raise ConfigError(
+                f"{target} is {who}; this run would replace it with its own step {step}: "
+                "point checkpoint.export_folder at a folder of its own (default "
+                "<job.output_dir>/hf)",
+                file=file,
+                key="checkpoint.export_folder",
+            )
+
+
+def export_owner_problem(target: Path, run: str) -> str | None:
+    """Why `run` may not write the export folder `target` (another run's, or not an export
+    of ours), or None: it does not exist or is `run`'s own (a resume exporting again)."""
+    if not target.exists():
+        return None
+    try:
+        owner = jsonio.loads((target / EXPORT_INFO).read_bytes()).get("run")
+    except (OSError, ValueError, AttributeError):
+        owner = None
+    if owner == run:
+        return None
+    return (
+        f"another run's (checkpoint folder {owner})"
+        if isinstance(owner, str)
+        else f"not a titanscale export of this run (no readable {EXPORT_INFO})"
+    )
+
+
+def mark_export(folder: str, run: str, **fields: Any) -> None:
+    """Record in `folder` the run that wrote it (EXPORT_INFO; `export_owner_problem`)."""
+    with open(os.path.join(folder, EXPORT_INFO), "w") as f:
+        json.dump({**fields, "run": run}, f)
 
 
 def finish_export(

@@ -10,6 +10,7 @@ import asyncio
 import threading
 import time
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -370,3 +371,31 @@ def test_json_readers_bound_nesting_depth(tmp_path):
     with pytest.raises(ServiceError) as e:  # was a RecursionError: a hole in the seq order
         store.meta(ref)
     assert e.value.status == 422 and "nested" in e.value.message
+
+
+def test_an_adapter_export_refuses_another_runs_folder(tmp_path):
+    """Round III: two runs given one finetune.export_dir silently replaced the first export."""
+    from types import SimpleNamespace
+
+    from core.errors import ConfigError
+    from posttrain.lora import adapter_export_folder, check_adapter_export
+    from runtime.hf import export_run_id, mark_export
+
+    def recipe(run: str):
+        return SimpleNamespace(
+            finetune=SimpleNamespace(export_dir="{output_dir}/peft"), output_dir=str(tmp_path),
+            checkpoint_dir=str(tmp_path / run), source="r.toml",
+        )  # fmt: skip
+
+    a, b = recipe("run-a"), recipe("run-b")
+    check_adapter_export(a, "job")  # nothing there yet
+    folder = Path(adapter_export_folder(a, "job"))
+    folder.mkdir(parents=True)
+    mark_export(str(folder), export_run_id(a.checkpoint_dir))
+    check_adapter_export(a, "job")  # its own (a resume) may be written again
+    with pytest.raises(ConfigError, match="another run's") as e:
+        check_adapter_export(b, "job")
+    assert e.value.key == "finetune.export_dir"
+    (folder / "titanscale_export.json").unlink()  # a folder titanscale did not write
+    with pytest.raises(ConfigError, match="not a titanscale export"):
+        check_adapter_export(a, "job")
