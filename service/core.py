@@ -39,6 +39,7 @@ from service.deadline import op_deadline
 from service.errors import ServiceError, bad_request, log_safe, not_found, scrub_paths
 from service.futures import Future, FutureStore, Outcome
 from service.limits import Limits, check_count, check_metadata, check_stop
+from service.resident import TRAINED_COPIES, ResidentLedger
 from service.scheduler import Op, Scheduler
 from service.sessions import Model, Registry, Sampler, Session
 from service.storage import (
@@ -126,6 +127,7 @@ class Service:
                 priced_s, factor=limits.op_deadline_factor, min_s=limits.op_deadline_min_s
             ),
         )
+        self.resident = ResidentLedger(limits.max_resident_bytes)
         self.registry = Registry(session_ttl_s)
         self.records = sampling.StabilityRecords()  # what stable_reinforce trains on
         self.draining = False
@@ -269,6 +271,9 @@ class Service:
 
         for m in models:
             self.scheduler.close_lane(m.model_id)
+            self.resident.release(m.model_id)
+        for s in samplers:
+            self.resident.release(s.sampler_id)
         # Shutting down (410): the process is about to free everything anyway.
         with contextlib.suppress(ServiceError):
             self.scheduler.submit(Op(session_id, "free", run, tenant=tenant, internal=True))
@@ -302,9 +307,22 @@ class Service:
             self.limits.max_models_per_tenant,
             "max_models_per_tenant",
         )
+        self._admit_resident(model_id, tenant, spec, TRAINED_COPIES, "this model's adapter")
         m = Model(model_id, session.session_id, base, spec, meta, tenant=tenant)
-        self.registry.add_model(m)
+        try:
+            self.registry.add_model(m)
+        except BaseException:
+            self.resident.release(model_id)
+            raise
         return m, None
+
+    def _admit_resident(
+        self, key: str, tenant: str, spec: LoraSpec, copies: int, what: str
+    ) -> None:
+        """Price what `key` will keep on the device (service/resident.py) before it exists."""
+        price = getattr(self.backend, "adapter_bytes", None)
+        if price is not None:
+            self.resident.admit(key, tenant, copies * int(price(spec)), what)
 
     def create_model(self, tenant: str, body: wire.CreateModelBody) -> Future:
         session = self.registry.session(body.session_id, tenant)
@@ -345,6 +363,7 @@ class Service:
     def _unregister(self, model_id: str) -> None:
         self.registry.remove_model(model_id)
         self.scheduler.close_lane(model_id)
+        self.resident.release(model_id)
 
     def _sequenced(
         self, tenant: str, model_id: str, seq_id: int, kind: str, build: Callable[[Model], Op]
@@ -543,6 +562,7 @@ class Service:
                     raise bad_request("path", "either path or sampling_session_seq_id is required")
                 self.check_sampling("sampling_session_seq_id")  # a snapshot is for sampling
                 sampler_id = f"{m.session_id}:sample:{body.sampling_session_seq_id}"
+                self._admit_resident(sampler_id, tenant, m.lora, 1, "this sampler snapshot")
 
                 def run() -> Outcome:
                     handle = self.backend.snapshot(m.model_id)
@@ -553,7 +573,10 @@ class Service:
                         json={"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
                     )
 
-            return Op(m.session_id, "save_for_sampler", run, m.model_id, body.seq_id, tenant=tenant)
+            op = Op(m.session_id, "save_for_sampler", run, m.model_id, body.seq_id, tenant=tenant)
+            if body.path is None:  # a snapshot that was not made holds nothing
+                op.on_error = lambda: self.resident.release(sampler_id)
+            return op
 
         return self._sequenced(tenant, body.model_id, body.seq_id, "save_for_sampler", build)
 
@@ -670,6 +693,7 @@ class Service:
             tenant=tenant,
             state="loading",
         )
+        self._admit_resident(sampler_id, tenant, spec, 1, "this sampler's weights")
         if self.registry.add_sampler(s) is not s:
             return sampler_id  # an SDK retry of the same create
 
@@ -679,6 +703,7 @@ class Service:
             except Exception as e:
                 err = self._load_failed(f"sampler weights {ref.tinker_path}", e)
                 s.state, s.error = "failed", err.message
+                self.resident.release(sampler_id)
                 raise err from e
             s.state = "ready"
             return Outcome(json={})

@@ -40,6 +40,9 @@ class Limits:
     # `op_deadline_min_s` (service/deadline.py); past it the op fails, the service goes on.
     op_deadline_factor: float = 20.0
     op_deadline_min_s: float = 120.0
+    # Adapters and sampler snapshots held between requests (service/resident.py); None: not
+    # admitted (tools.serve sets it: --max-resident-gib).
+    max_resident_bytes: float | None = None
 
 
 # The limits `tools.serve --limit NAME=VALUE` may set (the others have their own flags).

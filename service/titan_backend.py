@@ -334,6 +334,16 @@ class TitanLoraBackend:
     def _weights(self, spec: LoraSpec, seed: int) -> AdapterWeights:
         return init_adapter(self.model, seed, rank=spec.rank, targets=lambda n: _targets(spec, n))
 
+    def adapter_bytes(self, spec: LoraSpec) -> int:
+        """The bytes of one adapter's weights (service/resident.py prices a trained model at
+        4 such copies, a sampler snapshot at one)."""
+        total = 0
+        for name, m in lora_modules(self.model):
+            if _targets(spec, name):
+                a, b = m.lora_a.weight, m.lora_b.weight
+                total += spec.rank * (a.shape[1] + b.shape[0]) * a.element_size()
+        return total
+
     def create_adapter(self, adapter: str, spec: LoraSpec) -> None:
         from torchtitan.components.optimizer import default_adamw
 

@@ -2,7 +2,8 @@
 
     python -m tools.serve --recipe R [--host 127.0.0.1 --port 8000] [--api-key-file F]
                           [--storage DIR] [--session-ttl S] [--drain S] [--max-body-mb M]
-                          [--max-request-gib G] [--max-queued-per-session N]
+                          [--max-request-gib G] [--max-resident-gib G]
+                          [--max-queued-per-session N]
                           [--max-queued-per-tenant N] [--base-name NAME] [--context N]
                           [--tokenizer-id ID] [--generators 0|1] [--generator-tokens T]
                           [--adapters N] [--op-timeout S] [--limit NAME=VALUE ...]
@@ -79,6 +80,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "default: half the memory available once the model is built",
     )
     p.add_argument(
+        "--max-resident-gib",
+        type=float,
+        default=None,
+        help="memory of adapters (x4: weights, gradients, AdamW moments) and sampler snapshots "
+        "held between requests; beyond, 429 (service/resident.py); default: the half of the "
+        "memory available once the model is built that --max-request-gib leaves",
+    )
+    p.add_argument(
         "--max-queued-per-session",
         type=int,
         default=64,
@@ -141,6 +150,8 @@ def check_args(args: argparse.Namespace) -> None:
         positive_arg(args.drain, "--drain")
     if args.max_request_gib is not None:
         positive_arg(args.max_request_gib, "--max-request-gib", bound=1 << 20)
+    if args.max_resident_gib is not None:
+        positive_arg(args.max_resident_gib, "--max-resident-gib", bound=1 << 20)
     positive_arg(args.max_queued_per_session, "--max-queued-per-session", bound=1 << 20)
     positive_arg(args.max_queued_per_tenant, "--max-queued-per-tenant", bound=1 << 20)
     check_resource_args(args)
@@ -376,7 +387,15 @@ def _run_service(args, recipe, opts, keys, sock, backend, dispatcher) -> int:
         if args.max_request_gib is not None
         else default_budget_bytes()
     )
-    opts = replace(opts, limits=replace(opts.limits, max_request_bytes=budget))
+    resident = (
+        args.max_resident_gib * (1 << 30)
+        if args.max_resident_gib is not None
+        else default_budget_bytes()
+    )
+    opts = replace(
+        opts,
+        limits=replace(opts.limits, max_request_bytes=budget, max_resident_bytes=resident),
+    )
     failed = asyncio.run(serve(backend, opts, sock=sock, keys=keys, cost=cost, resource=dispatcher))
     return 0 if failed is None else 1
 

@@ -47,6 +47,9 @@ class GatedBackend:
     def drop_adapter(self, adapter) -> None:
         pass
 
+    def adapter_bytes(self, spec) -> int:
+        return 1000 * spec.rank
+
     def optim_step(self, adapter, params):
         self.gate.wait(10)
         self.ran.append(f"optim {adapter}")
@@ -399,3 +402,33 @@ def test_an_adapter_export_refuses_another_runs_folder(tmp_path):
     (folder / "titanscale_export.json").unlink()  # a folder titanscale did not write
     with pytest.raises(ConfigError, match="not a titanscale export"):
         check_adapter_export(a, "job")
+
+
+def test_resident_adapters_are_admitted_against_the_budget(tmp_path):
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    backend = GatedBackend()
+    backend.gate.set()
+    # rank 2: 2,000 bytes of weights, x4 resident (weights, grads, two moments) = 8,000
+    s = Service(backend, Storage(str(tmp_path / "st")), loop,
+                limits=Limits(max_resident_bytes=20_000))  # fmt: skip
+    a, b = _session(s), _session(s, tenant="u")
+    assert _wait(_create(s, a, 0)).error is None
+    assert _wait(_create(s, b, 0, tenant="u")).error is None
+    with pytest.raises(ServiceError) as e:  # a third: 24,000 > 20,000
+        _create(s, a, 1)
+    assert e.value.status == 429 and "--max-resident-gib" in e.value.message
+    assert f"{a}:train:1" not in s.registry.models
+    assert s.resident.total() == 16_000
+    s.finish_session("u", b, "done")  # frees the other tenant's adapter
+    assert s.resident.total() == 8_000
+    assert _wait(_create(s, a, 1)).error is None
+    big = wire.CreateModelBody.model_validate(
+        {"session_id": a, "model_seq_id": 5, "base_model": "fake/base",
+         "lora_config": {"rank": 8}}
+    )  # fmt: skip
+    with pytest.raises(ServiceError) as e:  # 32,000: more than the whole budget
+        s.create_model("t", big)
+    assert e.value.status == 413
+    s.scheduler.drain(5)
+    loop.call_soon_threadsafe(loop.stop)
