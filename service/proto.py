@@ -163,8 +163,8 @@ def _decode_datum(d: Any, where: str, bounds: Bounds) -> tuple[np.ndarray, dict[
     tokens: list[np.ndarray] = []
     if bounds.max_len is not None:  # 4 bytes per int32 token: count before decoding any
         n = sum(len(c.encoded_text.tokens) // 4 for c in d.model_input)
-        if n > bounds.max_len:
-            raise _too_large(
+        if n > bounds.max_len:  # 400 as before: the sequence does not fit the model
+            raise bad_request(
                 where + ".model_input", f"{n} tokens exceed the model's {bounds.max_len}"
             )
     for chunk in d.model_input:
