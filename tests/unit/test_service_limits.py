@@ -23,6 +23,7 @@ from service.core import Service
 from service.errors import ServiceError
 from service.limits import Limits, parse_limit
 from service.storage import Storage
+from tests.unit.test_service_units import _wait  # polls a future's outcome (no sleep asserts)
 
 VOCAB, CONTEXT = 64, 32
 
@@ -68,13 +69,6 @@ def svc(tmp_path):
     backend.gate.set()
     s.scheduler.drain(5)
     loop.call_soon_threadsafe(loop.stop)
-
-
-def _wait(fut, timeout=10):
-    end = time.monotonic() + timeout
-    while fut.outcome is None and time.monotonic() < end:
-        time.sleep(0.01)
-    return fut.outcome
 
 
 def _session(s: Service, tenant="t", meta=None) -> str:
