@@ -24,6 +24,7 @@ from tests.helpers.service_server import (  # noqa: E402
     TWO_TENANTS,
     start_server,
 )
+from tools.reliability_report import record_case  # noqa: E402
 
 MiB = 1 << 20
 PROMPT = [5, 17, 33, 2]
@@ -95,6 +96,7 @@ def test_a_sparse_body_is_refused_before_it_is_expanded(server):
     print(f"peak RSS growth {growth / MiB:.1f} MiB; {len(health)} health checks")
     assert growth < 100 * MiB
     assert health and all(s == 200 for s in health)
+    record_case("service", "sparse body declaring 2 GiB")
 
 
 def test_largest_sampling_request_does_not_starve_another_tenant(server):
@@ -121,6 +123,7 @@ def test_largest_sampling_request_does_not_starve_another_tenant(server):
         print(f"B's 5-token sample answered in {waited:.2f} s behind A's 64 x 50 tokens")
         assert waited < DEADLINE_MIN_S  # behind at most one op of A, itself bounded
         assert len(fa.result().sequences) == 64
+        record_case("service", "stop strings (count, starvation)", n=2)
     finally:
         a.close("success").result()
         b.close("success").result()
@@ -153,5 +156,7 @@ def test_a_step_to_non_finite_weights_is_refused_and_undone(server):
         (folder / "manifest.json").unlink()
         with pytest.raises(tinker.RequestFailedError, match="no manifest.json"):
             sc.create_training_client_from_state(path).result()
+        record_case("service", "learning rate 1e30")
+        record_case("service", "load_state without manifest.json")
     finally:
         sc.close("success").result()
