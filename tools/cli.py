@@ -145,7 +145,9 @@ def add_recipe_arg(
     what = help or "recipe TOML or a name in recipes/"
     if not required:
         what += f" (default: {default or 'recipes/debug.toml'})"
-    p.add_argument("--recipe", required=required, default=default, help=what, type=_recipe)
+    p.add_argument(
+        "--recipe", required=required, default=default, help=what, type=_recipe, metavar="RECIPE"
+    )
 
 
 def _recipe(value: str) -> str:
