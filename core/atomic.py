@@ -33,6 +33,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from core import jsonio
+
 MANIFEST = "manifest.json"
 _CHUNK = 8 * 2**20
 PathLike = str | os.PathLike[str]
@@ -152,7 +154,7 @@ def read_manifest(folder: PathLike) -> dict[str, Any] | None:
     if not p.exists():
         return None
     try:
-        files = json.loads(p.read_bytes())["files"]
+        files = jsonio.loads(p.read_bytes())["files"]
         if not isinstance(files, dict):
             raise TypeError("'files' is not an object")
         return files

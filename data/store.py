@@ -45,6 +45,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from core import jsonio
 from core.atomic import crc32_file, fsync_path, publish_file, publish_folder, write_json_atomic
 from core.errors import ConfigError
 
@@ -170,7 +171,7 @@ class TokenStore:
 
     def _read_manifest(self) -> dict[str, Any]:
         try:
-            m = json.loads((self.path / MANIFEST).read_bytes())
+            m = jsonio.loads((self.path / MANIFEST).read_bytes())
         except (OSError, ValueError) as e:  # ValueError: not JSON, not UTF-8
             why = getattr(e, "strerror", None) or str(e).splitlines()[0][:120]
             self._damaged(f"{MANIFEST} is not readable JSON ({why})")

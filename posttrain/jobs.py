@@ -21,6 +21,10 @@ def check(job: session.Job) -> None:
     if job.recipe.adapters:
         # The recipe's [parallel] was checked at load; this covers a layout the planner chose.
         check_adapter_layout(job.recipe, job.layout)
+    elif job.recipe.finetune.mode == "lora":  # posttrain.trainer exports <export_dir>/<job>
+        from posttrain.lora import check_adapter_export
+
+        check_adapter_export(job.recipe, job.recipe.job.name)
 
 
 def adapter_job(job: session.Job, mesh: Any = None) -> Any:

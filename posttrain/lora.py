@@ -21,6 +21,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -380,15 +381,17 @@ def export_adapter(
     import torch.distributed as dist
 
     from core.atomic import folder_crcs, fsync_files, publish_folder, write_manifest
+    from runtime.hf import export_run_id, mark_export
 
     r = recipe
-    folder = os.path.join(r.finetune.export_dir.replace("{output_dir}", r.output_dir), name)
+    folder = adapter_export_folder(r, name)
     adapter = adapter_state(model)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     # FSDP: an all-gather on every rank (collective); no further copy of the base anywhere.
     base = base_state(model, copy=False) if r.finetune.export_merged else None
     if not rank0:
         return folder
+    check_adapter_export(r, name)  # again at export time: another run may have written since
     kw = {
         "model_config": model_config,
         "adapter": adapter,
@@ -405,9 +408,33 @@ def export_adapter(
             export_merged(merged, base=base, scale=scale, family=r.model.family, **kw)
             write_manifest(merged, folder_crcs(merged))
             fsync_files(merged)
+        mark_export(tmp, export_run_id(r.checkpoint_dir))
         write_manifest(tmp, folder_crcs(tmp))
         fsync_files(tmp)
         publish_folder(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def adapter_export_folder(recipe: Any, name: str) -> str:
+    r = recipe
+    return os.path.join(r.finetune.export_dir.replace("{output_dir}", r.output_dir), name)
+
+
+def check_adapter_export(recipe: Any, name: str) -> None:
+    """ConfigError when <finetune.export_dir>/<name> holds another run's export (two runs
+    given one export_dir silently replaced the first one's adapter, #41); this run's own
+    (a resume) may be written again."""
+    from core.errors import ConfigError
+    from runtime.hf import export_owner_problem, export_run_id
+
+    folder = adapter_export_folder(recipe, name)
+    who = export_owner_problem(Path(folder), export_run_id(recipe.checkpoint_dir))
+    if who is not None:
+        raise ConfigError(
+            f"{folder} is {who}; this run would replace it with its adapter: point "
+            "finetune.export_dir at a folder of its own",
+            file=recipe.source,
+            key="finetune.export_dir",
+        )

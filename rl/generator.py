@@ -229,6 +229,8 @@ class Generator:
         self.max_batch = max_batch
         self.decode = decode  # token ids -> text: what stop strings are matched on
         self.version = 0
+        # Called after each decoded token (a caller's deadline: it may raise to stop).
+        self.on_token: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._pending: tuple[dict[str, torch.Tensor], int] | None = None
         self._pending_lock = threading.Lock()
@@ -427,6 +429,8 @@ class Generator:
         hist: list[list[int]] = [[] for _ in range(B)]
         toks, lps = [], []
         for t in range(params.max_tokens):
+            if self.on_token is not None:
+                self.on_token()
             tok, lp = _sample(logits, params, gen)
             toks.append(tok)
             lps.append(lp)

@@ -392,7 +392,7 @@ def _train(job: Any, trainer: Any) -> dict[str, Any] | None:
         r.sft_warmup()
     r.attach_reference()
     r.push_weights(start)
-    errors_total = 0
+    errors_total = skipped = 0
     wait_total = busy_total = 0.0
     q: queue.Queue[Batch | BaseException] = queue.Queue()
     stop = threading.Event()
@@ -432,9 +432,23 @@ def _train(job: Any, trainer: Any) -> dict[str, Any] | None:
                     raise item
                 batch = item
                 t_wait = time.perf_counter() - t0
-                stats = r.train_on(batch, step)
+                # No rollout succeeded on any rank (on_error = "skip"): nothing to train on.
+                # The update is skipped and counted, never trained or logged as a NaN loss.
+                empty = steps.mean_over_ranks({"n": float(len(batch.rollouts))})["n"] == 0
+                if not empty:
+                    stats = r.train_on(batch, step)
                 done = trainer.step = step
                 r.push_weights(step)
+            if empty:
+                skipped += 1
+                errors_total += len(batch.errors)
+                for e in batch.errors:
+                    mp.write_event("rl_rollout_error", step=step, error=e[:500])
+                mp.write_event("rl_update_skipped", step=step, rollout_errors=len(batch.errors))
+                logger.warning(f"rl: update {step} skipped: no rollout succeeded "
+                               f"({len(batch.errors)} errors, rl.on_error = \"skip\")")  # fmt: skip
+                trainer.checkpointer.save(step, last_step=(step == r.steps))
+                continue
             t_busy = time.perf_counter() - t0 - t_wait
             wait_total += t_wait
             busy_total += t_busy
@@ -493,10 +507,18 @@ def _train(job: Any, trainer: Any) -> dict[str, Any] | None:
     mp.write_event(
         "rl_summary",
         mode=rl.mode,
-        updates=done - start,
+        updates=done - start - skipped,
+        skipped_updates=skipped,
         stopped=stopped,
         trainer_wait_pct=100.0 * wait_total / max(wait_total + busy_total, 1e-9),
         rollout_errors=errors_total,
     )
     trainer.summary = mp.finish()
+    if skipped and skipped == done - start:  # nothing trained: not a success (exit 2)
+        raise ConfigError(
+            f"every update of this run ({skipped}) was skipped: no rollout succeeded "
+            f"({errors_total} errors; rl_rollout_error events in metrics.jsonl)",
+            file=job.recipe.source,
+            key="rl.on_error",
+        )
     return trainer.summary

@@ -79,7 +79,7 @@ from runtime import faults
 from runtime.safe_load import drop_absent_adapter_keys, load_metadata, safe_dcp_load
 
 PARTIAL = ".partial"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+_STEP_DIR = re.compile(r"^step-(\d+)\Z")
 
 
 class CheckpointError(ConfigError):

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+from core import jsonio
 from core.errors import ConfigError
 from core.models import HF_MODEL_TYPE, ModelShape
 
@@ -61,7 +62,7 @@ def read_hf_config(folder: str | Path, *, file: str | None, key: str) -> dict[st
             f"no *.safetensors in {folder} (only safetensors weights are read)", file=file, key=key
         )
     try:
-        data = json.loads(cfg.read_text())
+        data = jsonio.loads(cfg.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"{cfg} is not readable JSON: {e}", file=file, key=key) from None
     if not isinstance(data, dict):
@@ -154,7 +155,7 @@ def _header(path: Path, fail: Callable[[str], NoReturn]) -> dict[str, _Tensor]:
     if text is None:
         fail(f"{path.name} is not a safetensors file (header length {n}, file {size} bytes)")
     try:
-        head = json.loads(text)
+        head = jsonio.loads(text)
     except ValueError as e:
         fail(f"{path.name} has a garbage header ({str(e).splitlines()[0][:100]})")
     if not isinstance(head, dict):
@@ -238,7 +239,7 @@ def verify_hf_folder(
     index = root / INDEX_FILE
     if index.exists():
         try:
-            wmap = json.loads(index.read_bytes()).get("weight_map")
+            wmap = jsonio.loads(index.read_bytes()).get("weight_map")
             if not isinstance(wmap, dict):
                 raise ValueError("no weight_map")
         except (OSError, ValueError, AttributeError) as e:
@@ -403,25 +404,39 @@ def check_export_target(
     """ConfigError when `<export_folder>/step-N` (N in `steps`) exists and is not `run`'s."""
     for step in steps:
         target = Path(export_folder) / f"step-{step}"
-        if not target.exists():
-            continue
-        try:
-            owner = json.loads((target / EXPORT_INFO).read_bytes()).get("run")
-        except (OSError, ValueError, AttributeError):
-            owner = None
-        if owner == run:
-            continue
-        who = (
-            f"another run's (checkpoint folder {owner})"
-            if isinstance(owner, str)
-            else f"not a titanscale export of this run (no readable {EXPORT_INFO})"
-        )
-        raise ConfigError(
-            f"{target} is {who}; this run would replace it with its own step {step}: point "
-            "checkpoint.export_folder at a folder of its own (default <job.output_dir>/hf)",
-            file=file,
-            key="checkpoint.export_folder",
-        )
+        who = export_owner_problem(target, run)
+        if who is not None:
+            raise ConfigError(
+                f"{target} is {who}; this run would replace it with its own step {step}: "
+                "point checkpoint.export_folder at a folder of its own (default "
+                "<job.output_dir>/hf)",
+                file=file,
+                key="checkpoint.export_folder",
+            )
+
+
+def export_owner_problem(target: Path, run: str) -> str | None:
+    """Why `run` may not write the export folder `target` (another run's, or not an export
+    of ours), or None: it does not exist or is `run`'s own (a resume exporting again)."""
+    if not target.exists():
+        return None
+    try:
+        owner = jsonio.loads((target / EXPORT_INFO).read_bytes()).get("run")
+    except (OSError, ValueError, AttributeError):
+        owner = None
+    if owner == run:
+        return None
+    return (
+        f"another run's (checkpoint folder {owner})"
+        if isinstance(owner, str)
+        else f"not a titanscale export of this run (no readable {EXPORT_INFO})"
+    )
+
+
+def mark_export(folder: str, run: str, **fields: Any) -> None:
+    """Record in `folder` the run that wrote it (EXPORT_INFO; `export_owner_problem`)."""
+    with open(os.path.join(folder, EXPORT_INFO), "w") as f:
+        json.dump({**fields, "run": run}, f)
 
 
 def finish_export(

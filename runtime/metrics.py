@@ -375,6 +375,16 @@ def wandb_env(project: str, entity: str, run_name: str, dump_folder: str) -> Non
     os.environ.setdefault("WANDB_RESUME", "allow")  # same id again = continue that run
 
 
+def _finite_or_null(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _finite_or_null(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_finite_or_null(x) for x in v]
+    return v
+
+
 class JsonlLog:
     """metrics.jsonl, appended (a restarted or requeued job continues the same file; `start`
     events mark each start so a reader can drop the steps a restart replays), one flushed
@@ -393,7 +403,9 @@ class JsonlLog:
                     self._f.write("\n")
 
     def write(self, rec: dict[str, Any]) -> None:
-        self._f.write(json.dumps(rec) + "\n")
+        # A non-finite float is written as null: json.dumps's bare NaN / Infinity are not
+        # JSON, and one such value made the whole line unreadable to other tools (#41).
+        self._f.write(json.dumps(_finite_or_null(rec)) + "\n")
 
     def event(self, event: str, **fields: Any) -> None:
         self.write({"event": event, "time": time.time(), **fields})

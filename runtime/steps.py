@@ -248,6 +248,7 @@ class StepEngine:
         replicated_group: Any = None,
         dp_group: Any = None,
         label: str = "",
+        guard_weights: bool = False,
     ) -> None:
         if microbatch_tokens < 1:
             raise ValueError(f"microbatch_tokens must be >= 1, got {microbatch_tokens}")
@@ -266,6 +267,10 @@ class StepEngine:
         self.replicated_group = replicated_group
         self.dp_group = dp_group
         self.label = label
+        # Check the weights after each step and roll a non-finite step back (`_guarded`):
+        # costs one copy of the parameters and optimizer state per step, so it is for small
+        # trainable sets (the service's adapters), not a whole model.
+        self.guard_weights = guard_weights
         self.microbatches_run = 0  # forward passes with a graph (tests, metrics)
 
     # -- microbatches -------------------------------------------------------------------
@@ -443,11 +448,55 @@ class StepEngine:
             name = bad[0] if bad else "a parameter sharded on another rank"
             self.optimizers.zero_grad()
             raise NonFiniteError(self._where(f"the gradient norm (first non-finite: {name})", norm))
-        self.optimizers.step()
+        if self.guard_weights:
+            self._guarded_step()
+        else:
+            self.optimizers.step()
         if self.lr_schedulers is not None:
             self.lr_schedulers.step()
         self.optimizers.zero_grad()
         return norm
+
+    def _guarded_step(self) -> None:
+        """The optimizer step, undone when a parameter's L2 norm is not finite afterwards
+        (NaN, inf, or entries so large that their squares overflow: a learning rate of 1e30
+        gives finite weights whose next forward is inf). Parameters and optimizer state are
+        restored exactly; the gradients are dropped, as for a non-finite gradient."""
+        params = [p for _, p in self.named_params]
+        saved = [p.detach().clone() for p in params]
+        states = [
+            {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+             for p, st in opt.state.items()}
+            for opt in self.optimizers.optimizers
+        ]  # fmt: skip
+        self.optimizers.step()
+        norms = torch._foreach_norm([_local(p.detach()) for p in params]) if params else []
+        bad = [
+            n for (n, _), v in zip(self.named_params, norms, strict=True) if not torch.isfinite(v)
+        ]
+        if not bad:
+            return
+        with torch.no_grad():
+            for p, old in zip(params, saved, strict=True):
+                p.copy_(old)
+        for opt, st in zip(self.optimizers.optimizers, states, strict=True):
+            for p in list(opt.state):
+                if p not in st:
+                    del opt.state[p]
+            for p, old_state in st.items():
+                for k, v in old_state.items():
+                    cur = opt.state[p].get(k)
+                    if torch.is_tensor(v) and torch.is_tensor(cur):
+                        cur.copy_(v)
+                    else:
+                        opt.state[p][k] = v
+        self.optimizers.zero_grad()
+        head = f"{self.label}: " if self.label else ""
+        raise NonFiniteError(
+            f"{head}the weights after the optimizer step are not finite (first: {bad[0]}); "
+            "the step was undone (weights and optimizer state as before it): lower the "
+            "learning rate"
+        )
 
     def lr(self) -> float:
         return float(self.optimizers.optimizers[0].param_groups[0]["lr"])

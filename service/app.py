@@ -30,6 +30,8 @@ from service.tenants import LOCAL, KeyFile
 
 log = logging.getLogger("service")
 PROTO = "application/x-protobuf"
+OFFLOAD_PARALLEL = 2  # bodies decoded at once, off the event loop
+INLINE_PARSE_BYTES = 64 << 10  # JSON bodies up to this are parsed on the loop (< 1 ms)
 
 # What this server supports, as the SDK's startup config call reads it
 # (tinker.types.ClientConfigResponse): plain API keys, httpx transport, uncompressed
@@ -113,6 +115,22 @@ def create_app(service: Service, keys: KeyFile | None) -> FastAPI:
             )
         return await call_next(request)
 
+    # Decoding runs off the event loop (a 64 MB body parsed on it blocked every client,
+    # health checks included, for seconds), at most OFFLOAD_PARALLEL bodies at a time: the
+    # memory of bodies being decoded stays a small multiple of the body limit.
+    offload = asyncio.Semaphore(OFFLOAD_PARALLEL)
+
+    async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+        async with offload:
+            return await asyncio.to_thread(fn, *args)
+
+    async def parsed(request: Request, model: type[BaseModel], raw: bytes | None = None) -> Any:
+        """The JSON body as `model`; a large one parsed off the event loop."""
+        raw = await body(request) if raw is None else raw
+        if len(raw) <= INLINE_PARSE_BYTES:
+            return wire.parse(model, raw)
+        return await off_loop(wire.parse, model, raw)
+
     async def body(request: Request) -> bytes:
         """The body, streamed with the size limit enforced (Content-Length may be absent)."""
         chunks, n = [], 0
@@ -154,7 +172,7 @@ def create_app(service: Service, keys: KeyFile | None) -> FastAPI:
         its place in the model's order (Service.refuse_request)."""
         raw = await body(request)
         try:
-            b = wire.parse(model, raw)
+            b = await parsed(request, model, raw)
         except ServiceError as e:
             service.refuse_request(tenant, raw, kind, e)
             raise
@@ -180,18 +198,18 @@ def create_app(service: Service, keys: KeyFile | None) -> FastAPI:
 
     @route("POST", "/api/v1/create_session")
     async def create_session(request: Request, tenant: str):
-        b = wire.parse(wire.CreateSessionBody, await body(request))
+        b = await parsed(request, wire.CreateSessionBody)
         return {"type": "create_session", "session_id": service.create_session(tenant, b)}
 
     @route("POST", "/api/v1/session_heartbeat")
     async def heartbeat(request: Request, tenant: str):
-        b = wire.parse(wire.SessionIdBody, await body(request))
+        b = await parsed(request, wire.SessionIdBody)
         service.heartbeat(tenant, b.session_id)
         return {"type": "session_heartbeat"}
 
     @route("POST", "/api/v1/sessions/{session_id}/finish")
     async def finish(request: Request, tenant: str, session_id: str):
-        b = wire.parse(wire.FinishBody, await body(request))
+        b = await parsed(request, wire.FinishBody)
         service.finish_session(tenant, session_id, str((b.reason or {}).get("type", "success")))
         return None
 
@@ -225,12 +243,12 @@ def create_app(service: Service, keys: KeyFile | None) -> FastAPI:
 
     @route("POST", "/api/v1/create_model")
     async def create_model(request: Request, tenant: str):
-        b = wire.parse(wire.CreateModelBody, await body(request))
+        b = await parsed(request, wire.CreateModelBody)
         return future_json(service.create_model(tenant, b))
 
     @route("POST", "/api/v1/get_info")
     async def get_info(request: Request, tenant: str):
-        b = wire.parse(wire.GetInfoBody, await body(request))
+        b = await parsed(request, wire.GetInfoBody)
         return service.get_info(tenant, b.model_id)
 
     @route("POST", "/api/v1/forward_backward")
@@ -238,7 +256,8 @@ def create_app(service: Service, keys: KeyFile | None) -> FastAPI:
         ctype = request.headers.get("content-type", "")
         if PROTO not in ctype:
             raise ServiceError(415, f"content-type: expected {PROTO}")
-        return future_json(service.forward_backward(tenant, await body(request)))
+        decoded = await off_loop(service.decode_forward_backward, await body(request))
+        return future_json(service.forward_backward(tenant, decoded))
 
     @route("POST", "/api/v1/optim_step")
     async def optim_step(request: Request, tenant: str):
@@ -283,7 +302,7 @@ def create_app(service: Service, keys: KeyFile | None) -> FastAPI:
 
     @route("PUT", "/api/v1/training_runs/{model_id}/checkpoints/{kind}/{name}/ttl")
     async def set_ttl(request: Request, tenant: str, model_id: str, kind: str, name: str):
-        b = wire.parse(wire.TtlBody, await body(request))
+        b = await parsed(request, wire.TtlBody)
         service.set_checkpoint_ttl(tenant, model_id, f"{kind}/{name}", b.ttl_seconds)
         return None
 
@@ -293,20 +312,20 @@ def create_app(service: Service, keys: KeyFile | None) -> FastAPI:
 
     @route("POST", "/api/v1/weights_info")
     async def weights_info(request: Request, tenant: str):
-        b = wire.parse(wire.WeightsInfoBody, await body(request))
+        b = await parsed(request, wire.WeightsInfoBody)
         return service.weights_info(tenant, b.tinker_path)
 
     # --- sampling ---------------------------------------------------------------------------
 
     @route("POST", "/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request, tenant: str):
-        b = wire.parse(wire.CreateSamplingSessionBody, await body(request))
+        b = await parsed(request, wire.CreateSamplingSessionBody)
         sid = service.create_sampling_session(tenant, b)
         return {"type": "create_sampling_session", "sampling_session_id": sid}
 
     @route("POST", "/api/v1/join_sampling_session")
     async def join(request: Request, tenant: str):
-        b = wire.parse(wire.JoinSamplingSessionBody, await body(request))
+        b = await parsed(request, wire.JoinSamplingSessionBody)
         n = service.join_sampler(tenant, b.sampling_session_id)
         return {"type": "join_sampling_session", "client_counter": n}
 
@@ -316,20 +335,20 @@ def create_app(service: Service, keys: KeyFile | None) -> FastAPI:
 
     @route("POST", "/api/v1/asample")
     async def asample(request: Request, tenant: str):
-        fut, ids = service.sample(tenant, wire.parse(wire.SampleBody, await body(request)))
+        fut, ids = service.sample(tenant, await parsed(request, wire.SampleBody))
         return future_json(fut, {"sample_sequence_ids": ids})
 
     # --- futures ----------------------------------------------------------------------------
 
     @route("POST", "/api/v1/cancel_future")
     async def cancel(request: Request, tenant: str):
-        b = wire.parse(wire.RetrieveFutureBody, await body(request))
+        b = await parsed(request, wire.RetrieveFutureBody)
         service.future(tenant, b.request_id)  # 404 unless the caller's; cancelling is a no-op
         return None
 
     @route("POST", "/api/v1/retrieve_future")
     async def retrieve(request: Request, tenant: str):
-        b = wire.parse(wire.RetrieveFutureBody, await body(request))
+        b = await parsed(request, wire.RetrieveFutureBody)
         fut = service.future(tenant, b.request_id)
         outcome = await service.futures.wait(fut, service.limits.retrieve_wait_s)
         if outcome is None:

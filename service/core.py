@@ -35,8 +35,11 @@ from service.admission import (
     price_sample,
 )
 from service.backend import NO_GENERATOR, Backend, check_generator_capacity
+from service.deadline import op_deadline
 from service.errors import ServiceError, bad_request, log_safe, not_found, scrub_paths
 from service.futures import Future, FutureStore, Outcome
+from service.limits import Limits, check_count, check_metadata, check_stop
+from service.resident import TRAINED_COPIES, ResidentLedger
 from service.scheduler import Op, Scheduler
 from service.sessions import Model, Registry, Sampler, Session
 from service.storage import (
@@ -56,22 +59,31 @@ INTERNAL_OPS = ("free", "load_sampler")  # ops the service queues itself: no cli
 GIB = 1 << 30
 
 
-@dataclass(frozen=True)
-class Limits:
-    max_body_bytes: int = 64 << 20
-    max_data: int = 1024  # datums per forward_backward request
-    max_samples: int = 64  # num_samples per sample request
-    retrieve_wait_s: float = 20.0  # long-poll time of retrieve_future
-    # Memory one request may use beyond the resident model (admission); None: not priced.
-    max_request_bytes: float | None = None
-    max_queued_per_session: int = 64  # ops queued or held, not yet running (429 beyond)
-    max_queued_per_tenant: int = 256
-
-
 def _consumes_seq(e: ServiceError) -> bool:
-    """A refusal the SDK will not send again takes its seq_id place (4xx but 408/409/410/
-    429, which it retries or which end the session)."""
-    return 400 <= e.status < 500 and e.status not in (408, 409, 410, 429)
+    """A refusal takes its seq_id place unless the SDK sends the same request again as new
+    (408/409/429) or the session ended (410). A 5xx takes it too: the SDK's retry of the same
+    seq_id then gets the placeholder's error instead of waiting for a step that never runs."""
+    return e.status >= 400 and e.status not in (408, 409, 410, 429)
+
+
+def _as_service_error(e: Exception) -> ServiceError:
+    """Any exception while validating a request as the one error the client gets (a damaged
+    file's RecursionError, a bug's KeyError): 500 with the type only, logged with its trace."""
+    if isinstance(e, ServiceError):
+        return e
+    log.error("service: validating a request failed", exc_info=e)
+    return ServiceError(500, f"internal error ({type(e).__name__})")
+
+
+@dataclass
+class DecodedFwdBwd:
+    """A forward_backward body decoded and checked off the event loop
+    (`Service.decode_forward_backward`): the header, and the checked datums or the refusal
+    that the request's seq_id place completes with."""
+
+    req: proto.FwdBwdRequest
+    data: list[Any]
+    error: ServiceError | None = None
 
 
 def _str_dict(d: dict[str, Any] | None) -> dict[str, str] | None:
@@ -109,7 +121,13 @@ class Service:
             record=accounting.write if accounting is not None else None,
             throughput=self.throughput,
             roots=(str(storage.root),),
+            # Each op under a deadline priced like its admission (checked by one process's
+            # backend; a resource's ranks have --op-timeout instead, service/deadline.py).
+            deadline_s=lambda priced_s: op_deadline(
+                priced_s, factor=limits.op_deadline_factor, min_s=limits.op_deadline_min_s
+            ),
         )
+        self.resident = ResidentLedger(limits.max_resident_bytes)
         self.registry = Registry(session_ttl_s)
         self.records = sampling.StabilityRecords()  # what stable_reinforce trains on
         self.draining = False
@@ -195,6 +213,14 @@ class Service:
     def create_session(self, tenant: str, body: wire.CreateSessionBody) -> str:
         if self.draining:
             raise ServiceError(410, "the service is shutting down; no new sessions")
+        check_metadata(body.user_metadata, "user_metadata", self.limits)
+        check_count(
+            "session",
+            "live sessions",
+            self.registry.count_sessions(tenant),
+            self.limits.max_sessions_per_tenant,
+            "max_sessions_per_tenant",
+        )
         s = self.registry.new_session(body.user_metadata, tenant)
         log.info("service.session created %s tenant=%s", s.session_id, log_safe(tenant))
         return s.session_id
@@ -224,7 +250,9 @@ class Service:
         expire idle sessions, forget long-finished ones."""
         self.scheduler.forget(self.futures.sweep())
         self.expire_sessions()
-        self.scheduler.forget_sessions(self.registry.forget_finished())
+        self.scheduler.forget_sessions(
+            self.registry.forget_finished(self.limits.max_finished_sessions_per_tenant)
+        )
 
     def _free(
         self, tenant: str, session_id: str, models: list[Model], samplers: list[Sampler]
@@ -243,6 +271,9 @@ class Service:
 
         for m in models:
             self.scheduler.close_lane(m.model_id)
+            self.resident.release(m.model_id)
+        for s in samplers:
+            self.resident.release(s.sampler_id)
         # Shutting down (410): the process is about to free everything anyway.
         with contextlib.suppress(ServiceError):
             self.scheduler.submit(Op(session_id, "free", run, tenant=tenant, internal=True))
@@ -269,9 +300,29 @@ class Service:
             existing = self.registry.models.get(model_id)
         if existing is not None and existing.create_future is not None and existing.lora == spec:
             return existing, existing.create_future
+        check_count(
+            "model_seq_id",
+            "live models",
+            self.registry.count_models(tenant),
+            self.limits.max_models_per_tenant,
+            "max_models_per_tenant",
+        )
+        self._admit_resident(model_id, tenant, spec, TRAINED_COPIES, "this model's adapter")
         m = Model(model_id, session.session_id, base, spec, meta, tenant=tenant)
-        self.registry.add_model(m)
+        try:
+            self.registry.add_model(m)
+        except BaseException:
+            self.resident.release(model_id)
+            raise
         return m, None
+
+    def _admit_resident(
+        self, key: str, tenant: str, spec: LoraSpec, copies: int, what: str
+    ) -> None:
+        """Price what `key` will keep on the device (service/resident.py) before it exists."""
+        price = getattr(self.backend, "adapter_bytes", None)
+        if price is not None:
+            self.resident.admit(key, tenant, copies * int(price(spec)), what)
 
     def create_model(self, tenant: str, body: wire.CreateModelBody) -> Future:
         session = self.registry.session(body.session_id, tenant)
@@ -281,12 +332,12 @@ class Service:
                 "optimizer_config.type", f"{body.optimizer_config.type!r}: only adamw"
             )
         spec = wire.lora_spec(body.lora_config, max_rank=self.backend.max_lora_rank)
+        check_metadata(body.user_metadata, "user_metadata", self.limits)
         m, again = self._new_model(
             tenant, session, body.model_seq_id, body.base_model, spec, body.user_metadata
         )
         if again is not None:
             return again
-        self.scheduler.open_lane(m.model_id, first_seq=1)
         store = self.store(tenant)
 
         def run() -> Outcome:
@@ -295,20 +346,24 @@ class Service:
             store.write_run(m.model_id, self._run_info(m))
             return Outcome(json={"model_id": m.model_id, "type": "create_model"})
 
-        m.create_future = self.scheduler.submit(
-            Op(
-                session.session_id,
-                "create_model",
-                run,
-                on_error=lambda: self._unregister(m.model_id),
-                tenant=tenant,
-            )
-        )
+        return self._submit_create(m, Op(session.session_id, "create_model", run, tenant=tenant))
+
+    def _submit_create(self, m: Model, op: Op, first_seq: int = 1) -> Future:
+        """Queue a model's creating op; refused (429 queue cap, 410 ...), nothing stays
+        registered, so the SDK's retry of the same create is a new request (#41)."""
+        self.scheduler.open_lane(m.model_id, first_seq=first_seq)
+        op.on_error = lambda: self._unregister(m.model_id)
+        try:
+            m.create_future = self.scheduler.submit(op)
+        except BaseException:
+            self._unregister(m.model_id)
+            raise
         return m.create_future
 
     def _unregister(self, model_id: str) -> None:
         self.registry.remove_model(model_id)
         self.scheduler.close_lane(model_id)
+        self.resident.release(model_id)
 
     def _sequenced(
         self, tenant: str, model_id: str, seq_id: int, kind: str, build: Callable[[Model], Op]
@@ -319,12 +374,15 @@ class Service:
         try:
             op = build(m)
             return self.scheduler.submit(op)
-        except ServiceError as e:
+        except Exception as exc:  # whatever it is, the seq_id place is resolved (#41)
+            e = _as_service_error(exc)
             if _consumes_seq(e):
                 self.scheduler.refuse(
                     m.model_id, seq_id, tenant=tenant, session_id=m.session_id, kind=kind, error=e
                 )
-            raise
+            if e is exc:
+                raise
+            raise e from None
 
     def refuse_request(self, tenant: str, raw: bytes, kind: str, error: ServiceError) -> None:
         """A JSON training request whose body failed validation: if it names a model of this
@@ -338,29 +396,47 @@ class Service:
                 m.model_id, key[1], tenant=tenant, session_id=m.session_id, kind=kind, error=error
             )
 
-    def forward_backward(
-        self, tenant: str, raw: bytes, *, forward_only_path: bool = False
-    ) -> Future:
+    def decode_forward_backward(self, raw: bytes) -> DecodedFwdBwd:
+        """Decode and check a forward_backward body (no state touched: the app runs it off
+        the event loop). Work and memory are bounded by the limits before anything is
+        allocated for them (proto.Bounds); a refusal of a readable header is kept in the
+        result so that it takes the request's seq_id place."""
+        bounds = proto.Bounds(max_data=self.limits.max_data, max_len=self.info.max_context)
         try:
-            req = proto.decode_forward_backward_request(raw)
+            req = proto.decode_forward_backward_request(raw, bounds)
         except ServiceError:
             raise
         except Exception as e:  # whatever the decoder trips on is the client's malformed body
             raise bad_request(
                 "body", f"not a ForwardBackwardRequest protobuf ({type(e).__name__})"
             ) from None
+        out = DecodedFwdBwd(req, [], req.error)
+        if out.error is None:
+            try:
+                out.data = wire.fwdbwd_data(
+                    req.data,
+                    req.loss_fn,
+                    vocab=self.info.vocab_size,
+                    max_len=self.info.max_context,
+                    max_data=self.limits.max_data,
+                )
+                wire.check_loss_config(req.loss_fn, req.loss_fn_config)
+            except Exception as e:
+                out.error = _as_service_error(e)
+        return out
+
+    def forward_backward(
+        self, tenant: str, raw: bytes | DecodedFwdBwd, *, forward_only_path: bool = False
+    ) -> Future:
+        decoded = raw if isinstance(raw, DecodedFwdBwd) else self.decode_forward_backward(raw)
+        req = decoded.req
         forward_only = req.forward_only or forward_only_path
         kind = "forward" if forward_only else "forward_backward"
 
         def build(m: Model) -> Op:
-            data = wire.fwdbwd_data(
-                req.data,
-                req.loss_fn,
-                vocab=self.info.vocab_size,
-                max_len=self.info.max_context,
-                max_data=self.limits.max_data,
-            )
-            wire.check_loss_config(req.loss_fn, req.loss_fn_config)
+            if decoded.error is not None:
+                raise decoded.error
+            data = decoded.data
             if req.loss_fn == "stable_reinforce":  # the sampler's logprobs, from its records
                 for i, d in enumerate(data):
                     q, sampled = sampling.recorded_logprobs(
@@ -429,6 +505,7 @@ class Service:
         user_metadata: dict[str, str] | None,
     ) -> Callable[[], Outcome]:
         """The op that saves `ref` atomically into the tenant's storage."""
+        check_metadata(user_metadata, "user_metadata", self.limits)
         store = self.store(tenant)
         meta = {
             "base_model": m.base_model,
@@ -485,6 +562,7 @@ class Service:
                     raise bad_request("path", "either path or sampling_session_seq_id is required")
                 self.check_sampling("sampling_session_seq_id")  # a snapshot is for sampling
                 sampler_id = f"{m.session_id}:sample:{body.sampling_session_seq_id}"
+                self._admit_resident(sampler_id, tenant, m.lora, 1, "this sampler snapshot")
 
                 def run() -> Outcome:
                     handle = self.backend.snapshot(m.model_id)
@@ -495,7 +573,10 @@ class Service:
                         json={"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
                     )
 
-            return Op(m.session_id, "save_for_sampler", run, m.model_id, body.seq_id, tenant=tenant)
+            op = Op(m.session_id, "save_for_sampler", run, m.model_id, body.seq_id, tenant=tenant)
+            if body.path is None:  # a snapshot that was not made holds nothing
+                op.on_error = lambda: self.resident.release(sampler_id)
+            return op
 
         return self._sequenced(tenant, body.model_id, body.seq_id, "save_for_sampler", build)
 
@@ -537,12 +618,12 @@ class Service:
             base = body.base_model or meta["base_model"]
             self.check_base_model(base)
             spec = self._spec(ref, meta)
+            check_metadata(body.user_metadata, "user_metadata", self.limits)
             m, again = self._new_model(
                 tenant, session, body.model_seq_id, base, spec, body.user_metadata
             )
             if again is not None:
                 return again
-            self.scheduler.open_lane(m.model_id, first_seq=0)
             store = self.store(tenant)
 
             def run() -> Outcome:
@@ -557,18 +638,8 @@ class Service:
                     json={"path": body.path, "model_id": m.model_id, "type": "load_weights"}
                 )
 
-            m.create_future = self.scheduler.submit(
-                Op(
-                    session.session_id,
-                    "load_state",
-                    run,
-                    m.model_id,
-                    0,
-                    on_error=lambda: self._unregister(m.model_id),
-                    tenant=tenant,
-                )
-            )
-            return m.create_future
+            op = Op(session.session_id, "load_state", run, m.model_id, 0, tenant=tenant)
+            return self._submit_create(m, op, first_seq=0)
         if body.model_id is None or body.seq_id is None:
             raise bad_request("model_id", "either model_id+seq_id or session_id+model_seq_id")
 
@@ -622,6 +693,7 @@ class Service:
             tenant=tenant,
             state="loading",
         )
+        self._admit_resident(sampler_id, tenant, spec, 1, "this sampler's weights")
         if self.registry.add_sampler(s) is not s:
             return sampler_id  # an SDK retry of the same create
 
@@ -631,6 +703,7 @@ class Service:
             except Exception as e:
                 err = self._load_failed(f"sampler weights {ref.tinker_path}", e)
                 s.state, s.error = "failed", err.message
+                self.resident.release(sampler_id)
                 raise err from e
             s.state = "ready"
             return Outcome(json={})
@@ -658,6 +731,7 @@ class Service:
             raise bad_request("sampling_session_id", "required (create a sampling client first)")
         s = self.registry.sampler(body.sampling_session_id, tenant)
         self.check_sampling("sampling_session_id")
+        check_stop(body.sampling_params.stop, self.limits)
         req = sampling.sample_request(
             body,
             vocab=self.info.vocab_size,

@@ -7,7 +7,11 @@ message classes of the SDK's descriptor); this module only turns messages into n
 and checks what protobuf cannot: dtypes, shapes, CSR indices, provenance spans.
 Unit tests check it against the SDK's own encoder and decoder in both directions.
 
-Decoding never raises anything but `ServiceError(400)` naming the message and field.
+Decoding never raises anything but `ServiceError` (400 naming the message and field, 413
+naming the limit) and does work bounded by the body and the model: `Bounds` are checked
+before anything is allocated for them (the datum count before any datum is decoded, a
+datum's tokens before they are joined, a tensor's declared shape before a sparse one is
+expanded: a 10 MB CSR body declaring [500000, 1024] used to allocate 2 GiB).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from service import tinker_proto as pb
-from service.errors import bad_request
+from service.errors import ServiceError, bad_request
 
 STOP_REASON = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
 _NP = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
@@ -39,6 +43,20 @@ class Span:
     length: int
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """What one decoded request may hold: `max_data` datums, `max_len` tokens per datum
+    (the served context) and, per tensor, `max_len` elements (every loss input is one value
+    per input token). None: unbounded (tests of the codec alone)."""
+
+    max_data: int | None = None
+    max_len: int | None = None
+
+
+def _too_large(where: str, what: str) -> ServiceError:
+    return ServiceError(413, what, field=where)
+
+
 @dataclass
 class FwdBwdRequest:
     """A decoded `ForwardBackwardRequest` (tokens and tensors as numpy arrays)."""
@@ -51,6 +69,9 @@ class FwdBwdRequest:
     data: list[tuple[np.ndarray, dict[str, np.ndarray]]] = field(default_factory=list)
     # Per datum: the runs tiling its loss_fn_inputs positions, or None (no provenance).
     spans: list[list[Span] | None] = field(default_factory=list)
+    # Why the datums were refused (the header above was read: the refusal can still take
+    # the request's seq_id place), or None.
+    error: ServiceError | None = None
 
 
 # --- decoding -------------------------------------------------------------------------------
@@ -70,14 +91,25 @@ def _values(data: bytes, dtype: int, where: str) -> np.ndarray:
     return _frombuffer(data, _NP[dtype], where)
 
 
-def decode_tensor(msg: Any, where: str) -> np.ndarray:
-    """A `Tensor` (dense or sparse CSR) as a dense numpy array of its declared dtype."""
+def decode_tensor(msg: Any, where: str, max_elements: int | None = None) -> np.ndarray:
+    """A `Tensor` (dense or sparse CSR) as a dense numpy array of its declared dtype; a
+    declared shape over `max_elements` is refused (413) before anything is allocated."""
     dtype = msg.dtype
     if dtype not in _NP and dtype != pb.DTYPE_BFLOAT16:
         raise bad_request(where + ".dtype", f"unsupported tensor dtype {dtype}")
     shape = [int(s) for s in msg.shape]
     if any(s < 0 for s in shape):
         raise bad_request(where + ".shape", f"negative dimension in {shape}")
+    if max_elements is not None:
+        n = 1
+        for s in shape:  # Python integers: a product of huge dimensions cannot wrap
+            n *= s
+        if n > max_elements:
+            raise _too_large(
+                where + ".shape",
+                f"{shape} declares {n} elements; at most {max_elements} (one per token of "
+                "the model's context) are accepted",
+            )
     if msg.HasField("sparse_csr"):
         csr = msg.sparse_csr
         values = _values(csr.values, dtype, where + ".sparse_csr.values")
@@ -127,8 +159,14 @@ def _decode_spans(msgs: Any, where: str) -> list[Span] | None:
     return out
 
 
-def _decode_datum(d: Any, where: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def _decode_datum(d: Any, where: str, bounds: Bounds) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     tokens: list[np.ndarray] = []
+    if bounds.max_len is not None:  # 4 bytes per int32 token: count before decoding any
+        n = sum(len(c.encoded_text.tokens) // 4 for c in d.model_input)
+        if n > bounds.max_len:  # 400 as before: the sequence does not fit the model
+            raise bad_request(
+                where + ".model_input", f"{n} tokens exceed the model's {bounds.max_len}"
+            )
     for chunk in d.model_input:
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
@@ -139,14 +177,14 @@ def _decode_datum(d: Any, where: str) -> tuple[np.ndarray, dict[str, np.ndarray]
             _frombuffer(chunk.encoded_text.tokens, np.int32, where + ".model_input.tokens")
         )
     inputs = {
-        key: decode_tensor(t, f"{where}.loss_fn_inputs.{key}")
+        key: decode_tensor(t, f"{where}.loss_fn_inputs.{key}", bounds.max_len)
         for key, t in d.loss_fn_inputs.items()
     }
     toks = np.concatenate(tokens).astype(np.int64) if tokens else np.zeros(0, np.int64)
     return toks, inputs
 
 
-def decode_forward_backward_request(buf: bytes) -> FwdBwdRequest:
+def decode_forward_backward_request(buf: bytes, bounds: Bounds = Bounds()) -> FwdBwdRequest:
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(buf)
@@ -158,9 +196,16 @@ def decode_forward_backward_request(buf: bytes) -> FwdBwdRequest:
         loss_fn=msg.loss_fn,
         forward_only=bool(msg.forward_only),
     )
-    for i, d in enumerate(msg.data):
-        req.data.append(_decode_datum(d, f"data[{i}]"))
-        req.spans.append(_decode_spans(d.loss_fn_input_spans, f"data[{i}].loss_fn_input_spans"))
+    try:
+        if bounds.max_data is not None and len(msg.data) > bounds.max_data:
+            raise _too_large(
+                "data", f"{len(msg.data)} datums exceed the limit of {bounds.max_data}"
+            )
+        for i, d in enumerate(msg.data):
+            req.data.append(_decode_datum(d, f"data[{i}]", bounds))
+            req.spans.append(_decode_spans(d.loss_fn_input_spans, f"data[{i}].loss_fn_input_spans"))
+    except ServiceError as e:
+        req.data, req.spans, req.error = [], [], e
     req.loss_fn_config = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for k, v in msg.loss_fn_config_v2.items():  # the SDK dual-writes; v2 wins (it has strings)
         which = v.WhichOneof("value")

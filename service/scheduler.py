@@ -40,7 +40,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from service import deadline
 from service.admission import Price, Throughput
+from service.deadline import Deadline
 from service.errors import ServiceError, log_safe, scrub_paths
 from service.futures import Future, FutureStore, Outcome
 
@@ -90,8 +92,11 @@ class Scheduler:
         record: Callable[[dict[str, Any]], None] | None = None,
         throughput: Throughput | None = None,
         roots: tuple[str, ...] = (),
+        deadline_s: Callable[[float], float] | None = None,
     ):
         self.futures = futures
+        # priced seconds -> the op's deadline (service/deadline.py); None: no deadline
+        self.deadline_s = deadline_s
         self.devices = devices
         self.max_per_session = max_per_session
         self.max_per_tenant = max_per_tenant
@@ -300,8 +305,10 @@ class Scheduler:
     def _work(self) -> None:
         while (op := self._next()) is not None:
             t0 = time.perf_counter()
+            limit = None if self.deadline_s is None else self.deadline_s(op.est_s)
             try:
-                outcome = op.run()
+                with deadline.running(None if limit is None else Deadline(limit, op.est_s)):
+                    outcome = op.run()
             except ServiceError as e:
                 if e.status >= 500 and not getattr(e, "logged", False):
                     log.exception("service.op failed: session=%s kind=%s", op.session_id, op.kind)

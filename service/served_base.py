@@ -31,7 +31,7 @@ from typing import Any
 
 from core.errors import ConfigError
 
-HF_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HF_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+\Z")
 _HUB_CACHE = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")
 
 

@@ -183,18 +183,37 @@ class Registry:
                 if not s.finished and now - s.last_seen > self.ttl_s
             ]
 
-    def forget_finished(self) -> list[str]:
-        """Drop sessions finished more than keep_finished_s ago; returns their ids."""
+    def forget_finished(self, keep_per_tenant: int | None = None) -> list[str]:
+        """Drop sessions finished more than keep_finished_s ago, and beyond the newest
+        `keep_per_tenant` finished sessions of each tenant (each keeps its user_metadata);
+        returns their ids."""
         now = time.time()
         with self.lock:
-            old = [
-                sid
-                for sid, s in self.sessions.items()
-                if s.finished_at is not None and now - s.finished_at > self.keep_finished_s
-            ]
+            done = sorted(
+                (s for s in self.sessions.values() if s.finished_at is not None),
+                key=lambda s: s.finished_at or 0.0,
+                reverse=True,
+            )
+            kept: dict[str, int] = {}
+            old = []
+            for s in done:
+                kept[s.tenant] = kept.get(s.tenant, 0) + 1
+                over = keep_per_tenant is not None and kept[s.tenant] > keep_per_tenant
+                if over or now - (s.finished_at or now) > self.keep_finished_s:
+                    old.append(s.session_id)
             for sid in old:
                 del self.sessions[sid]
         return old
+
+    def count_sessions(self, tenant: str) -> int:
+        """The tenant's live (unfinished) sessions."""
+        with self.lock:
+            return sum(1 for s in self.sessions.values() if s.tenant == tenant and not s.finished)
+
+    def count_models(self, tenant: str) -> int:
+        """The tenant's live models (a finished session's are gone from `models`)."""
+        with self.lock:
+            return sum(1 for m in self.models.values() if m.tenant == tenant)
 
     def tenant_sessions(self, tenant: str) -> list[Session]:
         """The tenant's sessions, newest first."""

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core import jsonio
 from core.atomic import (
     check_folder,
     folder_crcs,
@@ -47,8 +48,8 @@ from posttrain.lora import PEFT_CONFIG, PEFT_WEIGHTS
 from service.errors import ServiceError, bad_request, not_found
 
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
-_MODEL_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,127}$")
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}\Z")
+_MODEL_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,127}\Z")
 RUN_FILE = "run.json"
 _ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _MLP = {"gate_proj", "up_proj", "down_proj"}
@@ -126,7 +127,7 @@ def check_meta(meta: Any) -> dict[str, Any]:
 
 
 def _read_json(path: Path) -> Any:
-    return json.loads(path.read_bytes())
+    return jsonio.loads(path.read_bytes())  # a nesting bomb: ValueError, not RecursionError
 
 
 class Storage:

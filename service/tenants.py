@@ -23,7 +23,6 @@ folder name or an accounting record: those carry the tenant's name (or fingerpri
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -39,8 +38,8 @@ log = logging.getLogger("service")
 KEY_PREFIX = "tml-"  # the SDK refuses keys without it (tinker.lib._auth_token_provider)
 MIN_KEY_CHARS = 16  # after the prefix: 16 random base64 characters are 96 bits
 MAX_KEY_FILE_BYTES = 1 << 20
-_KEY = re.compile(r"^tml-[A-Za-z0-9._~+/=-]+$")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_KEY = re.compile(r"^tml-[A-Za-z0-9._~+/=-]+\Z")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
 LOCAL = "local"  # the one tenant of a service without a key file (loopback only)
 
 
@@ -115,6 +114,9 @@ def parse_keys(text: str, source: str) -> dict[bytes, Tenant]:
     return out
 
 
+_MISSING = (-1,)  # the signature of a key file that cannot be stat'ed
+
+
 def _file_signature(st: os.stat_result) -> tuple[int, ...]:
     return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode)
 
@@ -175,11 +177,16 @@ class KeyFile:
         self._keys, self._sig = read_key_file(path)
         self.reloads = 0
 
-    def _changed(self) -> bool:
+    def _signature(self) -> tuple[int, ...]:
+        """The file's signature; `_MISSING` while it cannot be stat'ed (deleted), so a
+        missing file is one change (one ERROR line), not one per request."""
         try:
-            return _file_signature(os.stat(self.path)) != self._sig
+            return _file_signature(os.stat(self.path))
         except OSError:
-            return True
+            return _MISSING
+
+    def _changed(self) -> bool:
+        return self._signature() != self._sig
 
     def reload(self) -> bool:
         """Re-read the file; on failure keep the previous keys (logged). True if reloaded."""
@@ -187,8 +194,7 @@ class KeyFile:
             try:
                 keys, sig = read_key_file(self.path)
             except ConfigError as e:
-                with contextlib.suppress(OSError):  # log once per change
-                    self._sig = _file_signature(os.stat(self.path))
+                self._sig = self._signature()  # log once per change
                 log.error("service: key file not reloaded, previous keys stay valid: %s", e)
                 return False
             before = len(self._keys)

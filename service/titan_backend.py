@@ -53,7 +53,7 @@ from rl.generator import Generator
 from rl.generator import SamplingParams as GenParams
 from rl.losses import BUILTIN_LOSSES, LossBatch, LossConfig
 from runtime.steps import IGNORE_INDEX, NonFiniteError, Rows, StepEngine
-from service import proto
+from service import deadline, proto
 from service.backend import NO_GENERATOR, BaseModelInfo, check_generator_capacity
 from service.errors import ServiceError, bad_request
 from service.served_base import ServedBase, load_hf_weights
@@ -353,6 +353,16 @@ class TitanLoraBackend:
     def _weights(self, spec: LoraSpec, seed: int) -> AdapterWeights:
         return init_adapter(self.model, seed, rank=spec.rank, targets=lambda n: _targets(spec, n))
 
+    def adapter_bytes(self, spec: LoraSpec) -> int:
+        """The bytes of one adapter's weights (service/resident.py prices a trained model at
+        4 such copies, a sampler snapshot at one)."""
+        total = 0
+        for name, m in lora_modules(self.model):
+            if _targets(spec, name):
+                a, b = m.lora_a.weight, m.lora_b.weight
+                total += spec.rank * (a.shape[1] + b.shape[0]) * a.element_size()
+        return total
+
     def create_adapter(self, adapter: str, spec: LoraSpec) -> None:
         from torchtitan.components.optimizer import default_adamw
 
@@ -372,6 +382,7 @@ class TitanLoraBackend:
             replicated_group=self.group,
             dp_group=self.group,
             label=f"adapter {adapter}",
+            guard_weights=True,  # a step that makes the adapter non-finite is undone (400)
         )
         self.adapters[adapter] = _Adapter(spec, weights, engine)
 
@@ -584,6 +595,8 @@ class TitanLoraBackend:
             self._generator = Generator(
                 self.model, decode=decode, shared=True, gather=self._gather_layer
             )
+            if self.group is None:  # a resource's ranks share --op-timeout instead
+                self._generator.on_token = deadline.check
         return self._generator
 
     def _gather_layer(self, module: nn.Module) -> contextlib.AbstractContextManager:

@@ -146,7 +146,9 @@ class ModelInputBody(_Body):
 class SamplingParamsBody(_Body):
     max_tokens: int | None = Field(default=None, ge=1, lt=2**31)
     seed: Seed | None = None
-    stop: str | list[str] | list[Token] | None = None
+    # Stop token ids are checked against the vocabulary by sampling.sample_request (one clear
+    # "token id -1 outside the vocabulary" instead of the union's three type errors).
+    stop: str | list[str] | list[Seed] | None = None
     temperature: float = Field(default=1.0, ge=0.0)
     top_k: int = Field(default=-1, ge=-1, lt=2**31)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)

@@ -145,7 +145,17 @@ def add_recipe_arg(
     what = help or "recipe TOML or a name in recipes/"
     if not required:
         what += f" (default: {default or 'recipes/debug.toml'})"
-    p.add_argument("--recipe", required=required, default=default, help=what)
+    p.add_argument(
+        "--recipe", required=required, default=default, help=what, type=_recipe, metavar="RECIPE"
+    )
+
+
+def _recipe(value: str) -> str:
+    """`--recipe=` (empty) is an error, not the default recipe (it used to run the debug
+    recipe in its place)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("expected a recipe TOML or a name in recipes/, got ''")
+    return value
 
 
 def add_cluster_arg(p: argparse.ArgumentParser, *, required: bool = False, help: str = "") -> None:

@@ -113,11 +113,7 @@ def check_serve(args: argparse.Namespace, recipe, cluster) -> None:
         raise ConfigError("--dry-run-rank runs a training step; a resource is sized by "
                           "`tools.plan --serve`", key="--dry-run-rank")  # fmt: skip
     for a in args.serve_arg:
-        if a.split("=", 1)[0] in ("--recipe", "--storage", "--set"):
-            raise ConfigError(
-                f"{a.split('=', 1)[0]} is the launcher's (--recipe, <out>/service, --set)",
-                key="--serve-arg",
-            )
+        check_serve_arg(a)
     sargs = serve_parse_args(["--recipe", args.recipe, *args.serve_arg])
     check_args(sargs)
     from service.server import ServeOptions, check_exposure
@@ -231,3 +227,24 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     run(main)
+
+
+# tools.serve options the launcher sets itself (the recipe, <out>/service, the overrides).
+LAUNCHER_SERVE_OPTIONS = ("--recipe", "--storage", "--set")
+
+
+def check_serve_arg(a: str) -> None:
+    """One `--serve-arg`: no control character (it ends up on a generated script's line), and
+    not one of the launcher's own tools.serve options nor any prefix of one (argparse takes
+    `--rec=` for `--recipe`, which silently replaced the planned recipe)."""
+    bad = next((c for c in a if ord(c) < 0x20 or ord(c) == 0x7F), None)
+    if bad is not None:
+        raise ConfigError(f"{a!r} holds the control character {bad!r}", key="--serve-arg")
+    name = a.split("=", 1)[0]
+    own = [o for o in LAUNCHER_SERVE_OPTIONS if len(name) > 2 and o.startswith(name)]
+    if own:
+        raise ConfigError(
+            f"{name} is (an abbreviation of) {own[0]}, which the launcher sets (--recipe, "
+            "<out>/service, --set)",
+            key="--serve-arg",
+        )

@@ -2,10 +2,12 @@
 
     python -m tools.serve --recipe R [--host 127.0.0.1 --port 8000] [--api-key-file F]
                           [--storage DIR] [--session-ttl S] [--drain S] [--max-body-mb M]
-                          [--max-request-gib G] [--max-queued-per-session N]
+                          [--max-request-gib G] [--max-resident-gib G]
+                          [--max-queued-per-session N]
                           [--max-queued-per-tenant N] [--base-name NAME] [--context N]
                           [--tokenizer-id ID] [--generators 0|1] [--generator-tokens T]
-                          [--adapters N] [--op-timeout S] [--set k=v ...]
+                          [--adapters N] [--op-timeout S] [--limit NAME=VALUE ...]
+                          [--set k=v ...]
 
 A model resource over several devices (every rank holds a shard of the base; rank 0 serves):
 
@@ -78,6 +80,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "default: half the memory available once the model is built",
     )
     p.add_argument(
+        "--max-resident-gib",
+        type=float,
+        default=None,
+        help="memory of adapters (x4: weights, gradients, AdamW moments) and sampler snapshots "
+        "held between requests; beyond, 429 (service/resident.py); default: the half of the "
+        "memory available once the model is built that --max-request-gib leaves",
+    )
+    p.add_argument(
         "--max-queued-per-session",
         type=int,
         default=64,
@@ -108,6 +118,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="what get_info tells clients to load with AutoTokenizer (default: the Hugging "
         "Face name, else the tokenizer folder's path)",
     )
+    p.add_argument(
+        "--limit",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a per-request or per-tenant limit (service/limits.py, docs/service.md "
+        '"Limits"): max_data, max_samples, max_stop, max_stop_chars, max_metadata_bytes, '
+        "max_sessions_per_tenant, max_models_per_tenant, max_finished_sessions_per_tenant, "
+        "op_deadline_factor, op_deadline_min_s",
+    )
     add_resource_args(p)
     p.add_argument(
         "--op-timeout",
@@ -130,10 +150,19 @@ def check_args(args: argparse.Namespace) -> None:
         positive_arg(args.drain, "--drain")
     if args.max_request_gib is not None:
         positive_arg(args.max_request_gib, "--max-request-gib", bound=1 << 20)
+    if args.max_resident_gib is not None:
+        positive_arg(args.max_resident_gib, "--max-resident-gib", bound=1 << 20)
     positive_arg(args.max_queued_per_session, "--max-queued-per-session", bound=1 << 20)
     positive_arg(args.max_queued_per_tenant, "--max-queued-per-tenant", bound=1 << 20)
     check_resource_args(args)
     positive_arg(args.op_timeout, "--op-timeout", bound=7 * 86400)
+    from service.limits import parse_limit
+
+    for text in args.limit:
+        try:
+            parse_limit(text)
+        except ValueError as e:
+            raise ConfigError(str(e), key="--limit") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,7 +185,7 @@ def _prepare(args: argparse.Namespace):
     from recipe.loader import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
-    from service.core import Limits
+    from service.limits import Limits, with_settings
     from service.server import ServeOptions, bind, check_exposure
     from service.tenants import KeyFile
 
@@ -167,10 +196,13 @@ def _prepare(args: argparse.Namespace):
         storage=args.storage or os.path.join(recipe.output_dir, "service"),
         session_ttl_s=args.session_ttl,
         drain_s=args.drain,
-        limits=Limits(
-            max_body_bytes=int(args.max_body_mb * (1 << 20)),
-            max_queued_per_session=args.max_queued_per_session,
-            max_queued_per_tenant=args.max_queued_per_tenant,
+        limits=with_settings(
+            Limits(
+                max_body_bytes=int(args.max_body_mb * (1 << 20)),
+                max_queued_per_session=args.max_queued_per_session,
+                max_queued_per_tenant=args.max_queued_per_tenant,
+            ),
+            args.limit,
         ),
     )
     check_exposure(opts)  # bad input before the model is built
@@ -208,6 +240,12 @@ def _prepare(args: argparse.Namespace):
                 file=recipe.source,
                 key="checkpoint.load_from",
             )
+    if recipe.checkpoint.load_hf:  # the checks train.py runs (runtime/session.py)
+        from runtime.build import recipe_model_spec
+        from runtime.hf import hf_expected, verify_hf_folder
+
+        verify_hf_folder(recipe.checkpoint.load_hf, hf_expected(recipe_model_spec(recipe)),
+                         file=recipe.source, rank=env.rank, world=env.world_size)  # fmt: skip
     # The port before the model: "in use" is one line now, not after a minute of loading.
     sock = bind(opts.host, opts.port) if env.rank == 0 else None
     return recipe, opts, keys, served, sock, plan
@@ -349,7 +387,15 @@ def _run_service(args, recipe, opts, keys, sock, backend, dispatcher) -> int:
         if args.max_request_gib is not None
         else default_budget_bytes()
     )
-    opts = replace(opts, limits=replace(opts.limits, max_request_bytes=budget))
+    resident = (
+        args.max_resident_gib * (1 << 30)
+        if args.max_resident_gib is not None
+        else default_budget_bytes()
+    )
+    opts = replace(
+        opts,
+        limits=replace(opts.limits, max_request_bytes=budget, max_resident_bytes=resident),
+    )
     failed = asyncio.run(serve(backend, opts, sock=sock, keys=keys, cost=cost, resource=dispatcher))
     return 0 if failed is None else 1
 

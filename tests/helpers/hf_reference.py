@@ -24,6 +24,32 @@ QWEN3_DEBUG: dict[str, Any] = {
     "tie_word_embeddings": True,
 }
 
+# config.json of a Llama 3 folder of the debug recipe's shape (what `transformers`'
+# LlamaConfig for tests/integration/_hf_interop_worker.hf_model writes), for tests that need
+# the file without importing transformers.
+LLAMA3_DEBUG_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "vocab_size": 2048,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
 TOL = 1e-4
 
 

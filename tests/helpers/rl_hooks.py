@@ -119,3 +119,11 @@ class _HangingTasks(Arithmetic):
 
 def hanging_tasks_env():
     return _HangingTasks()
+
+
+def raising_after(task: Task, completion: str) -> float:
+    """Scores as `good` for RL_HOOK_BAD_AFTER calls (the pre-run check), then always raises:
+    with rl.on_error = "skip" every rollout of the run fails."""
+    if _after():
+        raise ValueError("the grader is down")
+    return good(task, completion)

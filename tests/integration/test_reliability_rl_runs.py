@@ -64,3 +64,29 @@ def test_nan_reward_stops_the_run_in_one_line_with_finite_state(tmp_path):
     assert any("exp_avg" in k for k in sd)  # the optimizer state is in it
     assert all(torch.isfinite(v).all() for v in sd.values() if v.is_floating_point())
     record_case("RL hooks", f"train.py run, {reward} (on_error = fail)")
+
+
+def test_every_rollout_failing_under_skip_exits_non_zero_without_nan(tmp_path):
+    """rl.on_error = "skip" and every reward raising after the check: each update is skipped
+    and counted (never a NaN loss), metrics.jsonl is valid JSON, and the run exits 2 in one
+    line (it was exit 0 with bare NaN in metrics.jsonl)."""
+    import json
+
+    os.environ["RL_HOOK_BAD_AFTER"] = "1"  # the check's one score passes
+    try:
+        p = run_train(tmp_path, TINY + [f"rl.reward={H}:raising_after", "rl.on_error=skip"],
+                      recipe=RECIPE, check=False)  # fmt: skip
+    finally:
+        os.environ.pop("RL_HOOK_BAD_AFTER")
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert last.startswith("error: recipes/rl_debug.toml: rl.on_error: every update") and (
+        "Traceback" not in p.stderr
+    )
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    recs = [json.loads(line) for line in text.splitlines() if line.strip()]
+    skipped = [r for r in recs if r.get("event") == "rl_update_skipped"]
+    assert [r["step"] for r in skipped] == [1, 2, 3]
+    assert not [r for r in recs if "loss" in r and r.get("event") is None]
+    record_case("RL hooks", "train.py run, every rollout fails (on_error = skip)")

@@ -39,6 +39,20 @@ def _fifo(tmp_path) -> str:
     return str(p)
 
 
+def _damaged_hf(tmp_path) -> list[str]:
+    """A Hugging Face folder of the debug shape whose weights file is not safetensors: refused
+    before the port is bound (train.py's check), not a traceback 20 s after serving (#41)."""
+    import json
+
+    from tests.helpers.hf_reference import LLAMA3_DEBUG_CONFIG
+
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(LLAMA3_DEBUG_CONFIG))
+    (d / "model.safetensors").write_bytes(b"garbage, not safetensors")
+    return ["--set", f"checkpoint.load_hf={d}"]
+
+
 CASES = {
     "key file not UTF-8": (
         lambda t: ["--api-key-file", _keyfile(t, b"tml-\xff" + b"x" * 30)],
@@ -63,6 +77,7 @@ CASES = {
         "--max-queued-per-tenant",
     ),
     "--port 70000": (lambda t: ["--port", "70000"], "--port"),
+    "damaged Hugging Face folder": (_damaged_hf, "checkpoint.load_hf"),
     "--port not a number": (lambda t: ["--port", "eighty"], "--port"),
 }
 
@@ -70,7 +85,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_arguments_are_one_line_and_exit_2(tmp_path, case):
     make, flag = CASES[case]
-    out = _serve(*make(tmp_path))
+    out = _serve(*make(tmp_path), timeout=180)  # the HF case imports torchtitan (~60 s loaded)
     lines = [x for x in (out.stdout + out.stderr).splitlines() if x.strip()]
     assert out.returncode == 2, (case, out.stdout, out.stderr)
     assert len(lines) == 1 and flag in lines[0], (case, lines)

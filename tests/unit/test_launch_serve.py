@@ -34,6 +34,12 @@ def test_serve_job_script_runs_tools_serve_on_every_gpu(capsys, tmp_path):
         ([*SERVE_70B, "--nodes", "1", "--serve-arg=--generators=2"], ["--generators"]),
         ([*SERVE_70B, "--nodes", "1", "--serve-arg=--host=0.0.0.0"], ["--api-key-file"]),
         ([*SERVE_70B, "--nodes", "1", "--serve-arg=--storage=/x"], ["--serve-arg"]),
+        # abbreviations of the launcher's own options, and control characters (#41)
+        ([*SERVE_70B, "--nodes", "1", "--serve-arg=--rec=x.toml"], ["--serve-arg", "--recipe"]),
+        ([*SERVE_70B, "--nodes", "1", "--serve-arg=--stor=/x"], ["--serve-arg", "--storage"]),
+        ([*SERVE_70B, "--nodes", "1", "--serve-arg=--se=a=1"], ["--serve-arg"]),
+        ([*SERVE_70B, "--nodes", "1", "--serve-arg=--host=a\nb"], ["--serve-arg", "control"]),
+        ([*SERVE_70B, "--nodes", "1", "--serve-arg=--port=1\x1b"], ["--serve-arg", "control"]),
         ([*SERVE_70B, "--nodes", "1", "--dry-run-rank", "0"], ["--dry-run-rank", "--serve"]),
     ],
 )  # fmt: skip
