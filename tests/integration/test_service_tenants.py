@@ -560,7 +560,8 @@ def test_usage_tool_sums_the_operations(server, victim, attacker):
     ).stdout
     rows = {line.split()[0]: line.split() for line in table.splitlines()[1:]}
     assert set(rows) == {"bob", fingerprint(KEY), "total"}
-    assert float(rows["bob"][-1]) == pytest.approx(expect["bob"] / 60, abs=1e-4)
+    # GPU-minutes, before the three token columns (prefill, sampled, trained)
+    assert float(rows["bob"][-4]) == pytest.approx(expect["bob"] / 60, abs=1e-4)
     for k in (KEY, KEY_B, KEY_B2):
         assert k not in table and k not in records.read_text() and k not in server.log_text()
     # the endpoint is the same aggregation, the caller's only
