@@ -258,6 +258,22 @@ def _cases(v, a):
         ("POST", f"{P}/cancel_future"): [
             (f"{P}/cancel_future", {"request_id": v["future"]}, v["future"])
         ],
+        # the rest of the SDK's surface (service/surface.py)
+        ("POST", f"{P}/copy_weights"): [
+            (f"{P}/copy_weights", {"source_path": v["path_w"]}, v["path_w"].split("/")[2])
+        ],
+        ("POST", f"{P}/training_runs/{{model_id}}/checkpoints/{{kind}}/{{name}}/publish"): [
+            (f"{P}/training_runs/{mv}/checkpoints/weights/v-ckpt/publish", None, mv)
+        ],
+        ("DELETE", f"{P}/training_runs/{{model_id}}/checkpoints/{{kind}}/{{name}}/publish"): [
+            (f"{P}/training_runs/{mv}/checkpoints/weights/v-ckpt/publish", None, mv)
+        ],
+        ("GET", f"{P}/sessions/{{session_id}}/trace_export"): [
+            (f"{P}/sessions/{sv}/trace_export", None, sv)
+        ],
+        ("PUT", f"{P}/sessions/{{session_id}}/project"): [
+            (f"{P}/sessions/{sv}/project", {"project_id": "x"}, sv)
+        ],
     }
 
 
@@ -270,12 +286,19 @@ NO_OBJECT = {
     ("GET", "/api/v1/get_server_capabilities"),
     ("POST", "/api/v1/create_session"),
     ("POST", "/api/v1/telemetry"),
+    # the caller's own, by query or body (tests/integration/test_service_surface.py)
+    ("GET", "/api/v1/billing/usage/events"),
+    ("POST", "/api/v1/sessions/search"),
+    # every route not served: 400 naming the SDK method
+    *{(m, "/api/v1/{rest:path}") for m in ("GET", "POST", "PUT", "DELETE", "PATCH")},
 }
 LISTINGS = {
     ("GET", "/api/v1/sessions"),
     ("GET", "/api/v1/training_runs"),
     ("GET", "/api/v1/checkpoints"),
     ("GET", "/api/v1/usage"),
+    ("GET", "/api/v1/audit"),
+    ("GET", "/api/v1/billing/usage/checkpoints/current"),
 }
 
 
