@@ -31,11 +31,12 @@ from tests.helpers.service_server import (  # noqa: E402
     KEY,
     KEY_B,
     ROOT,
+    SEQ,
     TWO_TENANTS,
     start_server,
 )
+from tests.helpers.service_server import sft_datum as datum  # noqa: E402
 
-SEQ = [7, 300, 41, 1200, 55, 9, 801, 23, 64, 1999, 5, 77]
 NOT_SERVED = "not supported by this service"
 
 
@@ -44,13 +45,6 @@ def server(tmp_path_factory):
     srv = start_server(tmp_path_factory.mktemp("surface"), keys=TWO_TENANTS)
     yield srv
     assert srv.stop() == 0, srv.log_text()[-3000:]
-
-
-def datum(tokens=SEQ) -> types.Datum:
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-    )
 
 
 def run(x: Any) -> Any:

@@ -34,11 +34,11 @@ from tests.helpers.service_server import (  # noqa: E402
     KEY_B,
     KEY_B2,
     ROOT,
+    SEQ,
     TWO_TENANTS,
     start_server,
 )
-
-SEQ = [7, 300, 41, 1200, 55, 9, 801, 23, 64, 1999, 5, 77]
+from tests.helpers.service_server import sft_datum as datum  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +48,6 @@ def server(tmp_path_factory):
     )
     yield srv
     assert srv.stop() == 0, srv.log_text()[-3000:]
-
-
-def datum(tokens=SEQ) -> types.Datum:
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-    )
 
 
 def call(server, key, method, path, body=None, content=None, headers=None):

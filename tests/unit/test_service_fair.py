@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 
 import pytest
 
@@ -17,6 +16,7 @@ from service.errors import ServiceError
 from service.futures import FutureStore, Outcome
 from service.scheduler import Op, Scheduler, TokenBucket, merge_metrics, split_pieces
 from service.surface import unserved
+from tests.helpers.service_server import wait_outcome as _wait
 
 
 @pytest.fixture
@@ -35,13 +35,6 @@ def make_sched():
     for s in made:
         s.drain(5)
     loop.call_soon_threadsafe(loop.stop)
-
-
-def _wait(fut, timeout=10):
-    end = time.monotonic() + timeout
-    while fut.outcome is None and time.monotonic() < end:
-        time.sleep(0.01)
-    return fut.outcome
 
 
 def test_a_large_op_yields_to_another_tenant_between_pieces(make_sched):
@@ -189,3 +182,36 @@ def test_unserved_names_the_sdk_method():
     e = unserved("GET", "/api/v1/training_runs/r/checkpoints/weights/x/external_weights_urls")
     assert "RestClient.get_external_weights_urls: not supported" in e.message
     assert "GET /api/v1/nope: not supported" in unserved("GET", "/api/v1/nope").message
+
+
+def test_published_index_audit_log_and_storage_usage_persist(tmp_path):
+    from service.surface import AuditLog, Published, folder_usage
+
+    pub = Published(tmp_path)
+    assert pub.set("tinker://r/weights/a", "alice") and not pub.set("tinker://r/weights/a", "alice")
+    assert Published(tmp_path).owner("tinker://r/weights/a") == "alice"  # survives a restart
+    pub.set("tinker://r/weights/a", None)
+    assert Published(tmp_path).owner("tinker://r/weights/a") is None  # revoked on disk too
+
+    log = AuditLog(tmp_path)
+    log.key_used("alice", "key-1")
+    log.key_used("alice", "key-1")  # once per key and process
+    log.add("alice", "checkpoint_read", tinker_path="tinker://r/weights/a", reader="bob")
+    log.close()
+    again = AuditLog(tmp_path)
+    assert [e["event"] for e in again.entries("alice", "all", None)] == [
+        "api_key_used",
+        "checkpoint_read",
+    ]
+    assert [e["event"] for e in again.entries("alice", "checkpoints", None)] == ["checkpoint_read"]
+    assert (
+        again.entries("alice", "all", "1999-01-01") == []
+        and again.entries("bob", "all", None) == []
+    )
+    again.close()
+
+    ck = tmp_path / "t" / "run" / "weights" / "c1"
+    ck.mkdir(parents=True)
+    (ck / "meta.json").write_text("{}")
+    (ck / "w.bin").write_bytes(b"x" * 100)
+    assert folder_usage(tmp_path / "t") == (1, 102)
