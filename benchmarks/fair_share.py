@@ -1,7 +1,7 @@
 """Tenant B's wait while tenant A floods the service (fair sharing, service/scheduler.py).
 
-    OMP_NUM_THREADS=1 python benchmarks/fair_share.py [--rows 256] [--tokens 256] [--n 20]
-        [--pieces 0 4096] [--out benchmarks/fair_share.json]
+    OMP_NUM_THREADS=1 python benchmarks/fair_share.py [--rows 64] [--tokens 256] [--n 20]
+        [--pieces 0 2048] [--out benchmarks/fair_share.json]
 
 For each `--piece-tokens` value: starts `tools.serve` (the debug model, two layers, context
 `--tokens`; tenants A and B), times B's 1 x 32-token forward_backward alone (`--n` calls),
@@ -18,6 +18,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -72,12 +73,15 @@ def one(pieces: int, rows: int, tokens: int, n: int) -> dict:
         alone = [b_call() for _ in range(n)]
         big = [datum(tokens - 1) for _ in range(rows)]
         t0 = time.perf_counter()
+        done = threading.Event()
         fut = ta.forward_backward(big, "cross_entropy")
+        waiter = threading.Thread(target=lambda: (fut.result(), done.set()), daemon=True)
+        waiter.start()
         time.sleep(1.0)  # A's request is queued and running
         under = []
-        while not fut.done() and len(under) < n:
+        while not done.is_set() and len(under) < n:
             under.append(b_call())
-        fut.result()
+        waiter.join()
         a_wall = time.perf_counter() - t0
         a.close("success").result()
         b.close("success").result()
@@ -94,10 +98,10 @@ def one(pieces: int, rows: int, tokens: int, n: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--rows", type=int, default=256)
+    p.add_argument("--rows", type=int, default=64)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--n", type=int, default=20)
-    p.add_argument("--pieces", type=int, nargs="+", default=[0, 4096])
+    p.add_argument("--pieces", type=int, nargs="+", default=[0, 2048])
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "fair_share.json"))
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
