@@ -215,3 +215,18 @@ def test_published_index_audit_log_and_storage_usage_persist(tmp_path):
     (ck / "meta.json").write_text("{}")
     (ck / "w.bin").write_bytes(b"x" * 100)
     assert folder_usage(tmp_path / "t") == (1, 102)
+
+
+def test_storage_quota_refuses_a_save_once_full(tmp_path):
+    from types import SimpleNamespace
+
+    from service.core import Limits, Service
+    from service.storage import CheckpointStore
+
+    store = CheckpointStore(tmp_path / "t")
+    svc = SimpleNamespace(limits=Limits(storage_quota_bytes=100), store=lambda tenant: store)
+    Service.check_quota(svc, "t")  # type: ignore[arg-type]  # empty: a save may go ahead
+    (store.root / "blob").write_bytes(b"x" * 100)
+    with pytest.raises(ServiceError) as e:
+        Service.check_quota(svc, "t")  # type: ignore[arg-type]
+    assert e.value.status == 413 and "100 bytes of its 100-byte storage quota" in e.value.message
