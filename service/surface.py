@@ -43,7 +43,7 @@ from data.store import write_json_atomic
 from service import wire
 from service.accounting import AccountingLog
 from service.errors import ServiceError, bad_request
-from service.storage import KINDS, CheckpointRef, CheckpointStore
+from service.storage import CheckpointRef, CheckpointStore
 
 AUDIT_FILE = "audit.jsonl"
 PUBLISHED_FILE = "published.json"
@@ -160,6 +160,8 @@ class AuditLog:
         self.add(tenant, "api_key_used", key_fingerprint=fingerprint)
 
     def entries(self, tenant: str, event_type: str, day: str | None) -> list[dict[str, Any]]:
+        if event_type not in ("all", "checkpoints"):
+            return []  # no projects, teams or organizations here: nothing of theirs to log
         with self._lock:
             records = list(self._by_tenant.get(tenant, ()))
         out = []
@@ -243,10 +245,6 @@ def check_day(day: str | None) -> str | None:
         return dt.date.fromisoformat(day).isoformat()
     except ValueError:
         raise bad_request("day", f"expected an ISO date (2025-01-31), got {day!r}") from None
-
-
-def is_checkpoint_kind(kind: str) -> bool:
-    return kind in KINDS
 
 
 def micros(ts: float) -> int:
