@@ -21,12 +21,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from service import wire
+from service import surface, wire
 from service.accounting import parse_since
 from service.core import Service, outcome_json
 from service.errors import ServiceError, bad_request
 from service.futures import Future
-from service.tenants import LOCAL, KeyFile
+from service.tenants import LOCAL, KeyFile, fingerprint
 
 log = logging.getLogger("service")
 PROTO = "application/x-protobuf"
@@ -87,8 +87,12 @@ def create_app(service: Service, keys: KeyFile | None) -> FastAPI:
     def tenant_of(request: Request) -> str | None:
         if keys is None:
             return LOCAL
-        t = keys.tenant(request.headers.get("x-api-key", ""))
-        return t.name if t is not None else None
+        key = request.headers.get("x-api-key", "")
+        t = keys.tenant(key)
+        if t is None:
+            return None
+        service.audit.key_used(t.name, fingerprint(key))  # once per key and process
+        return t.name
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]):
@@ -360,5 +364,80 @@ def create_app(service: Service, keys: KeyFile | None) -> FastAPI:
                 406, "this result is served as protobuf only (Accept: " + PROTO + ")"
             )
         return outcome_json(outcome)
+
+    # --- the rest of the SDK's surface (service/surface.py) ----------------------------------
+
+    @route("POST", "/api/v1/copy_weights")
+    async def copy_weights(request: Request, tenant: str):
+        b = wire.parse(surface.CopyWeightsBody, await body(request))
+        return await asyncio.to_thread(service.copy_weights, tenant, b)
+
+    @route("POST", "/api/v1/training_runs/{model_id}/checkpoints/{kind}/{name}/publish")
+    async def publish(request: Request, tenant: str, model_id: str, kind: str, name: str):
+        await asyncio.to_thread(service.publish, tenant, model_id, f"{kind}/{name}", True)
+        return None
+
+    @route("DELETE", "/api/v1/training_runs/{model_id}/checkpoints/{kind}/{name}/publish")
+    async def unpublish(request: Request, tenant: str, model_id: str, kind: str, name: str):
+        await asyncio.to_thread(service.publish, tenant, model_id, f"{kind}/{name}", False)
+        return None
+
+    @route("GET", "/api/v1/audit")
+    async def audit(request: Request, tenant: str):
+        day = surface.check_day(request.query_params.get("day"))
+        kind = request.query_params.get("event_type", "all")
+        return {"entries": service.audit.entries(tenant, kind, day)}
+
+    def when(request: Request, name: str) -> float:
+        raw = request.query_params.get(name)
+        if raw is None:
+            raise bad_request(name, "required (an ISO date-time)")
+        try:
+            return parse_since(raw)
+        except ValueError as e:
+            raise bad_request(name, str(e)) from None
+
+    @route("GET", "/api/v1/billing/usage/events")
+    async def billing_usage(request: Request, tenant: str):
+        start, end = when(request, "starting_on"), when(request, "ending_before")
+        return await asyncio.to_thread(service.billing_usage, tenant, start, end)
+
+    @route("GET", "/api/v1/billing/usage/checkpoints/current")
+    async def storage_usage(request: Request, tenant: str):
+        return await asyncio.to_thread(service.storage_usage, tenant)
+
+    @route("GET", "/api/v1/sessions/{session_id}/trace_export")
+    async def trace_export(request: Request, tenant: str, session_id: str):
+        return service.session_trace(tenant, session_id)
+
+    @route("PUT", "/api/v1/sessions/{session_id}/project")
+    async def project(request: Request, tenant: str, session_id: str):
+        b = wire.parse(surface.ProjectBody, await body(request))
+        service.set_project(tenant, session_id, b.project_id)
+        return None
+
+    @route("POST", "/api/v1/sessions/search")
+    async def search_sessions(request: Request, tenant: str):
+        b = wire.parse(surface.SessionSearchBody, await body(request))
+        return await asyncio.to_thread(service.search_sessions, tenant, b)
+
+    async def unserved(request: Request) -> Response:
+        """Every other /api/v1 route: 400 naming the SDK method, "not supported by this
+        service"; a training request among them (model_id + seq_id) still takes its seq_id
+        place, so the client's next request runs (Service.refuse_request)."""
+        tenant = getattr(request.state, "tenant", LOCAL)
+        err = surface.unserved(request.method, request.url.path)
+        try:
+            raw = await body(request)
+        except ServiceError as e:
+            return _error(e)
+        kind = request.url.path.removeprefix("/api/v1/").split("/")[0][:64]
+        service.refuse_request(tenant, raw, kind, err)
+        return _error(err)
+
+    # Registered last: only a path no route above matches (with any method) lands here.
+    app.add_api_route(
+        "/api/v1/{rest:path}", unserved, methods=["GET", "POST", "PUT", "DELETE", "PATCH"]
+    )
 
     return app

@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from service import proto, sampling, wire
-from service.accounting import AccountingLog, read_records, summarize
+from service import proto, sampling, surface, wire
+from service.accounting import AccountingLog, Prices, UsageIndex, billing_events, summarize
 from service.admission import (
     CostModel,
     Price,
@@ -40,7 +40,7 @@ from service.errors import ServiceError, bad_request, log_safe, not_found, scrub
 from service.futures import Future, FutureStore, Outcome
 from service.limits import Limits, check_count, check_metadata, check_stop
 from service.resident import TRAINED_COPIES, ResidentLedger
-from service.scheduler import Op, Scheduler
+from service.scheduler import Op, Scheduler, TokenBucket, merge_metrics, split_pieces
 from service.sessions import Model, Registry, Sampler, Session
 from service.storage import (
     KINDS,
@@ -111,6 +111,15 @@ class Service:
         mb = getattr(backend, "microbatch_tokens", None)
         self.cost = replace(cost, microbatch_tokens=mb) if cost is not None and mb else cost
         self.accounting = accounting
+        # usage.jsonl read once; then every record the worker writes is added as it goes
+        self.usage_index = UsageIndex(accounting.path if accounting is not None else None)
+        self.prices = Prices()  # the operator's price table (tools.serve --prices)
+
+        def record(r: dict[str, Any]) -> None:
+            if accounting is not None:
+                accounting.write(r)
+            self.usage_index.add(r)
+
         self.futures = FutureStore(loop)
         self.throughput = Throughput()
         self.scheduler = Scheduler(
@@ -118,7 +127,7 @@ class Service:
             devices=backend.devices,
             max_per_session=limits.max_queued_per_session,
             max_per_tenant=limits.max_queued_per_tenant,
-            record=accounting.write if accounting is not None else None,
+            record=record,
             throughput=self.throughput,
             roots=(str(storage.root),),
             # Each op under a deadline priced like its admission (checked by one process's
@@ -126,8 +135,13 @@ class Service:
             deadline_s=lambda priced_s: op_deadline(
                 priced_s, factor=limits.op_deadline_factor, min_s=limits.op_deadline_min_s
             ),
+            tokens=TokenBucket(limits.token_rate, limits.token_burst)
+            if limits.token_rate
+            else None,
         )
         self.resident = ResidentLedger(limits.max_resident_bytes)
+        self.published = surface.Published(storage.root)
+        self.audit = surface.AuditLog(storage.root)
         self.registry = Registry(session_ttl_s)
         self.records = sampling.StabilityRecords()  # what stable_reinforce trains on
         self.draining = False
@@ -205,8 +219,14 @@ class Service:
         """The caller's usage from the accounting log (all time, or since `since`)."""
         if self.accounting is None:
             raise ServiceError(404, "usage accounting is off on this service")
-        records, _ = read_records(self.accounting.path, since)
-        return {**summarize(r for r in records if r["tenant"] == tenant).tenant_json(tenant)}
+        return summarize(self.usage_index.records(tenant, since)).tenant_json(tenant)
+
+    def billing_usage(self, tenant: str, start: float, end: float) -> dict[str, Any]:
+        """`get_billing_usage`: the caller's tokens by kind (and GPU-seconds) in [start, end)."""
+        if end <= start:
+            raise bad_request("ending_before", "must be after starting_on")
+        records = self.usage_index.records(tenant, start, end)
+        return billing_events(records, self.prices, self.info.name)
 
     # --- sessions -----------------------------------------------------------------------------
 
@@ -222,6 +242,7 @@ class Service:
             "max_sessions_per_tenant",
         )
         s = self.registry.new_session(body.user_metadata, tenant)
+        s.display_name, s.project_id = body.display_name, body.project_id
         log.info("service.session created %s tenant=%s", s.session_id, log_safe(tenant))
         return s.session_id
 
@@ -451,14 +472,29 @@ class Service:
                         d.inputs["sequence_ratio_mask"] = (d.inputs["advantages"] != 0).astype("f4")
             price = self._admit_forward_backward([d.tokens.size for d in data], forward_only)
             cfg = dict(req.loss_fn_config)
+            lengths = [int(d.tokens.size) for d in data]
+            # Pieces at datum boundaries (service/scheduler.py, Fairness): the loss is a sum
+            # over datums, so gradients accumulate over pieces as over microbatches.
+            pieces = split_pieces(lengths, self.limits.piece_tokens)
+            outputs: list[dict] = []
+            parts: list[tuple[dict[str, float], int]] = []
 
-            def run() -> Outcome:
+            def run() -> Outcome | None:
+                lo, hi = pieces[len(parts)]
                 r = self.backend.forward_backward(
-                    m.model_id, data, req.loss_fn, cfg, forward_only=forward_only
+                    m.model_id, data[lo:hi], req.loss_fn, cfg, forward_only=forward_only
                 )
-                return Outcome(proto=proto.encode_forward_backward_output(r.outputs, r.metrics))
+                outputs.extend(r.outputs)
+                parts.append((r.metrics, hi - lo))
+                if len(parts) < len(pieces):
+                    return None
+                op.tokens = {"prefill" if forward_only else "trained": sum(lengths)}
+                metrics = merge_metrics(parts)
+                return Outcome(proto=proto.encode_forward_backward_output(outputs, metrics))
 
-            return Op(m.session_id, kind, run, m.model_id, req.seq_id, tenant=tenant, price=price)
+            op = Op(m.session_id, kind, run, m.model_id, req.seq_id, tenant=tenant, price=price)
+            op.rate_tokens = sum(lengths)
+            return op
 
         return self._sequenced(tenant, req.model_id, req.seq_id, kind, build)
 
@@ -524,6 +560,7 @@ class Service:
     def save_weights(self, tenant: str, body: wire.SaveWeightsBody) -> Future:
         def build(m: Model) -> Op:
             ref = CheckpointRef(m.model_id, "weights", check_name(body.path or "", "path"))
+            self.check_quota(tenant)
             run = self._saver(
                 tenant,
                 m,
@@ -547,6 +584,7 @@ class Service:
             run: Callable[[], Outcome]
             if body.path is not None:
                 ref = CheckpointRef(m.model_id, "sampler_weights", check_name(body.path, "path"))
+                self.check_quota(tenant)
                 run = self._saver(
                     tenant,
                     m,
@@ -583,11 +621,15 @@ class Service:
     def _checkpoint(
         self, tenant: str, path: str, field: str = "path"
     ) -> tuple[CheckpointRef, dict, Path]:
-        """A checkpoint of this tenant to load: 404 when missing or another tenant's, 422
-        when damaged (meta.json, or a file that does not match the manifest)."""
+        """A checkpoint this tenant may read (its own, or one another tenant published): 404
+        when missing or another tenant's unpublished one, 422 when damaged (meta.json, or a
+        file that does not match the manifest)."""
         ref = parse_tinker_path(path, field)
-        store = self.store(tenant)
+        owner = self._reader_store(tenant, ref)
+        store = self.store(owner)
         meta = store.meta(ref, verify=True)  # every load: manifest sizes and CRC32s
+        if owner != tenant:  # a published checkpoint: the owner's audit log says who read it
+            self.audit.add(owner, "checkpoint_read", tinker_path=ref.tinker_path, reader=tenant)
         return ref, meta, store.folder(ref)
 
     def _spec(self, ref: CheckpointRef, meta: dict) -> LoraSpec:
@@ -767,6 +809,10 @@ class Service:
                 prompt_logprobs_last_n=req.prompt_logprobs_last_n,
             )
             seqs = [(q.tokens, q.logprobs, q.stop_reason) for q in r.sequences]
+            op.tokens = {
+                "prefill": len(tokens) * body.num_samples,
+                "sampled": sum(len(q.tokens) for q in r.sequences),
+            }
             if req.record:
                 for sid, q in zip(ids, r.sequences, strict=True):
                     self.records.add(s.session_id, sid, req.prompt, q.tokens, q.logprobs)
@@ -774,7 +820,9 @@ class Service:
                 proto=proto.encode_sample_response(seqs, r.prompt_logprobs, r.topk_prompt)
             )
 
-        fut = self.scheduler.submit(Op(s.session_id, "sample", run, tenant=tenant, price=price))
+        op = Op(s.session_id, "sample", run, tenant=tenant, price=price)
+        op.rate_tokens = (len(tokens) + req.params.max_tokens) * body.num_samples
+        fut = self.scheduler.submit(op)
         return fut, ids
 
     def _admit_sample(
@@ -870,6 +918,7 @@ class Service:
                 d["tinker_path"],
                 d["problem"],
             )
+        self._mark_public(items)
         return {"checkpoints": items, "cursor": None, "damaged": damaged}
 
     def user_checkpoints(self, tenant: str, limit: int, offset: int) -> dict[str, Any]:
@@ -881,6 +930,7 @@ class Service:
             items += a
             damaged += b
         items.sort(key=lambda c: c["time"], reverse=True)
+        self._mark_public(items)
         return {
             "checkpoints": items[offset : offset + limit],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(items)},
@@ -890,6 +940,8 @@ class Service:
     def delete_checkpoint(self, tenant: str, model_id: str, checkpoint_id: str) -> None:
         ref = checkpoint_ref(model_id, checkpoint_id)
         self.store(tenant).delete(ref)
+        self.published.set(ref.tinker_path, None)
+        self.audit.add(tenant, "checkpoint_deleted", tinker_path=ref.tinker_path)
         log.info("service.checkpoint deleted %s tenant=%s", ref.tinker_path, log_safe(tenant))
 
     def set_checkpoint_ttl(
@@ -919,6 +971,137 @@ class Service:
             "training_run_ids": sorted(s.models),
             "sampler_ids": sorted(s.samplers),
             "user_metadata": _str_dict(s.user_metadata),
+            "display_name": s.display_name,
+        }
+
+    # --- the rest of the SDK's surface (service/surface.py) -------------------------------------
+
+    def _mark_public(self, items: list[dict[str, Any]]) -> None:
+        for c in items:
+            c["public"] = self.published.owner(c["tinker_path"]) is not None
+
+    def check_quota(self, tenant: str, field: str = "path") -> None:
+        """413 before a save or copy when the tenant's checkpoints already fill its quota."""
+        quota = self.limits.storage_quota_bytes
+        if quota is None:
+            return
+        _, used = surface.folder_usage(self.store(tenant).root)
+        if used >= quota:
+            raise ServiceError(
+                413,
+                f"this tenant's checkpoints use {used} bytes of its {quota}-byte storage "
+                "quota; delete some (RestClient.delete_checkpoint) first",
+                field=field,
+            )
+
+    def storage_usage(self, tenant: str) -> dict[str, Any]:
+        count, size = surface.folder_usage(self.store(tenant).root)
+        return {
+            "effective_rate_usd_per_gigabyte_month": None,
+            "quota_bytes": self.limits.storage_quota_bytes,
+            "data": [
+                {
+                    "project_id": None,
+                    "user_name": tenant,
+                    "checkpoint_count": count,
+                    "size_bytes": size,
+                    "size_gigabytes": size / 1e9,
+                }
+            ],
+        }
+
+    def _owned_checkpoint(self, tenant: str, model_id: str, checkpoint_id: str) -> CheckpointRef:
+        ref = checkpoint_ref(model_id, checkpoint_id)
+        self.store(tenant).meta(ref)  # 404 unless the caller's (a published one included)
+        return ref
+
+    def publish(self, tenant: str, model_id: str, checkpoint_id: str, on: bool) -> None:
+        ref = self._owned_checkpoint(tenant, model_id, checkpoint_id)
+        if self.published.set(ref.tinker_path, tenant if on else None):
+            event = "checkpoint_published" if on else "checkpoint_unpublished"
+            self.audit.add(tenant, event, tinker_path=ref.tinker_path)
+
+    def copy_weights(self, tenant: str, body: surface.CopyWeightsBody) -> dict[str, Any]:
+        ref, meta, _ = self._checkpoint(tenant, body.source_path, "source_path")
+        self.check_quota(tenant, "source_path")
+        owner = self._reader_store(tenant, ref)
+        path = surface.copy_checkpoint(
+            self.store(owner), ref, self.store(tenant), meta, body.ttl_seconds
+        )
+        self.audit.add(tenant, "checkpoint_copied", tinker_path=path, source=ref.tinker_path)
+        return {"tinker_path": path}
+
+    def _reader_store(self, tenant: str, ref: CheckpointRef) -> str:
+        """Whose store holds `ref` for this reader: its own, or the publishing owner's."""
+        if not self.store(tenant).exists(ref):
+            owner = self.published.owner(ref.tinker_path)
+            if owner is not None:
+                return owner
+        return tenant
+
+    def session_trace(self, tenant: str, session_id: str) -> dict[str, Any]:
+        self.registry.any_session(session_id, tenant)
+        u = self.scheduler.session_usage(session_id)
+        ops = list(u.trace) if u is not None else []
+        return {"status": "ready", "url": surface.trace_url(session_id, ops)}
+
+    def set_project(self, tenant: str, session_id: str, project_id: str) -> None:
+        if not project_id:
+            raise bad_request("project_id", "required")
+        s = self.registry.any_session(session_id, tenant)
+        s.project_id = project_id[:128]
+
+    def search_sessions(self, tenant: str, body: surface.SessionSearchBody) -> dict[str, Any]:
+        """The tenant's sessions, newest first, filtered by the request's fields."""
+        out = []
+        cursor, statuses = body.cursor_key(), body.status_types()
+        for s in sorted(
+            self.registry.tenant_sessions(tenant),
+            key=lambda s: (surface.micros(s.created), s.session_id),
+            reverse=True,
+        ):
+            status = "active" if s.finished is None else "client_finished"
+            if cursor is not None and (surface.micros(s.created), s.session_id) >= cursor:
+                continue
+            if body.session_id is not None and s.session_id != body.session_id:
+                continue
+            if body.display_name is not None and body.display_name not in (s.display_name or ""):
+                continue
+            if body.project_ids is not None and s.project_id not in body.project_ids:
+                continue
+            meta = _str_dict(s.user_metadata) or {}
+            if any(meta.get(k) != v for k, v in body.user_metadata.items()):
+                continue
+            if statuses is not None and status not in statuses:
+                continue
+            out.append(s)
+        page, more = out[: body.limit], len(out) > body.limit
+        return {
+            "sessions": [
+                {
+                    "session_id": s.session_id,
+                    "created_at": surface.iso(s.created),
+                    "owner": tenant,
+                    "project_id": s.project_id or "",
+                    "status": {"type": "active"}
+                    if s.finished is None
+                    else {"type": "client_finished", "detail": s.finished},
+                    "checkpoints_count": sum(
+                        len(self.store(tenant).list(m)[0])
+                        for m in s.models
+                        if self.store(tenant).run(m) is not None
+                    ),
+                    "display_name": s.display_name,
+                    "user_metadata": _str_dict(s.user_metadata),
+                }
+                for s in page
+            ],
+            "next_cursor": {
+                "last_created_at": surface.iso(page[-1].created),
+                "last_session_id": page[-1].session_id,
+            }
+            if more
+            else None,
         }
 
 

@@ -43,6 +43,13 @@ class Limits:
     # Adapters and sampler snapshots held between requests (service/resident.py); None: not
     # admitted (tools.serve sets it: --max-resident-gib).
     max_resident_bytes: float | None = None
+    # Fair sharing (service/scheduler.py): a forward_backward runs in pieces of at most this
+    # many tokens, other tenants' ops between them (0: one piece); a tenant's token rate
+    # (tokens/s, None: unlimited) and burst; bytes of checkpoints a tenant may keep.
+    piece_tokens: int = 8192
+    token_rate: float | None = None
+    token_burst: float = 65536.0
+    storage_quota_bytes: int | None = None
 
 
 # The limits `tools.serve --limit NAME=VALUE` may set (the others have their own flags).

@@ -15,18 +15,33 @@ Leaks closed: a lane's retry entries (`Lane.seen`) are forgotten with their futu
 future store sweeps them; closing a lane (its session finished or expired) completes the ops
 it still held for a missing seq_id with an error; `drain` has a deadline for the running op.
 
-Fairness: ops ready to run sit in one FIFO per session; the worker takes one op from each
-session with work in turn (round robin), so a session with a long backlog delays another
-session's op by at most one op per other active session.
+Fairness: ops ready to run sit in one FIFO per session, and sessions in one ring per
+tenant; the worker takes one op from each *tenant* with work in turn, and within a tenant
+from each session in turn (round robin at both levels). So a tenant with many sessions or a
+long backlog delays another tenant's op by at most one op (or one *piece*) per other active
+tenant. A large op runs in pieces: its `run` returns None while pieces remain (core splits
+a forward_backward into pieces of at most `piece_tokens` tokens, at the step layer's
+microbatch boundary: gradients accumulate over pieces exactly as over microbatches), and
+between two pieces the worker serves the other tenants. The op keeps its place at the head
+of its session's FIFO, so the model's order is unchanged.
+
+Token rate: with `token_rate` set, each tenant has a bucket of `token_burst` tokens refilled
+at `token_rate` tokens/s (clock injectable for tests). A request is admitted while the
+bucket is not negative and then takes its tokens (it may go into debt: a request larger than
+the burst still runs once, then the tenant waits); otherwise 429 with Retry-After = the
+seconds until the bucket is back at zero.
 
 Queue caps: a session may have `max_per_session` and a tenant `max_per_tenant` ops queued or
 held (not yet running); beyond that a request gets 429 with Retry-After = the priced seconds
 of that tenant's queued work (rounded up, 1..600). The service's own ops (free, load_sampler)
 are not capped.
 
-Accounting: each op's wall time x the backend's device count is added to its session's
-device-seconds, logged per op (`service.op ... device_s=... session_device_s=...`) and handed
-to `record` (the JSONL accounting log, service/accounting.py) as one record.
+Accounting: each op's wall time (all its pieces) x the backend's device count is added to
+its session's device-seconds, logged per op (`service.op ... device_s=... session_device_s=...`)
+and handed to `record` (the JSONL accounting log, service/accounting.py) as one record, with
+the tokens the op processed (`Op.tokens`: prefill, sampled, trained) when it succeeded. Only
+ops that ran are recorded: a refusal placeholder never runs and is never billed. The last
+`TRACE_KEEP` ops of each session (start, wait, wall) feed `export_session_trace`.
 """
 
 from __future__ import annotations
@@ -48,13 +63,14 @@ from service.futures import Future, FutureStore, Outcome
 
 log = logging.getLogger("service")
 SHUTDOWN_ERROR = "the service shut down before this request ran"
+TRACE_KEEP = 2_000  # ops kept per session for export_session_trace
 
 
 @dataclass
 class Op:
     session_id: str
     kind: str
-    run: Callable[[], Outcome]
+    run: Callable[[], Outcome | None]  # None: another piece remains (see Fairness)
     lane: str | None = None
     seq_id: int | None = None
     future: Future | None = None
@@ -64,6 +80,12 @@ class Op:
     internal: bool = False  # queued by the service itself: not capped
     refusal: Outcome | None = None  # a refused request's placeholder in its lane
     est_s: float = 0.0  # priced seconds (Retry-After hints)
+    rate_tokens: int = 0  # tokens charged to the tenant's rate bucket at admission
+    tokens: dict[str, int] = field(default_factory=dict)  # billed tokens by kind (set by run)
+    submitted: float = 0.0  # unix time queued
+    started: float | None = None  # unix time its first piece started
+    wall_s: float = 0.0  # over all its pieces
+    pieces: int = 0
 
 
 @dataclass
@@ -79,6 +101,28 @@ class Usage:
     device_seconds: float = 0.0
     ops: Counter = field(default_factory=Counter)
     failed: Counter = field(default_factory=Counter)
+    trace: deque = field(default_factory=lambda: deque(maxlen=TRACE_KEEP))
+
+
+class TokenBucket:
+    """Per-tenant token rate (see the module docstring); `clock` returns seconds."""
+
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic):
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self._level: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, at)
+
+    def _now(self, tenant: str) -> float:
+        now = self.clock()
+        level, at = self._level.get(tenant, (self.burst, now))
+        return min(self.burst, level + (now - at) * self.rate)
+
+    def wait_s(self, tenant: str) -> float:
+        """0 when the tenant may send now, else seconds until its bucket is back at zero."""
+        level = self._now(tenant)
+        return 0.0 if level >= 0 else -level / self.rate
+
+    def take(self, tenant: str, tokens: int) -> None:
+        self._level[tenant] = (self._now(tenant) - tokens, self.clock())
 
 
 class Scheduler:
@@ -93,6 +137,7 @@ class Scheduler:
         throughput: Throughput | None = None,
         roots: tuple[str, ...] = (),
         deadline_s: Callable[[float], float] | None = None,
+        tokens: TokenBucket | None = None,
     ):
         self.futures = futures
         # priced seconds -> the op's deadline (service/deadline.py); None: no deadline
@@ -104,7 +149,9 @@ class Scheduler:
         self.throughput = throughput or Throughput()
         self.roots = roots  # server folders to scrub from error messages (the storage root)
         self._cond = threading.Condition()
-        self._ready: OrderedDict[str, deque[Op]] = OrderedDict()  # session -> FIFO
+        self.tokens = tokens
+        # tenant -> (session -> FIFO): both levels served round robin
+        self._ready: OrderedDict[str, OrderedDict[str, deque[Op]]] = OrderedDict()
         self._lanes: dict[str, Lane] = {}
         self.usage: dict[str, Usage] = {}
         self._pending_session: Counter = Counter()
@@ -151,6 +198,16 @@ class Scheduler:
     def _check_caps(self, op: Op) -> None:
         if op.internal:
             return
+        if self.tokens is not None and op.rate_tokens:
+            wait_s = self.tokens.wait_s(op.tenant)
+            if wait_s > 0:
+                wait = min(600, max(1, math.ceil(wait_s)))
+                raise ServiceError(
+                    429,
+                    f"this tenant is over its token rate ({self.tokens.rate:g} tokens/s); "
+                    f"retry in about {wait} s",
+                    retry_after=wait,
+                )
         s, t = self._pending_session[op.session_id], self._pending_tenant[op.tenant]
         if s < self.max_per_session and t < self.max_per_tenant:
             return
@@ -181,7 +238,10 @@ class Scheduler:
                     )
             if op.refusal is None:
                 self._check_caps(op)
+                if self.tokens is not None and op.rate_tokens and not op.internal:
+                    self.tokens.take(op.tenant, op.rate_tokens)
             op.est_s = self._estimate(op)
+            op.submitted = time.time()
             op.future = self.futures.create(op.tenant, op.session_id, op.kind)
             op.future.lane, op.future.seq_id = op.lane, op.seq_id
             self.usage.setdefault(op.session_id, Usage(tenant=op.tenant))
@@ -259,11 +319,20 @@ class Scheduler:
         if self._pending_session[op.session_id] <= 0:
             del self._pending_session[op.session_id]
 
-    def _enqueue(self, op: Op) -> None:
-        q = self._ready.get(op.session_id)
+    def _enqueue(self, op: Op, front: bool = False) -> None:
+        sessions = self._ready.get(op.tenant)
+        if sessions is None:
+            sessions = self._ready[op.tenant] = OrderedDict()
+        q = sessions.get(op.session_id)
         if q is None:
-            q = self._ready[op.session_id] = deque()
-        q.append(op)
+            q = sessions[op.session_id] = deque()
+        if front:
+            q.appendleft(op)
+        else:
+            q.append(op)
+
+    def _ready_ops(self) -> list[Op]:
+        return [op for sessions in self._ready.values() for q in sessions.values() for op in q]
 
     def forget(self, futures: list[Future]) -> None:
         """Drop the lanes' retry entries of swept futures (`FutureStore.sweep`)."""
@@ -294,11 +363,15 @@ class Scheduler:
                 self._cond.wait()
             if self._stop and not self._ready:
                 return None
-            session, q = self._ready.popitem(last=False)  # the session waiting longest
+            tenant, sessions = self._ready.popitem(last=False)  # the tenant waiting longest
+            session, q = sessions.popitem(last=False)  # its session waiting longest
             op = q.popleft()
             if q:
-                self._ready[session] = q  # back of the line
-            self._unpend(op)
+                sessions[session] = q  # back of the tenant's line
+            if sessions:
+                self._ready[tenant] = sessions  # back of the line
+            if op.pieces == 0:
+                self._unpend(op)
             self._running = op
             return op
 
@@ -306,6 +379,9 @@ class Scheduler:
         while (op := self._next()) is not None:
             t0 = time.perf_counter()
             limit = None if self.deadline_s is None else self.deadline_s(op.est_s)
+            if op.started is None:
+                op.started = time.time()
+            outcome: Outcome | None
             try:
                 with deadline.running(None if limit is None else Deadline(limit, op.est_s)):
                     outcome = op.run()
@@ -319,7 +395,15 @@ class Scheduler:
                 outcome = Outcome(
                     error=scrub_paths(f"{type(e).__name__}: {e}", self.roots), category="server"
                 )
-            wall = time.perf_counter() - t0
+            op.wall_s += time.perf_counter() - t0
+            op.pieces += 1
+            if outcome is None:  # more pieces: the other tenants' ops go first
+                with self._cond:
+                    self._enqueue(op, front=True)
+                    if self._running is op:
+                        self._running = None
+                continue
+            wall = op.wall_s
             device_s = wall * self.devices
             with self._cond:
                 if self._running is op:
@@ -329,6 +413,18 @@ class Scheduler:
                 u.ops[op.kind] += 1
                 if outcome.error is not None:
                     u.failed[op.kind] += 1
+                u.trace.append(
+                    {
+                        "kind": op.kind,
+                        "ok": outcome.error is None,
+                        "start": op.started,
+                        "wait_s": op.started - op.submitted,
+                        "wall_s": wall,
+                        "pieces": op.pieces,
+                        "seq_id": op.seq_id,
+                        "model": op.lane,
+                    }
+                )
                 total = u.device_seconds
                 prev = self._kind_s.get(op.kind, wall)
                 self._kind_s[op.kind] = 0.8 * prev + 0.2 * wall
@@ -349,6 +445,8 @@ class Scheduler:
                         "wall_s": wall,
                         "devices": self.devices,
                         "device_s": device_s,
+                        "pieces": op.pieces,
+                        "tokens": dict(op.tokens) if outcome.error is None else {},
                     }
                 )
             log.info(
@@ -388,13 +486,14 @@ class Scheduler:
             start_count = sum(sum(u.ops.values()) for u in self.usage.values())
             while (self._ready or self._running) and time.monotonic() < end:
                 self._cond.wait(timeout=max(0.0, min(0.5, end - time.monotonic())))
-            refused = [op for q in self._ready.values() for op in q]
+            refused = self._ready_ops()
             refused += [op for lane in self._lanes.values() for op in lane.held.values()]
             self._ready.clear()
             for lane in self._lanes.values():
                 lane.held.clear()
             for op in refused:
-                self._unpend(op)
+                if op.pieces == 0:
+                    self._unpend(op)
             finished = sum(sum(u.ops.values()) for u in self.usage.values()) - start_count
             running = self._running
             self._stop = True
@@ -430,3 +529,42 @@ class Scheduler:
 
 def _never() -> Outcome:  # a refusal placeholder is completed, never run
     raise AssertionError("a refused request was run")
+
+
+def split_pieces(lengths: list[int], piece_tokens: int) -> list[tuple[int, int]]:
+    """Consecutive [lo, hi) datum ranges of at most `piece_tokens` tokens each (a datum
+    longer than that is a piece of its own); one piece when `piece_tokens` <= 0."""
+    if piece_tokens <= 0 or sum(lengths) <= piece_tokens:
+        return [(0, len(lengths))]
+    out, lo, n = [], 0, 0
+    for i, t in enumerate(lengths):
+        if i > lo and n + t > piece_tokens:
+            out.append((lo, i))
+            lo, n = i, 0
+        n += t
+    out.append((lo, len(lengths)))
+    return out
+
+
+def merge_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """The metrics of one request from its pieces' (`name:reduction` metrics, datums): sums
+    add, max/min take the extreme, means weigh by datums; any other reduction keeps the
+    last piece's value (none of the built-in losses reports one)."""
+    out: dict[str, float] = {}
+    total = sum(n for _, n in parts) or 1
+    for metrics, n in parts:
+        for k, v in metrics.items():
+            red = k.rpartition(":")[2]
+            if k not in out:
+                out[k] = v * n / total if red == "mean" else v
+            elif red == "sum":
+                out[k] += v
+            elif red == "max":
+                out[k] = max(out[k], v)
+            elif red == "min":
+                out[k] = min(out[k], v)
+            elif red == "mean":
+                out[k] += v * n / total
+            else:
+                out[k] = v
+    return out

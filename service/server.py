@@ -34,7 +34,7 @@ from typing import Any
 import uvicorn
 
 from core.errors import ConfigError
-from service.accounting import AccountingLog
+from service.accounting import AccountingLog, Prices
 from service.admission import CostModel
 from service.app import create_app
 from service.backend import Backend
@@ -61,6 +61,7 @@ class ServeOptions:
     drain_s: float = 60.0
     fetch_grace_s: float = 10.0
     limits: Limits = Limits()
+    prices: Prices = Prices()  # the operator's price table (tools.serve --prices)
 
 
 def check_exposure(opts: ServeOptions) -> None:
@@ -245,6 +246,7 @@ async def serve(
         cost=cost,
         accounting=accounting,
     )
+    service.prices = opts.prices
     app = create_app(service, keys)
     config = uvicorn.Config(app, access_log=False, log_level="warning", timeout_graceful_shutdown=5)
     server = _DrainingServer(config, service, opts, resource)
@@ -279,4 +281,5 @@ async def serve(
     finally:
         sweeper.cancel()
         accounting.close()
+        service.audit.close()
     return server.failed

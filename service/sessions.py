@@ -67,6 +67,8 @@ class Session:
     samplers: set[str] = field(default_factory=set)
     tenant: str = ""
     finished_at: float | None = None
+    display_name: str | None = None  # as the client sent it (RestClient.get_session)
+    project_id: str | None = None  # create_session's, or assign_session_project's
 
 
 class Registry:

@@ -128,6 +128,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "max_sessions_per_tenant, max_models_per_tenant, max_finished_sessions_per_tenant, "
         "op_deadline_factor, op_deadline_min_s",
     )
+    p.add_argument(
+        "--piece-tokens",
+        type=int,
+        default=8192,
+        help="fair sharing: a forward_backward runs in pieces of at most this many tokens, "
+        "other tenants' requests between them (0: whole requests)",
+    )
+    p.add_argument(
+        "--tenant-token-rate",
+        type=float,
+        default=None,
+        help="tokens/s each tenant may send (429 with Retry-After beyond; default: unlimited)",
+    )
+    p.add_argument(
+        "--tenant-token-burst",
+        type=float,
+        default=65536.0,
+        help="tokens a tenant may send at once before --tenant-token-rate applies",
+    )
+    p.add_argument(
+        "--storage-quota-gib",
+        type=float,
+        default=None,
+        help="checkpoint storage per tenant (a save beyond it gets 413; default: none)",
+    )
+    p.add_argument(
+        "--prices",
+        default=None,
+        help="price table (JSON: usd_per_gpu_hour, usd_per_million_tokens by prefill/"
+        "sampled/trained) for get_billing_usage's estimated costs",
+    )
     add_resource_args(p)
     p.add_argument(
         "--op-timeout",
@@ -154,6 +185,13 @@ def check_args(args: argparse.Namespace) -> None:
         positive_arg(args.max_resident_gib, "--max-resident-gib", bound=1 << 20)
     positive_arg(args.max_queued_per_session, "--max-queued-per-session", bound=1 << 20)
     positive_arg(args.max_queued_per_tenant, "--max-queued-per-tenant", bound=1 << 20)
+    if args.piece_tokens != 0:
+        positive_arg(args.piece_tokens, "--piece-tokens", bound=1 << 30)
+    if args.tenant_token_rate is not None:
+        positive_arg(args.tenant_token_rate, "--tenant-token-rate", bound=1e12)
+    positive_arg(args.tenant_token_burst, "--tenant-token-burst", bound=1e12)
+    if args.storage_quota_gib is not None:
+        positive_arg(args.storage_quota_gib, "--storage-quota-gib", bound=1 << 30)
     check_resource_args(args)
     positive_arg(args.op_timeout, "--op-timeout", bound=7 * 86400)
     from service.limits import parse_limit
@@ -185,10 +223,17 @@ def _prepare(args: argparse.Namespace):
     from recipe.loader import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
+    from service.accounting import Prices
     from service.limits import Limits, with_settings
     from service.server import ServeOptions, bind, check_exposure
     from service.tenants import KeyFile
 
+    prices = Prices()
+    if args.prices is not None:
+        try:
+            prices = Prices.load(args.prices)
+        except ValueError as e:
+            raise ConfigError(str(e), key="--prices") from None
     opts = ServeOptions(
         host=args.host,
         port=args.port,
@@ -201,9 +246,16 @@ def _prepare(args: argparse.Namespace):
                 max_body_bytes=int(args.max_body_mb * (1 << 20)),
                 max_queued_per_session=args.max_queued_per_session,
                 max_queued_per_tenant=args.max_queued_per_tenant,
+                piece_tokens=args.piece_tokens,
+                token_rate=args.tenant_token_rate,
+                token_burst=args.tenant_token_burst,
+                storage_quota_bytes=int(args.storage_quota_gib * (1 << 30))
+                if args.storage_quota_gib is not None
+                else None,
             ),
             args.limit,
         ),
+        prices=prices,
     )
     check_exposure(opts)  # bad input before the model is built
     keys = KeyFile(opts.api_key_file) if opts.api_key_file and env.rank == 0 else None

@@ -1,13 +1,15 @@
-"""Usage per tenant from the service's accounting log: device-seconds and GPU-minutes.
+"""Usage per tenant from the service's accounting log: device-seconds, GPU-minutes, tokens.
 
     python -m tools.usage --storage DIR [--since 2025-01-31|2025-01-31T12:00|24h|7d|UNIX]
-                          [--by tenant|session|kind] [--json]
+                          [--by tenant|session|kind] [--json] [--prices PRICES.json]
 
 Reads `DIR/usage.jsonl` (written by `tools.serve --storage DIR`, one record per operation:
 service/accounting.py) and prints one row per tenant (its name from the key file, or the
 key's fingerprint `key-<12 hex>`; never a key), or per tenant and session / operation kind,
 with sessions, operations, failed operations, device-seconds (wall seconds x devices) and
-GPU-minutes (device-seconds / 60), then the total. Damaged lines (a write cut short by a
+GPU-minutes (device-seconds / 60) and tokens by kind (prefill, sampled, trained: only
+operations that ran and succeeded), then the total. With `--prices` (the operator's price
+table, service/accounting.py `Prices`) a cost column in USD follows. Damaged lines (a write cut short by a
 crash) are skipped and counted on stderr. Bad arguments: one line, exit 2.
 """
 
@@ -27,8 +29,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--since", default=None, help="only records from then on")
     p.add_argument("--by", choices=("tenant", "session", "kind"), default="tenant")
     p.add_argument("--json", action="store_true", help="per-tenant totals as JSON")
+    p.add_argument("--prices", default=None, help="price table (JSON) for a cost column")
     args = p.parse_args(argv)
-    from service.accounting import FILE_NAME, parse_since, read_records, summarize, table
+    from service.accounting import FILE_NAME, Prices, parse_since, read_records, summarize, table
+
+    prices = None
+    if args.prices is not None:
+        try:
+            prices = Prices.load(args.prices)
+        except ValueError as e:
+            raise ConfigError(str(e), key="--prices") from None
 
     since = None
     if args.since is not None:
@@ -50,9 +60,13 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"cannot read {path} ({e.strerror})", key="--storage") from None
     summary = summarize(records)
     if args.json:
-        print(json.dumps({t: summary.tenant_json(t) for t in sorted(summary.tenants)}, indent=1))
+        out = {t: summary.tenant_json(t) for t in sorted(summary.tenants)}
+        if prices is not None:
+            for t, v in summary.tenants.items():
+                out[t]["cost_usd"] = prices.cost(v.device_seconds, dict(v.tokens))
+        print(json.dumps(out, indent=1))
     else:
-        for line in table(summary, args.by):
+        for line in table(summary, args.by, prices):
             print(line)
     if damaged:
         print(f"tools.usage: skipped {damaged} damaged line(s) in {path}", file=sys.stderr)

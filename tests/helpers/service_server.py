@@ -112,6 +112,27 @@ def start_server(
     raise RuntimeError(f"server did not start:\n{log.read_text()[-3000:]}")
 
 
+# A 12-token sequence of the debug vocabulary, and its next-token datum (weights 1).
+SEQ = [7, 300, 41, 1200, 55, 9, 801, 23, 64, 1999, 5, 77]
+
+
+def sft_datum(tokens=SEQ):
+    from tinker import types
+
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+
+
+def wait_outcome(fut, timeout: float = 10.0):
+    """A service Future's outcome once completed (None past `timeout`): polls, no loop."""
+    end = time.monotonic() + timeout
+    while fut.outcome is None and time.monotonic() < end:
+        time.sleep(0.01)
+    return fut.outcome
+
+
 def importance_sampling_datums(prompt: list[int], sequences, advantages) -> list:
     """The tinker Datums of one RL step: each sampled sequence after `prompt`, with the
     sampler's logprobs and the sequence's advantage on its tokens (the prompt's padded with 0)."""

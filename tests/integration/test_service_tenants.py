@@ -34,11 +34,11 @@ from tests.helpers.service_server import (  # noqa: E402
     KEY_B,
     KEY_B2,
     ROOT,
+    SEQ,
     TWO_TENANTS,
     start_server,
 )
-
-SEQ = [7, 300, 41, 1200, 55, 9, 801, 23, 64, 1999, 5, 77]
+from tests.helpers.service_server import sft_datum as datum  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +48,6 @@ def server(tmp_path_factory):
     )
     yield srv
     assert srv.stop() == 0, srv.log_text()[-3000:]
-
-
-def datum(tokens=SEQ) -> types.Datum:
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-    )
 
 
 def call(server, key, method, path, body=None, content=None, headers=None):
@@ -258,6 +251,22 @@ def _cases(v, a):
         ("POST", f"{P}/cancel_future"): [
             (f"{P}/cancel_future", {"request_id": v["future"]}, v["future"])
         ],
+        # the rest of the SDK's surface (service/surface.py)
+        ("POST", f"{P}/copy_weights"): [
+            (f"{P}/copy_weights", {"source_path": v["path_w"]}, v["path_w"].split("/")[2])
+        ],
+        ("POST", f"{P}/training_runs/{{model_id}}/checkpoints/{{kind}}/{{name}}/publish"): [
+            (f"{P}/training_runs/{mv}/checkpoints/weights/v-ckpt/publish", None, mv)
+        ],
+        ("DELETE", f"{P}/training_runs/{{model_id}}/checkpoints/{{kind}}/{{name}}/publish"): [
+            (f"{P}/training_runs/{mv}/checkpoints/weights/v-ckpt/publish", None, mv)
+        ],
+        ("GET", f"{P}/sessions/{{session_id}}/trace_export"): [
+            (f"{P}/sessions/{sv}/trace_export", None, sv)
+        ],
+        ("PUT", f"{P}/sessions/{{session_id}}/project"): [
+            (f"{P}/sessions/{sv}/project", {"project_id": "x"}, sv)
+        ],
     }
 
 
@@ -270,12 +279,19 @@ NO_OBJECT = {
     ("GET", "/api/v1/get_server_capabilities"),
     ("POST", "/api/v1/create_session"),
     ("POST", "/api/v1/telemetry"),
+    # the caller's own, by query or body (tests/integration/test_service_surface.py)
+    ("GET", "/api/v1/billing/usage/events"),
+    ("POST", "/api/v1/sessions/search"),
+    # every route not served: 400 naming the SDK method
+    *{(m, "/api/v1/{rest:path}") for m in ("GET", "POST", "PUT", "DELETE", "PATCH")},
 }
 LISTINGS = {
     ("GET", "/api/v1/sessions"),
     ("GET", "/api/v1/training_runs"),
     ("GET", "/api/v1/checkpoints"),
     ("GET", "/api/v1/usage"),
+    ("GET", "/api/v1/audit"),
+    ("GET", "/api/v1/billing/usage/checkpoints/current"),
 }
 
 
@@ -560,7 +576,8 @@ def test_usage_tool_sums_the_operations(server, victim, attacker):
     ).stdout
     rows = {line.split()[0]: line.split() for line in table.splitlines()[1:]}
     assert set(rows) == {"bob", fingerprint(KEY), "total"}
-    assert float(rows["bob"][-1]) == pytest.approx(expect["bob"] / 60, abs=1e-4)
+    # GPU-minutes, before the three token columns (prefill, sampled, trained)
+    assert float(rows["bob"][-4]) == pytest.approx(expect["bob"] / 60, abs=1e-4)
     for k in (KEY, KEY_B, KEY_B2):
         assert k not in table and k not in records.read_text() and k not in server.log_text()
     # the endpoint is the same aggregation, the caller's only
