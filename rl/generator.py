@@ -18,6 +18,7 @@ completed the stop, as Tinker returns them.
 The generator holds its own copy of the weights (optionally in bfloat16: the
 inference-numerics side of the train/inference mismatch) and a version number; the trainer
 pushes full weights or only its trainable (LoRA adapter) parameters with `update_weights`.
+rl/vllm_engine.py's `VllmGenerator` has the same interface over a vLLM engine process.
 """
 
 from __future__ import annotations
@@ -457,19 +458,3 @@ class Generator:
             seq, lp = (tok_m[b], lp_m[b]) if n is None else (tok_m[b][:n], lp_m[b][:n])
             out.append(Sample(i, seq, lp, "length" if n is None else "stop", version))
         return out
-
-
-def vllm_generator(*args, **kwargs):
-    """The optional vLLM backend (GPU). Interface: the same `update_weights(state_dict,
-    version)` and `generate(prompts, SamplingParams) -> list[Sample]` as `Generator`."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        raise RuntimeError(
-            "rl.generator = 'vllm' needs the vllm package, which is not installed; "
-            "use rl.generator = 'native' (the KV-cache generator in rl/generator.py)"
-        ) from None
-    raise NotImplementedError(
-        "the vLLM backend is an interface only in this version (weight sync into vLLM's "
-        "engine is not written); use rl.generator = 'native'"
-    )
