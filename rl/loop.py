@@ -40,6 +40,7 @@ from rl.losses import BUILTIN_LOSSES, LossConfig, LossFn, get_loss, group_advant
 from rl.mismatch import mismatch_stats
 from rl.policy import full_state_dict
 from rl.trainer import PolicyTrainer, Rollout, collate
+from rl.vllm_engine import EngineError
 from runtime import steps
 
 
@@ -213,6 +214,8 @@ class RLRun:
         params = replace(self.sampling, seed=rl.seed * 7919 + step)
         try:
             samples = self.generate(prompts, params)
+        except EngineError:
+            raise  # the engine process is gone or broken: no later update can sample either
         except Exception as e:
             if rl.on_error == "fail":
                 raise RolloutFailure(f"generation failed at update {step}: {e!r}") from e

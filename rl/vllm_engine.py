@@ -279,7 +279,8 @@ class HFView:
     family: str = "llama3"
     head_dim: int = 0  # served head size; 0: the model's own
 
-    def _heads(self) -> tuple[int, int, int]:
+    def heads(self) -> tuple[int, int, int]:
+        """(query heads, key/value heads, head size) of the model."""
         a = self.model_config.layers[0].attention
         n = a.n_heads
         return n, a.n_kv_heads or n, a.head_dim or self.model_config.dim // n
@@ -291,7 +292,7 @@ class HFView:
         return self._pad({k: v.detach().float().cpu().contiguous() for k, v in hf.items()})
 
     def _pad(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        n, kv, hd = self._heads()
+        n, kv, hd = self.heads()
         return pad_heads(hf, n_heads=n, n_kv=kv, hd=hd, to=self.head_dim or hd)
 
     def config(self) -> dict[str, Any]:
@@ -327,7 +328,7 @@ class HFView:
         export_peft(folder, model_config=self.model_config, adapter=adapter,
                     state_dict_adapter=self.state_dict_adapter, rank=rank, alpha=alpha)  # fmt: skip
         path = os.path.join(folder, PEFT_WEIGHTS)
-        if self.head_dim and self.head_dim != self._heads()[2]:
+        if self.head_dim and self.head_dim != self.heads()[2]:
             save_file(self._pad(load_file(path)), path)
         return os.path.getsize(path) + os.path.getsize(os.path.join(folder, PEFT_CONFIG))
 
@@ -465,7 +466,7 @@ def rl_generator(job: Any, state_dict: dict[str, torch.Tensor]) -> VllmGenerator
     spec = job.config.model_spec
     cfg = spec.model
     view = HFView(cfg, spec.state_dict_adapter(cfg, None), family=r.model.family)
-    n, kv, hd = view._heads()
+    n, kv, hd = view.heads()
     cpu = not torch.cuda.is_available() or job.platform.is_cpu
     try:
         view.head_dim = served_head_dim(hd, cpu=cpu)

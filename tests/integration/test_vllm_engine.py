@@ -1,0 +1,110 @@
+"""The vLLM engine (rl/vllm_engine.py, rl/vllm_server.py) against our own torchtitan model.
+
+One engine for the session (tests/conftest.py `vllm_engine`, float32, heads padded 16 -> 64
+for vLLM's CPU kernels). References are independent of vLLM: the KV-cache generator and the
+training forward on the torchtitan model (greedy tokens, logprobs), a formula for the bytes of
+a PEFT adapter, and the engine's own one-adapter answers for the multi-LoRA batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from posttrain.lora import base_state
+from rl.generator import Generator, SamplingParams
+from rl.mismatch import mismatch_stats
+from rl.policy import token_logprobs
+from rl.vllm_engine import VllmGenerator
+from tests.helpers.vllm_models import ALPHA, RANK, bound, random_adapter
+
+pytestmark = [pytest.mark.vllm]
+
+PROMPTS = [[1, 5, 7, 9], [1, 100, 200, 300, 400], [1, 42]]
+GREEDY = SamplingParams(max_tokens=6, top_p=1e-9)
+
+
+def _native_greedy(model: torch.nn.Module) -> list[list[int]]:
+    return [s.tokens for s in Generator.from_model(model).generate(PROMPTS, GREEDY)]
+
+
+def test_engine_samples_and_scores_as_the_trainer_model(vllm_engine):
+    engine, model, view = vllm_engine
+    gen = VllmGenerator(engine, view)
+    assert [s.tokens for s in gen.generate(PROMPTS, GREEDY)] == _native_greedy(model)
+    samples = gen.generate(PROMPTS, SamplingParams(max_tokens=6, n=4, seed=1))
+    assert len(samples) == 4 * len(PROMPTS) and {s.version for s in samples} == {0}
+    assert [s.prompt_index for s in samples] == [i for i in range(len(PROMPTS)) for _ in range(4)]
+    # The trainer's logprobs of vLLM's tokens (its own full forward, float32).
+    ours = []
+    for s in samples:
+        p = PROMPTS[s.prompt_index]
+        lp = token_logprobs(model, torch.tensor([p + s.tokens]))[0, len(p) - 1 :]
+        ours.append(lp.tolist())
+    mm = mismatch_stats([s.logprobs for s in samples], ours)
+    assert math.isfinite(mm["train_infer_kl"]) and mm["train_infer_kl"] >= 0
+    assert mm["train_infer_max_abs_diff"] < 1e-3, mm
+
+
+def test_lora_update_sends_only_the_adapter(vllm_engine):
+    """A LoRA policy's update is its adapter alone (PEFT folder): the bytes written equal the
+    adapter tensors' (by formula, + headers), a small fraction of a full push; the engine then
+    samples what the torchtitan model with that adapter gives."""
+    engine, model, view = vllm_engine
+    gen = VllmGenerator(engine, view, lora_rank=RANK, lora_alpha=ALPHA)
+    adapter = random_adapter(model, seed=3)
+    gen.update_weights(adapter, version=1)
+    sent = gen.bytes_sent
+    c = model.layers["0"].attention
+    n, kv, to, r = c.n_heads, c.n_kv_heads or c.n_heads, view.head_dim, RANK
+    dim, hidden = (
+        model.tok_embeddings.weight.shape[1],
+        model.layers["0"].feed_forward.w1.out_features,
+    )
+    per_layer = (
+        3 * r * dim
+        + (n + 2 * kv) * to * r  # q, k, v: A each (shared values) and B rows
+        + r * n * to
+        + dim * r  # o_proj: A over the padded heads, B
+        + 2 * (r * dim + hidden * r)
+        + (r * hidden + dim * r)  # gate, up, down
+    )
+    tensor_bytes = 4 * per_layer * len(model.layers)
+    assert tensor_bytes <= sent <= tensor_bytes + 64 * 1024, (sent, tensor_bytes)
+    assert [s.tokens for s in gen.generate(PROMPTS, GREEDY)] == _native_greedy(
+        bound(model, adapter)
+    )
+    assert {s.version for s in gen.generate(PROMPTS[:1], GREEDY)} == {1}
+    # A full-weight push of the same base (the session engine keeps its weights) for scale.
+    full = VllmGenerator(engine, view)
+    full.update_weights(base_state(model), version=1)
+    base_bytes = 4 * sum(v.numel() for v in base_state(model).values())
+    assert full.bytes_sent >= base_bytes and sent * 10 < full.bytes_sent
+
+
+def test_two_adapters_in_one_engine_batch_each_get_their_own_tokens(vllm_engine, tmp_path):
+    """Multi-LoRA: requests for two adapters in one engine call (vLLM batches them together)
+    each get exactly the greedy tokens that adapter gives alone."""
+    engine, model, view = vllm_engine
+    loras = []
+    for i, seed in enumerate((11, 12)):
+        folder = str(tmp_path / f"tenant{i}")
+        view.write_adapter(folder, random_adapter(model, seed), rank=RANK, alpha=ALPHA)
+        loras.append((f"tenant{i}", 1000 + i, folder))
+
+    def req(prompt, lora):
+        return {"prompt": prompt, "max_tokens": 6, "top_p": 1e-9, "lora": lora}
+
+    mixed = [req(p, lora) for p in PROMPTS for lora in loras]
+    together = engine.call("generate", requests=mixed)
+    for k, lora in enumerate(loras):
+        alone = engine.call("generate", requests=[req(p, lora) for p in PROMPTS])
+        assert [g[0]["tokens"] for g in together[k :: len(loras)]] == [
+            g[0]["tokens"] for g in alone
+        ]
+    a, b = together[0::2], together[1::2]
+    assert any(x[0]["tokens"] != y[0]["tokens"] for x, y in zip(a, b, strict=True))
+    for _, i, _ in loras:
+        engine.call("remove_lora", id=i)
