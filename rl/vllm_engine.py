@@ -289,9 +289,10 @@ class HFView:
         hf = self.state_dict_adapter.to_hf(
             {k: v for k, v in state_dict.items() if ".lora_" not in k}
         )
-        return self._pad({k: v.detach().float().cpu().contiguous() for k, v in hf.items()})
+        return self.pad({k: v.detach().float().cpu().contiguous() for k, v in hf.items()})
 
-    def _pad(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def pad(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF or PEFT tensors with heads padded to the served head size (`pad_heads`)."""
         n, kv, hd = self.heads()
         return pad_heads(hf, n_heads=n, n_kv=kv, hd=hd, to=self.head_dim or hd)
 
@@ -329,7 +330,7 @@ class HFView:
                     state_dict_adapter=self.state_dict_adapter, rank=rank, alpha=alpha)  # fmt: skip
         path = os.path.join(folder, PEFT_WEIGHTS)
         if self.head_dim and self.head_dim != self.heads()[2]:
-            save_file(self._pad(load_file(path)), path)
+            save_file(self.pad(load_file(path)), path)
         return os.path.getsize(path) + os.path.getsize(os.path.join(folder, PEFT_CONFIG))
 
 
@@ -352,6 +353,8 @@ class VllmGenerator:
         self.lora_rank, self.lora_alpha = lora_rank, lora_alpha
         self.version = 0
         self.bytes_sent = 0  # weight bytes written for the engine since construction
+        # prompt positions sent, and those the engine's prefix cache already held
+        self.prompt_tokens = self.cached_prompt_tokens = 0
         self.lora: tuple[str, int, str] | None = None
         self._pending: tuple[dict[str, torch.Tensor], int] | None = None
         self._pending_lock = threading.Lock()
@@ -436,6 +439,8 @@ class VllmGenerator:
                 for i, p in enumerate(prompts)
             ]
             outs = self.engine.call("generate", requests=reqs)
+        self.prompt_tokens += sum(len(p) for p in prompts)
+        self.cached_prompt_tokens += sum(g[0]["cached"] for g in outs if g)
         return [
             Sample(i, s["tokens"], s["logprobs"], "stop" if s["finish"] == "stop" else "length",
                    version)

@@ -70,6 +70,9 @@ class Engine:
             seed=cfg.get("seed", 0),
             enforce_eager=True,
             max_num_seqs=cfg.get("max_num_seqs", 256),
+            # 32 positions per KV block (the CPU kernels' smallest): the prefix cache reuses
+            # whole blocks, so short conversations get hits from their second turn on.
+            block_size=cfg.get("block_size", 32),
             **kw,
         )
         cache = self.llm.llm_engine.vllm_config.cache_config
@@ -105,7 +108,8 @@ class Engine:
             for c in out.outputs:
                 toks = list(c.token_ids)
                 lps = [float(d[t].logprob) for d, t in zip(c.logprobs or [], toks, strict=True)]
-                samples.append({"tokens": toks, "logprobs": lps, "finish": c.finish_reason})
+                samples.append({"tokens": toks, "logprobs": lps, "finish": c.finish_reason,
+                                "cached": int(out.num_cached_tokens or 0)})  # fmt: skip
             result.append(samples)
         return result
 

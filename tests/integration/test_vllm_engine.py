@@ -108,3 +108,43 @@ def test_two_adapters_in_one_engine_batch_each_get_their_own_tokens(vllm_engine,
     assert any(x[0]["tokens"] != y[0]["tokens"] for x, y in zip(a, b, strict=True))
     for _, i, _ in loras:
         engine.call("remove_lora", id=i)
+
+
+def test_multi_turn_episodes_reuse_the_conversation_prefix(vllm_engine):
+    """ChainSum over 3 turns through rl.multiturn.run_episodes: vLLM's episodes equal the
+    built-in generator's (greedy, same conversations), and from the second turn on the engine's
+    prefix cache holds each conversation's earlier blocks (32 positions each)."""
+    from rl.multiturn import ChainSum, run_episodes
+
+    engine, model, view = vllm_engine
+    env = ChainSum(turns=3)
+    tasks = env.tasks("train", 3, seed=0)
+    g = torch.Generator().manual_seed(5)
+    # a distinct 40-token preamble per episode: no episode reuses another's blocks
+    pre = {t.prompt: torch.randint(300, 2000, (40,), generator=g).tolist() for t in tasks}
+
+    def encode(text: str) -> list[int]:
+        return [1, *pre[text], *(ord(c) for c in text)]
+
+    def decode(ids: list[int]) -> str:
+        return "".join(chr(i) if 32 <= i < 127 else "?" for i in ids)
+
+    kw = dict(encode=encode, encode_reply=lambda s: [ord(c) for c in s], decode=decode,
+              params=SamplingParams(max_tokens=3, top_p=1e-9))  # fmt: skip
+    vllm_gen = VllmGenerator(engine, view)
+    cached: list[int] = []
+
+    class PerTurn:  # the engine's prefix-cache hits of each turn
+        def generate(self, prompts, params):
+            before = vllm_gen.cached_prompt_tokens
+            out = vllm_gen.generate(prompts, params)
+            cached.append(vllm_gen.cached_prompt_tokens - before)
+            return out
+
+    ours = run_episodes(Generator.from_model(model), env, tasks, **kw)
+    theirs = run_episodes(PerTurn(), env, tasks, **kw)
+    assert [e.tokens for e in theirs] == [e.tokens for e in ours]
+    assert [len(e.turns) for e in theirs] == [3, 3, 3]
+    assert [e.reward for e in theirs] == [e.reward for e in ours]
+    assert sum(m for e in theirs for m in e.model_mask) == 3 * 3 * 3
+    assert cached[0] == 0 and all(c >= 32 * len(tasks) for c in cached[1:]), cached
