@@ -198,7 +198,43 @@ def _sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator):
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
-class Generator:
+class StagedWeights:
+    """Weight versions the trainer stages and the generator applies before its next
+    generation (`_apply_pending`, through the subclass's `_load`): the trainer never waits for
+    a generation in flight. A newer staged update replaces an older one never applied."""
+
+    version: int
+
+    def _init_staging(self) -> None:
+        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
+        self._pending_lock = threading.Lock()
+
+    def _check_names(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Refuse names the generator cannot load (at staging, in the trainer's thread)."""
+
+    def _load(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        raise NotImplementedError
+
+    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Queue an update that the next `generate` applies first (asynchronous RL)."""
+        self._check_names(state_dict)
+        with self._pending_lock:
+            self._pending = (state_dict, version)
+
+    @property
+    def latest_version(self) -> int:
+        """The newest version staged or loaded."""
+        with self._pending_lock:
+            return self._pending[1] if self._pending is not None else self.version
+
+    def _apply_pending(self) -> None:
+        with self._pending_lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            self._load(*pending)
+
+
+class Generator(StagedWeights):
     """Batched sampling with a KV cache from a private copy of a torchtitan decoder."""
 
     def __init__(
@@ -231,8 +267,7 @@ class Generator:
         self.decode = decode  # token ids -> text: what stop strings are matched on
         self.version = 0
         self._lock = threading.Lock()
-        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
-        self._pending_lock = threading.Lock()
+        self._init_staging()
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, **kw) -> Generator:
@@ -250,34 +285,16 @@ class Generator:
             self.model.load_state_dict(state_dict, strict=False)
             self.version = version
 
-    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Queue an update that the next `generate` applies first: the trainer never waits
-        for a generation in flight (asynchronous RL). A newer staged update replaces an older
-        one that was never applied."""
-        self._check_names(state_dict)
-        with self._pending_lock:
-            self._pending = (state_dict, version)
-
     def _check_names(self, state_dict: dict[str, torch.Tensor]) -> None:
         own = self.model.state_dict()
         unknown = [k for k in state_dict if k not in own]
         if unknown:
             raise KeyError(f"weights not in the generator's model: {unknown[:5]}")
 
-    @property
-    def latest_version(self) -> int:
-        """The newest version staged or loaded."""
-        with self._pending_lock:
-            return self._pending[1] if self._pending is not None else self.version
-
-    def _apply_pending(self) -> None:
-        with self._pending_lock:
-            pending, self._pending = self._pending, None
-        if pending is not None:
-            sd, version = pending
-            with torch.no_grad():
-                self.model.load_state_dict(sd, strict=False)
-            self.version = version
+    def _load(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        with torch.no_grad():
+            self.model.load_state_dict(state_dict, strict=False)
+        self.version = version
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:

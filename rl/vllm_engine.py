@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from core.errors import ConfigError
-from rl.generator import Sample, SamplingParams
+from rl.generator import Sample, SamplingParams, StagedWeights
 
 ROOT = Path(__file__).resolve().parent.parent
 SETUP = "bash scripts/setup.sh --vllm"
@@ -334,7 +334,7 @@ class HFView:
         return os.path.getsize(path) + os.path.getsize(os.path.join(folder, PEFT_CONFIG))
 
 
-class VllmGenerator:
+class VllmGenerator(StagedWeights):
     """The RL loop's generator backed by a `VllmEngine` (rl.generator = "vllm").
 
     Full-weight updates go to the base model; `adapter=True` updates are a LoRA adapter's
@@ -356,8 +356,7 @@ class VllmGenerator:
         # prompt positions sent, and those the engine's prefix cache already held
         self.prompt_tokens = self.cached_prompt_tokens = 0
         self.lora: tuple[str, int, str] | None = None
-        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
-        self._pending_lock = threading.Lock()
+        self._init_staging()
         self._lock = threading.Lock()
 
     # -- weights -----------------------------------------------------------------------
@@ -365,21 +364,8 @@ class VllmGenerator:
         with self._lock:
             self._send(state_dict, version)
 
-    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Applied before the next generation; a newer staged update replaces an older one."""
-        with self._pending_lock:
-            self._pending = (state_dict, version)
-
-    @property
-    def latest_version(self) -> int:
-        with self._pending_lock:
-            return self._pending[1] if self._pending is not None else self.version
-
-    def _apply_pending(self) -> None:
-        with self._pending_lock:
-            pending, self._pending = self._pending, None
-        if pending is not None:
-            self._send(*pending)
+    def _load(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        self._send(state_dict, version)
 
     def _send(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         adapter = bool(state_dict) and all(".lora_" in k for k in state_dict)

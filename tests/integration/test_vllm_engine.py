@@ -148,3 +148,49 @@ def test_multi_turn_episodes_reuse_the_conversation_prefix(vllm_engine):
     assert [e.reward for e in theirs] == [e.reward for e in ours]
     assert sum(m for e in theirs for m in e.model_mask) == 3 * 3 * 3
     assert cached[0] == 0 and all(c >= 32 * len(tasks) for c in cached[1:]), cached
+
+
+def test_tis_correction_changes_the_update_on_the_real_gap(vllm_engine):
+    """vLLM's sampling logprobs (mu) against the trainer's (pi_old) on the same weights: the
+    gap is real (behaviour KL > 0), and GRPO's gradient with truncated importance weights
+    (tis_cap) differs from the uncorrected one; with mu := pi_old (no gap) the two are equal,
+    so the difference is the correction acting on the engine's numerics."""
+    import copy
+
+    from rl.losses import LossBatch, LossConfig, get_loss
+
+    engine, model, view = vllm_engine
+    samples = VllmGenerator(engine, view).generate(
+        PROMPTS, SamplingParams(max_tokens=6, n=4, seed=7)
+    )
+    policy = copy.deepcopy(model).requires_grad_(False)
+    policy.lm_head.weight.requires_grad_(True)
+    T = max(len(s.tokens) for s in samples)
+    mu = torch.zeros(len(samples), T)
+    mask = torch.zeros(len(samples), T)
+    rows = []
+    for b, s in enumerate(samples):
+        p = PROMPTS[s.prompt_index]
+        rows.append(token_logprobs(policy, torch.tensor([p + s.tokens]))[0, len(p) - 1 :])
+        mu[b, : len(s.tokens)] = torch.tensor(s.logprobs)
+        mask[b, : len(s.tokens)] = 1
+    adv = torch.tensor([1.0, -1.0] * (len(samples) // 2))
+
+    def grad(tis_cap: float, behaviour: torch.Tensor) -> torch.Tensor:
+        policy.lm_head.weight.grad = None
+        logprobs = torch.zeros(len(samples), T)
+        for b, r in enumerate(rows):
+            logprobs = logprobs.index_put((torch.full((len(r),), b), torch.arange(len(r))), r)
+        old = logprobs.detach()
+        batch = LossBatch(mask, adv, sampling_logprobs=behaviour, old_logprobs=old)
+        get_loss("grpo", LossConfig(tis_cap=tis_cap))(logprobs, batch).backward(retain_graph=True)
+        return policy.lm_head.weight.grad.clone()
+
+    old = torch.zeros(len(samples), T)
+    for b, r in enumerate(rows):
+        old[b, : len(r)] = r.detach()
+    gap = mismatch_stats(mu, old, mask)
+    assert gap["train_infer_kl"] > 0 and gap["train_infer_max_abs_diff"] > 0, gap
+    plain, corrected = grad(0.0, mu), grad(2.0, mu)
+    assert not torch.equal(plain, corrected)
+    assert torch.equal(grad(0.0, old), grad(2.0, old))  # no gap: the correction is the identity

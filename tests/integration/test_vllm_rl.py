@@ -16,21 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.runs import ROOT, child_env, run_train
+from tests.helpers.runs import RL_TINY, ROOT, child_env, run_train
 
 RECIPE = "recipes/rl_debug.toml"
-TINY = [
-    "model.layers=1",
-    "training.seq_len=32",
-    "rl.prompts_per_step=3",
-    "rl.group_size=2",
-    "rl.max_new_tokens=3",
-    "rl.sft_warmup_steps=1",
-    "rl.eval_prompts=0",
-    "metrics.summary_skip_steps=0",
-    "rl.generator=vllm",
-    "checkpoint.interval=1",
-]
+TINY = [*RL_TINY, "rl.generator=vllm", "checkpoint.interval=1"]
 
 
 def test_without_the_engine_environment_one_line_naming_the_setup_command(tmp_path):
