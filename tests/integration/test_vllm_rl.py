@@ -16,23 +16,23 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.runs import RL_TINY, ROOT, child_env, run_train
+from tests.helpers.runs import RL_TINY, ROOT, child_env, run_train, train_main_error
 
 RECIPE = "recipes/rl_debug.toml"
 TINY = [*RL_TINY, "rl.generator=vllm", "checkpoint.interval=1"]
 
 
-def test_without_the_engine_environment_one_line_naming_the_setup_command(tmp_path):
-    env = child_env()
-    env["TITANSCALE_VLLM_PYTHON"] = str(tmp_path / "no-such-python")
-    args = [sys.executable, str(ROOT / "train.py"), "--recipe", RECIPE]
+def test_without_the_engine_environment_one_line_naming_the_setup_command(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("TITANSCALE_VLLM_PYTHON", str(tmp_path / "no-such-python"))
+    argv = ["--recipe", RECIPE]
     for o in [*TINY, f"job.output_dir={tmp_path / 'out'}"]:
-        args += ["--set", o]
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "rl.generator" in lines[0], lines
-    assert "bash scripts/setup.sh --vllm" in lines[0]
+        argv += ["--set", o]
+    code, errors = train_main_error(argv, capsys)
+    assert code == 2
+    assert len(errors) == 1 and "rl.generator" in errors[0], errors
+    assert "bash scripts/setup.sh --vllm" in errors[0]
 
 
 def _records(out: Path) -> list[dict]:
