@@ -150,7 +150,7 @@ def main() -> None:
             f"| {r['engine']} | {r['rollouts_per_s']:.1f} | {r['new_tokens_per_s']:.0f} | "
             f"{r['seconds']:.2f} | {start} |"
         )
-    lines += ["", "(Read the figures against docs/vllm.md's \"when to use which\".)"]
+    lines += ["", '(Read the figures against docs/vllm.md\'s "when to use which".)']
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
