@@ -81,7 +81,10 @@ class EngineConfig:
     max_loras: int = 0  # > 0: LoRA adapters may be attached per request
     max_lora_rank: int = 8
     seed: int = 0
-    kv_cache_gib: float = 0.5  # the engine's KV cache on CPU (VLLM_CPU_KVCACHE_SPACE)
+    kv_cache_gib: float = 1.0  # the engine's KV cache on CPU (VLLM_CPU_KVCACHE_SPACE, whole GiB)
+    # CUDA: the share of the GPU's memory the engine may take (weights + KV cache). The
+    # trainer shares the GPU, so not vLLM's default 0.9 (unverified: no GPU run yet).
+    gpu_memory_utilization: float = 0.3
     max_num_seqs: int = 256
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
@@ -136,6 +139,7 @@ class VllmEngine:
                 "max_lora_rank": cfg.max_lora_rank,
                 "seed": cfg.seed,
                 "max_num_seqs": cfg.max_num_seqs,
+                "gpu_memory_utilization": cfg.gpu_memory_utilization,
             },
             timeout=cfg.startup_timeout_s,
         )

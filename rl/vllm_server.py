@@ -53,9 +53,12 @@ class Engine:
         self.kv_tokens = 0
 
     def init(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        import torch
         from vllm import LLM
 
         kw: dict[str, Any] = {}
+        if torch.cuda.is_available():
+            kw["gpu_memory_utilization"] = cfg.get("gpu_memory_utilization", 0.3)
         if cfg.get("max_loras", 0) > 0:
             kw.update(
                 enable_lora=True, max_loras=cfg["max_loras"], max_lora_rank=cfg["max_lora_rank"]
