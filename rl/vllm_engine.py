@@ -401,6 +401,12 @@ class VllmGenerator(StagedWeights):
             shutil.rmtree(old[2], ignore_errors=True)
 
     # -- sampling ------------------------------------------------------------------------
+    @staticmethod
+    def _seed(seed: int | None, i: int) -> int | None:
+        """Prompt i's seed: vLLM seeds each request's own generator and its n samples take
+        seed + k, so prompts' seeds are spread 65,537 apart to never share a stream."""
+        return None if seed is None else (seed * 1_000_003 + i * 65_537) % 2**63
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
         if any(not p for p in prompts):
             raise ValueError("empty prompt")
@@ -417,12 +423,7 @@ class VllmGenerator(StagedWeights):
                     "temperature": params.temperature,
                     "top_p": params.top_p,
                     "top_k": params.top_k,
-                    # one seed per prompt: vLLM seeds each request's own generator
-                    # one seed per prompt (vLLM seeds each request's generator; its n samples
-                    # take seed + k), spread so two prompts never share a stream
-                    "seed": None
-                    if params.seed is None
-                    else (params.seed * 1_000_003 + i * 65_537) % 2**63,  # noqa: E501
+                    "seed": self._seed(params.seed, i),
                     "stop_token_ids": list(params.stop_tokens),
                     "lora": self.lora,
                 }
@@ -461,7 +462,7 @@ def rl_generator(job: Any, state_dict: dict[str, torch.Tensor]) -> VllmGenerator
     spec = job.config.model_spec
     cfg = spec.model
     view = HFView(cfg, spec.state_dict_adapter(cfg, None), family=r.model.family)
-    n, kv, hd = view.heads()
+    hd = view.heads()[2]
     cpu = not torch.cuda.is_available() or job.platform.is_cpu
     try:
         view.head_dim = served_head_dim(hd, cpu=cpu)
