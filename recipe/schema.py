@@ -642,7 +642,10 @@ class RLSection:
     )
     generator: Literal["native", "vllm"] = field(
         default="native",
-        metadata=doc("native: the KV-cache generator on the torchtitan model; vllm: optional."),
+        metadata=doc(
+            "native: the KV-cache generator on the torchtitan model; vllm: a vLLM engine "
+            "process (`bash scripts/setup.sh --vllm` first; docs/vllm.md)."
+        ),
     )
     sft_warmup_steps: int = field(
         default=0,

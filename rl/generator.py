@@ -18,6 +18,7 @@ completed the stop, as Tinker returns them.
 The generator holds its own copy of the weights (optionally in bfloat16: the
 inference-numerics side of the train/inference mismatch) and a version number; the trainer
 pushes full weights or only its trainable (LoRA adapter) parameters with `update_weights`.
+rl/vllm_engine.py's `VllmGenerator` has the same interface over a vLLM engine process.
 """
 
 from __future__ import annotations
@@ -197,7 +198,43 @@ def _sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator):
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
-class Generator:
+class StagedWeights:
+    """Weight versions the trainer stages and the generator applies before its next
+    generation (`_apply_pending`, through the subclass's `_load`): the trainer never waits for
+    a generation in flight. A newer staged update replaces an older one never applied."""
+
+    version: int
+
+    def _init_staging(self) -> None:
+        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
+        self._pending_lock = threading.Lock()
+
+    def _check_names(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Refuse names the generator cannot load (at staging, in the trainer's thread)."""
+
+    def _load(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        raise NotImplementedError
+
+    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Queue an update that the next `generate` applies first (asynchronous RL)."""
+        self._check_names(state_dict)
+        with self._pending_lock:
+            self._pending = (state_dict, version)
+
+    @property
+    def latest_version(self) -> int:
+        """The newest version staged or loaded."""
+        with self._pending_lock:
+            return self._pending[1] if self._pending is not None else self.version
+
+    def _apply_pending(self) -> None:
+        with self._pending_lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            self._load(*pending)
+
+
+class Generator(StagedWeights):
     """Batched sampling with a KV cache from a private copy of a torchtitan decoder."""
 
     def __init__(
@@ -232,8 +269,7 @@ class Generator:
         # Called after each decoded token (a caller's deadline: it may raise to stop).
         self.on_token: Callable[[], None] | None = None
         self._lock = threading.Lock()
-        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
-        self._pending_lock = threading.Lock()
+        self._init_staging()
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, **kw) -> Generator:
@@ -251,34 +287,16 @@ class Generator:
             self.model.load_state_dict(state_dict, strict=False)
             self.version = version
 
-    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Queue an update that the next `generate` applies first: the trainer never waits
-        for a generation in flight (asynchronous RL). A newer staged update replaces an older
-        one that was never applied."""
-        self._check_names(state_dict)
-        with self._pending_lock:
-            self._pending = (state_dict, version)
-
     def _check_names(self, state_dict: dict[str, torch.Tensor]) -> None:
         own = self.model.state_dict()
         unknown = [k for k in state_dict if k not in own]
         if unknown:
             raise KeyError(f"weights not in the generator's model: {unknown[:5]}")
 
-    @property
-    def latest_version(self) -> int:
-        """The newest version staged or loaded."""
-        with self._pending_lock:
-            return self._pending[1] if self._pending is not None else self.version
-
-    def _apply_pending(self) -> None:
-        with self._pending_lock:
-            pending, self._pending = self._pending, None
-        if pending is not None:
-            sd, version = pending
-            with torch.no_grad():
-                self.model.load_state_dict(sd, strict=False)
-            self.version = version
+    def _load(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        with torch.no_grad():
+            self.model.load_state_dict(state_dict, strict=False)
+        self.version = version
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
@@ -461,19 +479,3 @@ class Generator:
             seq, lp = (tok_m[b], lp_m[b]) if n is None else (tok_m[b][:n], lp_m[b][:n])
             out.append(Sample(i, seq, lp, "length" if n is None else "stop", version))
         return out
-
-
-def vllm_generator(*args, **kwargs):
-    """The optional vLLM backend (GPU). Interface: the same `update_weights(state_dict,
-    version)` and `generate(prompts, SamplingParams) -> list[Sample]` as `Generator`."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        raise RuntimeError(
-            "rl.generator = 'vllm' needs the vllm package, which is not installed; "
-            "use rl.generator = 'native' (the KV-cache generator in rl/generator.py)"
-        ) from None
-    raise NotImplementedError(
-        "the vLLM backend is an interface only in this version (weight sync into vLLM's "
-        "engine is not written); use rl.generator = 'native'"
-    )

@@ -34,12 +34,13 @@ import torch
 
 from core.errors import ConfigError
 from rl.envs import Environment, Task, load_callable, make_env
-from rl.generator import Generator, SamplingParams, vllm_generator
+from rl.generator import Generator, SamplingParams
 from rl.hooks import check_env, load_loss
 from rl.losses import BUILTIN_LOSSES, LossConfig, LossFn, get_loss, group_advantages
 from rl.mismatch import mismatch_stats
 from rl.policy import full_state_dict
 from rl.trainer import PolicyTrainer, Rollout, collate
+from rl.vllm_engine import EngineError
 from runtime import steps
 
 
@@ -58,10 +59,9 @@ def check(job: Any) -> None:
     # The factory, tasks() and one reward, behind the hook guard (rl.hooks): one line.
     check_env(rl, file=f)
     if rl.generator == "vllm":
-        try:
-            vllm_generator()
-        except (RuntimeError, NotImplementedError) as e:
-            raise ConfigError(str(e), file=f, key="rl.generator") from None
+        from rl.vllm_engine import require_engine
+
+        require_engine(file=f, key="rl.generator")
 
 
 class RolloutFailure(RuntimeError):
@@ -117,11 +117,18 @@ class RLRun:
             microbatch_rows=job.recipe.training.local_batch_size,
             dp_group=dist.group.WORLD if self.world > 1 else None,
         )
-        self.generator = self._build_generator(model)
+        self.generator: Any = (
+            self._vllm_generator(model) if rl.generator == "vllm" else self._build_generator(model)
+        )
         # async: samples are older than the trainer's weights, so the mismatch is measured by a
         # second copy in the generator's numerics that always holds the trainer's version and
         # re-scores each trained batch (one prefill per update; memory: one more model copy).
-        self.probe = self._build_generator(model) if rl.mode == "async" else None
+        # (vLLM: no probe; the mismatch is taken over the lag-0 samples, docs/vllm.md.)
+        self.probe = (
+            self._build_generator(model)
+            if rl.mode == "async" and rl.generator == "native"
+            else None
+        )
         self.sampling = SamplingParams(
             max_tokens=rl.max_new_tokens,
             temperature=rl.temperature,
@@ -145,6 +152,17 @@ class RLRun:
         gen = Generator(self._fresh_model(), dtype=dtype, pad_id=self.eos or 0)
         gen.update_weights(full_state_dict(model), version=0)
         return gen
+
+    def _vllm_generator(self, model: torch.nn.Module) -> Any:
+        """rl.generator = "vllm": the engine process (rl/vllm_engine.py) over this model."""
+        from rl.vllm_engine import rl_generator
+
+        return rl_generator(self.job, full_state_dict(model))
+
+    def close(self) -> None:
+        close = getattr(self.generator, "close", None)
+        if close is not None:
+            close()
 
     def attach_reference(self) -> None:
         """kl_coef > 0: a frozen copy of the policy RL starts from (after any warmup), saved
@@ -196,6 +214,8 @@ class RLRun:
         params = replace(self.sampling, seed=rl.seed * 7919 + step)
         try:
             samples = self.generate(prompts, params)
+        except EngineError:
+            raise  # the engine process is gone or broken: no later update can sample either
         except Exception as e:
             if rl.on_error == "fail":
                 raise RolloutFailure(f"generation failed at update {step}: {e!r}") from e
@@ -378,13 +398,20 @@ def run(job: Any) -> dict[str, Any] | None:
 
 
 def _train(job: Any, trainer: Any) -> dict[str, Any] | None:
+    trainer.checkpointer.load(step=-1)
+    start = trainer.step  # updates already done (restored from a checkpoint)
+    r = RLRun(job, trainer)
+    try:
+        return _train_run(job, trainer, r, start)
+    finally:
+        r.close()  # the vLLM engine process, when there is one
+
+
+def _train_run(job: Any, trainer: Any, r: RLRun, start: int) -> dict[str, Any] | None:
     from torchtitan.tools.logging import logger
 
     from launch.stop_request import save_full_checkpoint
 
-    trainer.checkpointer.load(step=-1)
-    start = trainer.step  # updates already done (restored from a checkpoint)
-    r = RLRun(job, trainer)
     rl = r.rl
     mp = r.mp
     mp.start(start)  # as TitanscaleTrainer.batch_generator does for pretraining

@@ -5,6 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+if [ "${1:-}" = "--vllm" ]; then
+  exec bash scripts/setup_vllm.sh
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi

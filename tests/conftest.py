@@ -71,6 +71,37 @@ def fsdp2_run(tmp_path_factory, seed_checkpoint) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def vllm_engine(tmp_path_factory):
+    """One vLLM engine process for the session (start-up ~35-90 s on 2 cores): the tiny LoRA
+    Llama of tests/helpers/vllm_models.py, float32, two LoRA slots. Yields (engine, model,
+    view). Needs .venv-vllm (`bash scripts/setup.sh --vllm`; scripts/test.sh runs it): in
+    CI its absence fails, elsewhere it skips with that command."""
+    from posttrain.lora import base_state
+    from rl.vllm_engine import (
+        SETUP,
+        EngineConfig,
+        HFView,
+        VllmEngine,
+        engine_python,
+        served_head_dim,
+    )
+    from tests.helpers.vllm_models import RANK, lora_llama
+
+    if engine_python() is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"the vLLM engine environment is missing: run `{SETUP}`")
+        pytest.skip(f"the vLLM engine environment is not installed: `{SETUP}`")
+    model, cfg, sda = lora_llama()
+    view = HFView(cfg, sda)
+    view.head_dim = served_head_dim(view.heads()[2], cpu=True)  # 16 -> 64 (rl/vllm_engine.py)
+    folder = str(tmp_path_factory.mktemp("vllm-base"))
+    view.write_folder(folder, base_state(model))
+    engine = VllmEngine(EngineConfig(folder, max_model_len=256, max_loras=2, max_lora_rank=RANK))
+    yield engine, model, view
+    engine.close()
+
+
 @pytest.fixture(autouse=True)
 def _isolated_root_logging():
     """Handlers a test adds to the root logger (torchtitan's init_logger binds one to the
@@ -100,10 +131,13 @@ SERIAL_FILES = frozenset({
 
 
 def pytest_collection_modifyitems(config, items):
-    """`serial` on every multiproc / slurm test and on the files in SERIAL_FILES."""
+    """`serial` on every multiproc / slurm / vllm test and on the files in SERIAL_FILES (the
+    vllm tests share one engine per session: on two workers each would start its own)."""
     for item in items:
         name = item.path.name if hasattr(item, "path") else ""
-        if name in SERIAL_FILES or any(item.get_closest_marker(m) for m in ("multiproc", "slurm")):
+        if name in SERIAL_FILES or any(
+            item.get_closest_marker(m) for m in ("multiproc", "slurm", "vllm")
+        ):
             item.add_marker(pytest.mark.serial)
 
 

@@ -23,6 +23,19 @@ FAST = [
 ]
 
 
+# recipes/rl_debug.toml cut to seconds per update (1 layer, 3 prompts x 2 samples, 3 tokens).
+RL_TINY = [
+    "model.layers=1",
+    "training.seq_len=32",
+    "rl.prompts_per_step=3",
+    "rl.group_size=2",
+    "rl.max_new_tokens=3",
+    "rl.sft_warmup_steps=1",
+    "rl.eval_prompts=0",
+    "metrics.summary_skip_steps=0",
+]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,21 +9,12 @@ import os
 import pytest
 
 from runtime.metrics import read_trajectory
-from tests.helpers.runs import run_train
+from tests.helpers.runs import RL_TINY, run_train
 
 pytestmark = pytest.mark.slow  # 1-2.5 min each on 2 loaded cores (three train.py runs)
 
 RECIPE = "recipes/rl_debug.toml"
-TINY = [
-    "model.layers=1",
-    "training.seq_len=32",
-    "rl.prompts_per_step=3",
-    "rl.group_size=2",
-    "rl.max_new_tokens=3",
-    "rl.sft_warmup_steps=1",
-    "rl.eval_prompts=0",
-    "metrics.summary_skip_steps=0",
-]
+TINY = RL_TINY
 
 
 def events(out, name):

@@ -1,0 +1,204 @@
+"""The vLLM engine process: one `vllm.LLM` over a Hugging Face folder, driven over a socket.
+
+Runs under .venv-vllm's Python (`bash scripts/setup.sh --vllm`), never imported by the trainer:
+vLLM pins its own torch and transformers. It imports only the standard library, torch,
+safetensors and vllm. rl/vllm_engine.py starts it (`python rl/vllm_server.py ADDRESS`, the
+authentication key in TITANSCALE_ENGINE_KEY), connects, and sends one request at a time as
+plain picklable dicts (lists of ints and floats, strings): no tensors cross the socket.
+
+Requests ({"op": ...}) and what they do:
+- init: build the LLM (folder, dtype, max_model_len, LoRA slots, KV-cache size, seed);
+  prefix caching on, token ids in and out (no tokenizer), logprobs of the processed
+  (temperature-scaled) distribution, as the trainer recomputes them.
+- generate: a list of requests, each with its own prompt ids, sampling settings and LoRA
+  adapter (or none): one `LLM.generate` call, so requests for several adapters run in the
+  same engine batches (vLLM's multi-LoRA batching).
+- load_weights: a safetensors file of HF-named tensors (full weights or a subset) loaded into
+  the running model by the model's own `load_weights`; the prefix cache is reset (its keys
+  and values came from the old weights).
+- remove_lora: drop an adapter from the engine's LoRA cache.
+- score: teacher-forced logprobs of completions after prompts (prompt_logprobs).
+- stats: the engine's KV-cache size in tokens.
+Every reply is {"ok": value} or {"error": one line}; an error never ends the process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from multiprocessing.connection import Listener
+from typing import Any
+
+# The engine core in this process (no second engine-core process: one process to watch,
+# and its collective_rpc callables run here without cloudpickle transport).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _load(worker: Any, path: str) -> int:
+    """Runs on the engine's worker: HF-named tensors into the live model, through vLLM's
+    in-place reload (the CPU backend repacks linear weights after loading, so the model's
+    own load_weights cannot be called twice; reload_weights undoes and redoes that)."""
+    from safetensors.torch import load_file
+
+    sd = load_file(path)
+    worker.model_runner.reload_weights(weights_iterator=iter(sd.items()))
+    return len(sd)
+
+
+class Engine:
+    def __init__(self) -> None:
+        self.llm: Any = None
+        self.kv_tokens = 0
+
+    def init(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        import torch
+        from vllm import LLM
+
+        kw: dict[str, Any] = {}
+        if torch.cuda.is_available():
+            kw["gpu_memory_utilization"] = cfg.get("gpu_memory_utilization", 0.3)
+        if cfg.get("max_loras", 0) > 0:
+            kw.update(
+                enable_lora=True, max_loras=cfg["max_loras"], max_lora_rank=cfg["max_lora_rank"]
+            )
+        self.llm = LLM(
+            model=cfg["folder"],
+            skip_tokenizer_init=True,
+            dtype=cfg.get("dtype", "float32"),
+            max_model_len=cfg["max_model_len"],
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",
+            seed=cfg.get("seed", 0),
+            enforce_eager=True,
+            max_num_seqs=cfg.get("max_num_seqs", 256),
+            # 32 positions per KV block (the CPU kernels' smallest): the prefix cache reuses
+            # whole blocks, so short conversations get hits from their second turn on.
+            block_size=cfg.get("block_size", 32),
+            **kw,
+        )
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        self.kv_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)
+        return {"kv_cache_tokens": self.kv_tokens}
+
+    def generate(self, requests: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.lora.request import LoRARequest
+
+        prompts, params, loras = [], [], []
+        for r in requests:
+            prompts.append(TokensPrompt(prompt_token_ids=list(r["prompt"])))
+            params.append(
+                SamplingParams(
+                    n=r.get("n", 1),
+                    max_tokens=r["max_tokens"],
+                    temperature=r.get("temperature", 1.0),
+                    top_p=r.get("top_p", 1.0),
+                    top_k=r.get("top_k", -1),
+                    seed=r.get("seed"),
+                    stop_token_ids=list(r.get("stop_token_ids", [])),
+                    logprobs=0,
+                    detokenize=False,
+                )
+            )
+            lora = r.get("lora")
+            loras.append(LoRARequest(lora[0], int(lora[1]), lora[2]) if lora else None)
+        outs = self.llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        result = []
+        for out in outs:
+            samples = []
+            for c in out.outputs:
+                toks = list(c.token_ids)
+                lps = [float(d[t].logprob) for d, t in zip(c.logprobs or [], toks, strict=True)]
+                samples.append({"tokens": toks, "logprobs": lps, "finish": c.finish_reason,
+                                "cached": int(out.num_cached_tokens or 0)})  # fmt: skip
+            result.append(samples)
+        return result
+
+    def score(self, seqs: list[list[int]], starts: list[int]) -> list[list[float]]:
+        from vllm import SamplingParams, TokensPrompt
+
+        sp = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(s)) for s in seqs], sp, use_tqdm=False
+        )
+        res = []
+        for out, s, start in zip(outs, seqs, starts, strict=True):
+            pl = out.prompt_logprobs
+            res.append([float(pl[t][s[t]].logprob) for t in range(start, len(s))])
+        return res
+
+    def load_weights(self, path: str) -> int:
+        (n,) = self.llm.collective_rpc(_load, args=(path,))
+        self.llm.reset_prefix_cache()
+        return int(n)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return bool(self.llm.llm_engine.remove_lora(int(lora_id)))
+
+    def handle(self, msg: dict[str, Any]) -> Any:
+        op = msg["op"]
+        if op == "init":
+            return self.init(msg["config"])
+        if op == "generate":
+            return self.generate(msg["requests"])
+        if op == "score":
+            return self.score(msg["seqs"], msg["starts"])
+        if op == "load_weights":
+            return self.load_weights(msg["path"])
+        if op == "remove_lora":
+            return self.remove_lora(msg["id"])
+        if op == "stats":
+            return {"kv_cache_tokens": self.kv_tokens}
+        raise ValueError(f"unknown op {op!r}")
+
+
+def _exit_with_parent() -> None:
+    """The trainer died before connecting or while connected: end with it."""
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def main() -> None:
+    _exit_with_parent()
+    address = sys.argv[1]
+    key = bytes.fromhex(os.environ.pop("TITANSCALE_ENGINE_KEY"))
+    engine = Engine()
+    with Listener(address, family="AF_UNIX", authkey=key) as listener:
+        # One client: the trainer that started it. When it goes away (closed, killed) so does
+        # the engine: no orphan holding memory.
+        conn = listener.accept()
+        with conn:
+            while True:
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    os._exit(0)  # the trainer went away
+                if msg.get("op") == "shutdown":
+                    conn.send({"ok": True})
+                    conn.close()
+                    # Nothing to flush: skip vLLM's interpreter teardown (~10 s on 2 cores).
+                    os._exit(0)
+                try:
+                    reply = {"ok": engine.handle(msg)}
+                except Exception as e:
+                    last = traceback.format_exception_only(type(e), e)[-1].strip()
+                    reply = {"error": last.replace("\n", " ")[:500]}
+                    if engine.llm is None:  # init failed: nothing to serve
+                        conn.send(reply)
+                        raise SystemExit(3) from None
+                conn.send(reply)
+
+
+if __name__ == "__main__":
+    main()

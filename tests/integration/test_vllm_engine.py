@@ -1,0 +1,196 @@
+"""The vLLM engine (rl/vllm_engine.py, rl/vllm_server.py) against our own torchtitan model.
+
+One engine for the session (tests/conftest.py `vllm_engine`, float32, heads padded 16 -> 64
+for vLLM's CPU kernels). References are independent of vLLM: the KV-cache generator and the
+training forward on the torchtitan model (greedy tokens, logprobs), a formula for the bytes of
+a PEFT adapter, and the engine's own one-adapter answers for the multi-LoRA batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from posttrain.lora import base_state
+from rl.generator import Generator, SamplingParams
+from rl.mismatch import mismatch_stats
+from rl.policy import token_logprobs
+from rl.vllm_engine import VllmGenerator
+from tests.helpers.vllm_models import ALPHA, RANK, bound, random_adapter
+
+pytestmark = [pytest.mark.vllm]
+
+PROMPTS = [[1, 5, 7, 9], [1, 100, 200, 300, 400], [1, 42]]
+GREEDY = SamplingParams(max_tokens=6, top_p=1e-9)
+
+
+def _native_greedy(model: torch.nn.Module) -> list[list[int]]:
+    return [s.tokens for s in Generator.from_model(model).generate(PROMPTS, GREEDY)]
+
+
+def test_engine_samples_and_scores_as_the_trainer_model(vllm_engine):
+    engine, model, view = vllm_engine
+    gen = VllmGenerator(engine, view)
+    assert [s.tokens for s in gen.generate(PROMPTS, GREEDY)] == _native_greedy(model)
+    samples = gen.generate(PROMPTS, SamplingParams(max_tokens=6, n=4, seed=1))
+    assert len(samples) == 4 * len(PROMPTS) and {s.version for s in samples} == {0}
+    assert [s.prompt_index for s in samples] == [i for i in range(len(PROMPTS)) for _ in range(4)]
+    # The trainer's logprobs of vLLM's tokens (its own full forward, float32).
+    ours = []
+    for s in samples:
+        p = PROMPTS[s.prompt_index]
+        lp = token_logprobs(model, torch.tensor([p + s.tokens]))[0, len(p) - 1 :]
+        ours.append(lp.tolist())
+    mm = mismatch_stats([s.logprobs for s in samples], ours)
+    assert math.isfinite(mm["train_infer_kl"]) and mm["train_infer_kl"] >= 0
+    assert mm["train_infer_max_abs_diff"] < 1e-3, mm
+
+
+def test_lora_update_sends_only_the_adapter(vllm_engine):
+    """A LoRA policy's update is its adapter alone (PEFT folder): the bytes written equal the
+    adapter tensors' (by formula, + headers), a small fraction of a full push; the engine then
+    samples what the torchtitan model with that adapter gives."""
+    engine, model, view = vllm_engine
+    gen = VllmGenerator(engine, view, lora_rank=RANK, lora_alpha=ALPHA)
+    adapter = random_adapter(model, seed=3)
+    gen.update_weights(adapter, version=1)
+    sent = gen.bytes_sent
+    c = model.layers["0"].attention
+    n, kv, to, r = c.n_heads, c.n_kv_heads or c.n_heads, view.head_dim, RANK
+    dim, hidden = (
+        model.tok_embeddings.weight.shape[1],
+        model.layers["0"].feed_forward.w1.out_features,
+    )
+    per_layer = (
+        3 * r * dim
+        + (n + 2 * kv) * to * r  # q, k, v: A each (shared values) and B rows
+        + r * n * to
+        + dim * r  # o_proj: A over the padded heads, B
+        + 2 * (r * dim + hidden * r)
+        + (r * hidden + dim * r)  # gate, up, down
+    )
+    tensor_bytes = 4 * per_layer * len(model.layers)
+    assert tensor_bytes <= sent <= tensor_bytes + 64 * 1024, (sent, tensor_bytes)
+    assert [s.tokens for s in gen.generate(PROMPTS, GREEDY)] == _native_greedy(
+        bound(model, adapter)
+    )
+    assert {s.version for s in gen.generate(PROMPTS[:1], GREEDY)} == {1}
+    # A full-weight push of the same base (the session engine keeps its weights) for scale.
+    full = VllmGenerator(engine, view)
+    full.update_weights(base_state(model), version=1)
+    base_bytes = 4 * sum(v.numel() for v in base_state(model).values())
+    assert full.bytes_sent >= base_bytes and sent * 10 < full.bytes_sent
+
+
+def test_two_adapters_in_one_engine_batch_each_get_their_own_tokens(vllm_engine, tmp_path):
+    """Multi-LoRA: requests for two adapters in one engine call (vLLM batches them together)
+    each get exactly the greedy tokens that adapter gives alone."""
+    engine, model, view = vllm_engine
+    loras = []
+    for i, seed in enumerate((11, 12)):
+        folder = str(tmp_path / f"tenant{i}")
+        view.write_adapter(folder, random_adapter(model, seed), rank=RANK, alpha=ALPHA)
+        loras.append((f"tenant{i}", 1000 + i, folder))
+
+    def req(prompt, lora):
+        return {"prompt": prompt, "max_tokens": 6, "top_p": 1e-9, "lora": lora}
+
+    mixed = [req(p, lora) for p in PROMPTS for lora in loras]
+    together = engine.call("generate", requests=mixed)
+    for k, lora in enumerate(loras):
+        alone = engine.call("generate", requests=[req(p, lora) for p in PROMPTS])
+        assert [g[0]["tokens"] for g in together[k :: len(loras)]] == [
+            g[0]["tokens"] for g in alone
+        ]
+    a, b = together[0::2], together[1::2]
+    assert any(x[0]["tokens"] != y[0]["tokens"] for x, y in zip(a, b, strict=True))
+    for _, i, _ in loras:
+        engine.call("remove_lora", id=i)
+
+
+def test_multi_turn_episodes_reuse_the_conversation_prefix(vllm_engine):
+    """ChainSum over 3 turns through rl.multiturn.run_episodes: vLLM's episodes equal the
+    built-in generator's (greedy, same conversations), and from the second turn on the engine's
+    prefix cache holds each conversation's earlier blocks (32 positions each)."""
+    from rl.multiturn import ChainSum, run_episodes
+
+    engine, model, view = vllm_engine
+    env = ChainSum(turns=3)
+    tasks = env.tasks("train", 3, seed=0)
+    g = torch.Generator().manual_seed(5)
+    # a distinct 40-token preamble per episode: no episode reuses another's blocks
+    pre = {t.prompt: torch.randint(300, 2000, (40,), generator=g).tolist() for t in tasks}
+
+    def encode(text: str) -> list[int]:
+        return [1, *pre[text], *(ord(c) for c in text)]
+
+    def decode(ids: list[int]) -> str:
+        return "".join(chr(i) if 32 <= i < 127 else "?" for i in ids)
+
+    kw = dict(encode=encode, encode_reply=lambda s: [ord(c) for c in s], decode=decode,
+              params=SamplingParams(max_tokens=3, top_p=1e-9))  # fmt: skip
+    vllm_gen = VllmGenerator(engine, view)
+    cached: list[int] = []
+
+    class PerTurn:  # the engine's prefix-cache hits of each turn
+        def generate(self, prompts, params):
+            before = vllm_gen.cached_prompt_tokens
+            out = vllm_gen.generate(prompts, params)
+            cached.append(vllm_gen.cached_prompt_tokens - before)
+            return out
+
+    ours = run_episodes(Generator.from_model(model), env, tasks, **kw)
+    theirs = run_episodes(PerTurn(), env, tasks, **kw)
+    assert [e.tokens for e in theirs] == [e.tokens for e in ours]
+    assert [len(e.turns) for e in theirs] == [3, 3, 3]
+    assert [e.reward for e in theirs] == [e.reward for e in ours]
+    assert sum(m for e in theirs for m in e.model_mask) == 3 * 3 * 3
+    assert cached[0] == 0 and all(c >= 32 * len(tasks) for c in cached[1:]), cached
+
+
+def test_tis_correction_changes_the_update_on_the_real_gap(vllm_engine):
+    """vLLM's sampling logprobs (mu) against the trainer's (pi_old) on the same weights: the
+    gap is real (behaviour KL > 0), and GRPO's gradient with truncated importance weights
+    (tis_cap) differs from the uncorrected one; with mu := pi_old (no gap) the two are equal,
+    so the difference is the correction acting on the engine's numerics."""
+    import copy
+
+    from rl.losses import LossBatch, LossConfig, get_loss
+
+    engine, model, view = vllm_engine
+    samples = VllmGenerator(engine, view).generate(
+        PROMPTS, SamplingParams(max_tokens=6, n=4, seed=7)
+    )
+    policy = copy.deepcopy(model).requires_grad_(False)
+    policy.lm_head.weight.requires_grad_(True)
+    T = max(len(s.tokens) for s in samples)
+    mu = torch.zeros(len(samples), T)
+    mask = torch.zeros(len(samples), T)
+    rows = []
+    for b, s in enumerate(samples):
+        p = PROMPTS[s.prompt_index]
+        rows.append(token_logprobs(policy, torch.tensor([p + s.tokens]))[0, len(p) - 1 :])
+        mu[b, : len(s.tokens)] = torch.tensor(s.logprobs)
+        mask[b, : len(s.tokens)] = 1
+    adv = torch.tensor([1.0, -1.0] * (len(samples) // 2))
+
+    def grad(tis_cap: float, behaviour: torch.Tensor) -> torch.Tensor:
+        policy.lm_head.weight.grad = None
+        logprobs = torch.zeros(len(samples), T)
+        for b, r in enumerate(rows):
+            logprobs = logprobs.index_put((torch.full((len(r),), b), torch.arange(len(r))), r)
+        old = logprobs.detach()
+        batch = LossBatch(mask, adv, sampling_logprobs=behaviour, old_logprobs=old)
+        get_loss("grpo", LossConfig(tis_cap=tis_cap))(logprobs, batch).backward(retain_graph=True)
+        return policy.lm_head.weight.grad.clone()
+
+    old = torch.zeros(len(samples), T)
+    for b, r in enumerate(rows):
+        old[b, : len(r)] = r.detach()
+    gap = mismatch_stats(mu, old, mask)
+    assert gap["train_infer_kl"] > 0 and gap["train_infer_max_abs_diff"] > 0, gap
+    plain, corrected = grad(0.0, mu), grad(2.0, mu)
+    assert not torch.equal(plain, corrected)
+    assert torch.equal(grad(0.0, old), grad(2.0, old))  # no gap: the correction is the identity
