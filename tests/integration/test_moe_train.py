@@ -18,7 +18,7 @@ import pytest
 
 from tests.helpers.runs import ROOT, child_env, read_losses, run_train
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]  # measured: 163 s (seed + 2 runs)
 
 RECIPE = str(ROOT / "recipes" / "moe_debug.toml")
 TOL = 1e-3  # the bound (#34)
