@@ -359,8 +359,8 @@ def _patch_expert_precision() -> None:
     `training.dtype = "float32"` run would otherwise carry bf16 rounding in every expert
     (2e-4 per MoE layer against transformers' float32 Qwen3-MoE). The wrapper runs
     torchtitan's own forward with `Tensor.bfloat16` an identity for that call only, and
-    only when the experts' weights are float32; bf16 weights (FSDP mixed precision) keep
-    torchtitan's path exactly.
+    only when the experts' weights are float32 and real; bf16 weights (FSDP mixed precision)
+    and fake tensors (tools.dryrun) keep torchtitan's path exactly.
     """
     import torchtitan.models.common.moe as common_moe
     import torchtitan.models.gpt_oss.moe as gpt_oss_moe
@@ -373,9 +373,13 @@ def _patch_expert_precision() -> None:
 
 def _keep_float32(forward):  # noqa: ANN001, ANN202
     def wrapped(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor):  # noqa: N803
+        from torch._subclasses.fake_tensor import is_fake
+
         weight = next(self.parameters())
         local = weight.to_local() if hasattr(weight, "to_local") else weight
-        if local.dtype != torch.float32 or x_RD.dtype != torch.float32:
+        # Fake tensors (tools.dryrun) stand for the GPU run: torchtitan's bf16 path, whose
+        # fake grouped-mm kernel also accepts nothing else.
+        if local.dtype != torch.float32 or x_RD.dtype != torch.float32 or is_fake(x_RD):
             return forward(self, x_RD, num_tokens_per_expert_E)
         cast = torch.Tensor.bfloat16
         torch.Tensor.bfloat16 = lambda t, *a, **k: t  # type: ignore[method-assign]
