@@ -254,19 +254,6 @@ class TitanscaleMetrics(MetricsProcessor):
         self.device_memory_monitor.reset_peak_stats()
         self.time_last_log = time.perf_counter()
 
-    def _moe_figures(self) -> dict[str, Any]:
-        """The last step's per-layer expert load (runtime.moe_metrics), when MoE."""
-        from runtime.moe_metrics import EXPERT_LOAD_ATTR, expert_load_figures
-
-        loads: list[torch.Tensor] = [
-            x
-            for p in self.model_parts or ()
-            if (x := getattr(p, EXPERT_LOAD_ATTR, None)) is not None
-        ]
-        if not loads:
-            return {}
-        return expert_load_figures(torch.cat(loads))
-
     def log_validation(
         self, loss: float, step: int, extra_metrics: dict[str, Any] | None = None
     ) -> None:
