@@ -35,6 +35,7 @@ from recipe.schema import Recipe
 from runtime.checkpoint import AtomicCheckpointManager
 from runtime.loss import WeightedChunkedLoss, WeightedCrossEntropyLoss
 from runtime.metrics import TitanscaleMetrics
+from runtime.moe_metrics import record_expert_load
 from runtime.platform import Platform, spmd_backend
 from runtime.validation import TitanscaleValidator
 
@@ -48,7 +49,25 @@ def choose_kernels(
     caps = DeviceCaps(
         platform.device_type, platform.device_name, platform.compute_capability, detect_features()
     )
-    return check_kernels(recipe, caps, cp=layout.cp if layout is not None else None)
+    choice = check_kernels(recipe, caps, cp=layout.cp if layout is not None else None)
+    check_moe_precision(recipe, choice, platform)
+    return choice
+
+
+def check_moe_precision(recipe: Recipe, choice: KernelChoice, platform: Platform) -> None:
+    """FP8/MXFP8 on a mixture-of-experts model needs a GPU: torchtitan's low-precision
+    expert GEMMs (grouped float8 / MX kernels) have no CPU emulation, unlike the dense
+    linears. One line naming kernels.linear (exit 2) instead of a kernel error mid-step."""
+    from core.errors import ConfigError
+    from recipe.loader import effective_shape
+
+    if platform.is_cpu and choice.linear != "bf16" and effective_shape(recipe).is_moe:
+        raise ConfigError(
+            f"{choice.linear} on a mixture-of-experts model needs a GPU (torchtitan's "
+            "low-precision grouped expert GEMMs have no CPU emulation); use bf16 on CPU",
+            file=recipe.source,
+            key="kernels.linear",
+        )
 
 
 def lora_converter(recipe: Recipe) -> LoRAConverter.Config:
@@ -151,14 +170,28 @@ def plain_fqn(name: str) -> str:
 
 
 def model_spec(family: str, flavor: str) -> ModelSpec:
-    """torchtitan's ModelSpec (config, parallelize fn, HF adapter) for a recipe's model."""
-    if family == "qwen3":
-        from torchtitan.models.qwen3 import model_registry as qwen3_registry
+    """torchtitan's ModelSpec (config, parallelize fn, HF adapter, MoE load-balancing hook)
+    for a recipe's model; the model config is core.models.model_config's (one home)."""
+    import importlib
 
-        return qwen3_registry(flavor)
-    from torchtitan.models.llama3 import model_registry as llama3_registry
+    from core.models import model_config
+    from runtime.hf_adapters import HF_ADAPTERS
 
-    return llama3_registry(flavor)
+    registry = importlib.import_module(f"torchtitan.models.{family}").model_registry
+    spec = registry(flavor)
+    spec.model = model_config(flavor, family)
+    spec.state_dict_adapter = HF_ADAPTERS.get(family, spec.state_dict_adapter)
+    return spec
+
+
+def configure_moe(model: Any, recipe: Recipe) -> None:
+    """`[moe]` onto every MoE layer config (MTP layers included): the aux-loss-free bias
+    update's speed (torchtitan's load_balance_coeff; None = no bias, no update)."""
+    mo = recipe.moe
+    coeff = mo.bias_update_speed if mo.load_balance == "aux_loss_free" else None
+    for layer in [*model.layers, *(getattr(model, "mtp_layers", None) or ())]:
+        if getattr(layer, "moe", None) is not None:
+            layer.moe.load_balance_coeff = coeff
 
 
 # lr_schedule -> torchtitan's decay_type; wsd's cooldown is 1 - sqrt (Hägele et al. 2024,
@@ -256,6 +289,7 @@ def recipe_model_spec(recipe: Recipe) -> ModelSpec:
         spec.model.vocab_size = recipe.model.vocab_size
         spec.model.tok_embeddings.num_embeddings = recipe.model.vocab_size
         spec.model.lm_head.out_features = recipe.model.vocab_size
+    configure_moe(spec.model, recipe)
     return spec
 
 
@@ -273,6 +307,7 @@ def build_trainer_config(
     # (torchtitan's converters), with the converted/skipped list kept for the log.
     spec.model = apply_kernels(spec.model, kernels, tp=layout.tp).model_config
     spec.parallelize_fn = unsharded_when_alone(spec.parallelize_fn)
+    spec.post_optimizer_build_fn = record_expert_load(spec.post_optimizer_build_fn)
     if recipe.finetune.mode == "lora":
         # Last converter: the base (incl. any quantized linears) frozen, adapters trained.
         spec.model = lora_converter(recipe).build().convert(spec.model)
@@ -338,6 +373,7 @@ def build_trainer_config(
             # (runtime.platform, bridge 8).
             spmd_backend=spmd_backend(),  # type: ignore[arg-type]
             pipeline_parallel_layers_per_stage=layers_per_stage,
+            expert_parallel_degree=par.ep,
         ),
         dataloader=dataloader,
         metrics=TitanscaleMetrics.Config(

@@ -196,6 +196,8 @@ class Platform:
             _APPLIED.add("timeout")
             _patch_pg_timeouts(device_barrier=False)
         _patch_fsdp_reduction()
+        _patch_uneven_all_to_all()
+        _patch_expert_precision()
 
 
 def _set(module, name: str, value) -> None:
@@ -306,3 +308,85 @@ def _patch_fsdp_reduction() -> None:
                 module.set_force_sum_reduction_for_comms(True)
 
     _set(tt_fsdp, "disable_fsdp_gradient_division", disable_fsdp_gradient_division)
+
+
+def _patch_uneven_all_to_all() -> None:
+    """Expert-parallel token exchange on gloo.
+
+    Why: spmd_types' `_AllToAllUneven` (torchtitan's all-to-all token dispatch under the
+    spmd_types backend) calls the list form `dist.all_to_all`, which gloo accepts only for
+    equal chunk sizes ("ProcessGroupGloo::alltoall: invalid tensor size"); experts receive
+    uneven token counts. `all_to_all_single` with split sizes (gloo's alltoallv) moves the
+    same rows in the same order: the output is the concatenation of what each rank sent.
+    The backward is spmd_types' own (it calls this forward with the splits swapped).
+    """
+    import spmd_types._collectives as coll
+
+    uneven = coll._AllToAllUneven
+    if not hasattr(uneven, "forward"):
+        raise RuntimeError("titanscale's CPU layer expected spmd_types' _AllToAllUneven")
+
+    def forward(ctx, x, axis, output_split_sizes, input_split_sizes, dtype_options):  # noqa: ANN001
+        ctx.axis = axis
+        ctx.backward_options = dtype_options.backward_options
+        x = coll._apply_op_dtype(x, dtype_options.op_dtype)
+        world_size = torch.distributed.get_world_size(axis)
+        if input_split_sizes is None:
+            input_split_sizes = [x.shape[0] // world_size] * world_size
+        if output_split_sizes is None:
+            output_split_sizes = [x.shape[0] // world_size] * world_size
+        ctx.output_split_sizes = output_split_sizes
+        ctx.input_split_sizes = input_split_sizes
+        out = x.new_empty([sum(output_split_sizes), *x.shape[1:]])
+        torch.distributed.all_to_all_single(
+            out,
+            x.contiguous(),
+            output_split_sizes=list(output_split_sizes),
+            input_split_sizes=list(input_split_sizes),
+            group=axis,
+        )
+        return coll._apply_out_dtype(out, dtype_options.out_dtype)
+
+    uneven.forward = staticmethod(forward)
+
+
+def _patch_expert_precision() -> None:
+    """Routed experts compute in their weights' dtype on CPU (float32 recipes stay float32).
+
+    Why: torchtitan 0.3.0's GroupedExperts / GptOssGroupedExperts cast tokens and expert
+    weights to bfloat16 for `torch._grouped_mm` whatever the parameter dtype (the CUDA
+    grouped GEMM wants bf16). On CPU `_grouped_mm` runs float32 forward and backward, and a
+    `training.dtype = "float32"` run would otherwise carry bf16 rounding in every expert
+    (2e-4 per MoE layer against transformers' float32 Qwen3-MoE). The wrapper runs
+    torchtitan's own forward with `Tensor.bfloat16` an identity for that call only, and
+    only when the experts' weights are float32 and real; bf16 weights (FSDP mixed precision)
+    and fake tensors (tools.dryrun) keep torchtitan's path exactly.
+    """
+    import torchtitan.models.common.moe as common_moe
+    import torchtitan.models.gpt_oss.moe as gpt_oss_moe
+
+    for cls in (common_moe.GroupedExperts, gpt_oss_moe.GptOssGroupedExperts):
+        if "forward" not in vars(cls):
+            raise RuntimeError(f"titanscale's CPU layer expected {cls.__name__}.forward")
+        cls.forward = _keep_float32(vars(cls)["forward"])
+
+
+def _keep_float32(forward):  # noqa: ANN001, ANN202
+    def wrapped(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor):  # noqa: N803
+        from torch._subclasses.fake_tensor import is_fake
+
+        weight = next(self.parameters())
+        local = weight.to_local() if hasattr(weight, "to_local") else weight
+        # Fake tensors (tools.dryrun) stand for the GPU run: torchtitan's bf16 path, whose
+        # fake grouped-mm kernel also accepts nothing else.
+        if local.dtype != torch.float32 or x_RD.dtype != torch.float32 or is_fake(x_RD):
+            return forward(self, x_RD, num_tokens_per_expert_E)
+        cast = torch.Tensor.bfloat16
+        torch.Tensor.bfloat16 = lambda t, *a, **k: t  # type: ignore[method-assign]
+        try:
+            return forward(self, x_RD, num_tokens_per_expert_E)
+        finally:
+            torch.Tensor.bfloat16 = cast  # type: ignore[method-assign]
+
+    wrapped.__wrapped__ = forward  # type: ignore[attr-defined]
+    return wrapped
