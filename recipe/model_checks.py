@@ -123,18 +123,22 @@ def check_model(recipe: Recipe) -> None:
 
 def model_linear_names(family: str, flavor: str) -> set[str]:
     """Last names of the Linear layers in torchtitan's config tree of the model (what its
-    LoRA converter matches `lora.target_modules` against)."""
+    LoRA converter matches `lora.target_modules` against), and "experts" when it has routed
+    experts (runtime.moe_experts' target)."""
     from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import GroupedExperts
     from torchtitan.protocols.module import Module
 
     from core.models import model_config
 
     cfg = model_config(flavor, family)
-    return {
-        fqn.rsplit(".", 1)[-1]
-        for fqn, c, _parent, _attr in cfg.traverse(Module.Config, recurse=True)
-        if isinstance(c, Linear.Config)
-    }
+    out = set()
+    for fqn, c, _parent, _attr in cfg.traverse(Module.Config, recurse=True):
+        if isinstance(c, Linear.Config):
+            out.add(fqn.rsplit(".", 1)[-1])
+        elif isinstance(c, GroupedExperts.Config):
+            out.add("experts")
+    return out
 
 
 def check_lora_targets(recipe: Recipe) -> None:

@@ -35,6 +35,7 @@ from recipe.schema import Recipe
 from runtime.checkpoint import AtomicCheckpointManager
 from runtime.loss import WeightedChunkedLoss, WeightedCrossEntropyLoss
 from runtime.metrics import TitanscaleMetrics
+from runtime.moe_experts import convert_experts
 from runtime.platform import Platform, spmd_backend
 from runtime.validation import TitanscaleValidator
 
@@ -54,8 +55,26 @@ def choose_kernels(
 def lora_converter(recipe: Recipe) -> LoRAConverter.Config:
     """`[lora]` as torchtitan's LoRA converter config."""
     lo = recipe.lora
-    return LoRAConverter.Config(
-        rank=lo.rank, alpha=lo.alpha, target_modules=list(lo.target_modules)
+    # "experts" is runtime.moe_experts' target (routed experts), not a Linear
+    targets = [t for t in lo.target_modules if t != "experts"]
+    return LoRAConverter.Config(rank=lo.rank, alpha=lo.alpha, target_modules=targets)
+
+
+def post_train_experts(recipe: Recipe, model_config: Any, *, cpu: bool) -> Any:
+    """Post-training on an MoE base (finetune or RL): torchtitan's routed experts swapped for
+    runtime.moe_experts' (LoRA on them when lora.target_modules has "experts"; base frozen
+    in LoRA mode; float32 experts on CPU, where the routing-replay logprob equality holds to
+    1e-5, bfloat16 as torchtitan on GPU). Dense models and pretraining: unchanged."""
+    if recipe.finetune.mode == "off" and not recipe.rl.enabled:
+        return model_config
+    lora = recipe.finetune.mode == "lora"
+    rank = recipe.lora.rank if lora and "experts" in recipe.lora.target_modules else 0
+    return convert_experts(
+        model_config,
+        rank=rank,
+        alpha=recipe.lora.alpha,
+        compute_dtype="param" if cpu else "bfloat16",
+        freeze_base=lora,
     )
 
 
@@ -277,6 +296,7 @@ def build_trainer_config(
         # Last converter: the base (incl. any quantized linears) frozen, adapters trained.
         spec.model = lora_converter(recipe).build().convert(spec.model)
         spec.parallelize_fn = keep_frozen(spec.parallelize_fn)
+    spec.model = post_train_experts(recipe, spec.model, cpu=platform.is_cpu)
 
     first_less, last_less = (1, 1)
     microbatch_size = 1
