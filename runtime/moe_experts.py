@@ -30,10 +30,12 @@ last converter).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+import spmd_types as spmd
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -87,6 +89,30 @@ class LoRAGroupedExperts(GroupedExperts):
                 ("lora_a2", (E, r, Fh)), ("lora_b2", (E, D, r)),
             ):  # fmt: skip
                 self.register_parameter(name, nn.Parameter(torch.empty(shape)))
+
+    def _distribute_states(self, parallel_dims: Any) -> None:
+        """torchtitan places the base weights (its sharding config names w1/w2/w3 only);
+        the adapters follow them. EP: every tensor sharded on the expert dim as the base.
+        TP without EP: B1/B3 sharded on the hidden dim as w1/w3, A2 on its input (hidden)
+        dim as w2 -- the same partial-sum result as the base -- and A1/A3/B2 replicated."""
+        cfg: Any = self._sharding_config  # type: ignore[has-type]
+        if self.rank and cfg is not None:
+            from torchtitan.models.common.moe_sharding import (
+                expert_param_placement_dense,
+                expert_param_placement_sparse,
+            )
+
+            st = cfg.state_shardings
+            w1, w2 = st["w1_EFD"], st["w2_EDF"]
+            rep = (
+                w1
+                if w1 == expert_param_placement_sparse()
+                else expert_param_placement_dense(tp_placement=spmd.R)
+            )
+            extra = {"lora_a1": rep, "lora_a3": rep, "lora_b2": rep,
+                     "lora_b1": w1, "lora_b3": w1, "lora_a2": w2}  # fmt: skip
+            self._sharding_config = dataclasses.replace(cfg, state_shardings={**st, **extra})
+        super()._distribute_states(parallel_dims)
 
     def _mm(self, x: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """(R, I) tokens sorted by expert, (E, O, I) weights -> (R, O)."""
