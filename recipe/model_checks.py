@@ -161,6 +161,19 @@ def check_model(recipe: Recipe) -> None:
     if recipe.finetune.mode == "lora":
         check_lora_targets(recipe)
     rl = recipe.rl
+    if rl.enabled and rl.routing_replay and not shape.is_moe:
+        raise ConfigError(
+            f"routing replay needs MoE layers; {_where(recipe)} is dense",
+            file=recipe.source,
+            key="rl.routing_replay",
+        )
+    if rl.enabled and shape.attention == "mla":
+        raise ConfigError(
+            f"RL's generator decodes GQA attention only; {_where(recipe)} uses MLA (a qwen3 "
+            "MoE flavor decodes)",
+            file=recipe.source,
+            key="model.family",
+        )
     if rl.enabled and shape.max_seq_len and rl.max_new_tokens >= shape.max_seq_len:
         raise ConfigError(
             f"{rl.max_new_tokens} new tokens (after the prompt) exceed the model's maximum "
