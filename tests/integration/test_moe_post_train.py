@@ -46,3 +46,6 @@ def test_sft_moe_debug_heldout_loss_falls(tmp_path):
     held = [r for r in recs if r.get("event") == "heldout"]
     assert [h["step"] for h in held] == [0, 10]
     assert held[1]["nll_per_trained_token"] < held[0]["nll_per_trained_token"] - 1.0, held
+    export = tmp_path / "sft" / "export" / "sft_moe_debug"
+    assert (export / "adapter_model.safetensors").is_file()
+    assert (export / "routed_experts_lora.safetensors").is_file()  # the experts' pairs

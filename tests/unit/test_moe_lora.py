@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from posttrain.lora import base_state, expert_adapter_state, fold_expert_adapters
 from runtime.moe_experts import LoRAGroupedExperts, expert_lora_modules
 from runtime.steps import forward_logits
 from tests.helpers.tiny_llama import tiny_qwen3_moe
@@ -78,3 +79,11 @@ def test_expert_lora_trains_only_adapters():
         before["layers.0.moe.routed_experts.inner_experts.lora_b2"],
         after["layers.0.moe.routed_experts.inner_experts.lora_b2"],
     )
+    # The merged export's fold (W_e + alpha/r B_e A_e, torchtitan names) gives the adapted
+    # model's logits on the adapter-free model (attention adapters absent here: rank 8 only
+    # on the experts, no Linear targets).
+    folded = fold_expert_adapters(base_state(model), expert_adapter_state(model), 16.0 / 8)
+    base.load_state_dict(folded, strict=False)
+    with torch.no_grad():
+        assert torch.allclose(forward_logits(base, inputs), forward_logits(model, inputs),
+                              atol=1e-4)  # fmt: skip
