@@ -70,9 +70,10 @@ class Seam:
         self.replay_ids: torch.Tensor | None = None  # (B, L, n_layers, K)
         self.replay_known: torch.Tensor | None = None  # (B, L) bool
         self.override = True  # False: compare with the routers' choice, do not replace it
-        # (token, layer) pairs replayed / whose own top-k set equalled the replayed one
-        self.compared = 0
-        self.matched = 0
+        # (token, layer) pairs replayed / whose own top-k set equalled the replayed one: kept
+        # as device tensors (no host sync per MoE layer), read by `agreement`
+        self.compared: Any = 0
+        self.matched: Any = 0
 
     def start_recording(self) -> None:
         self.recording = [[] for _ in range(self.n_layers)]
@@ -96,7 +97,8 @@ class Seam:
 
     def agreement(self) -> float | None:
         """Share of replayed (token, layer) pairs whose own top-k set matched, since reset."""
-        return self.matched / self.compared if self.compared else None
+        compared, matched = int(self.compared), int(self.matched)
+        return matched / compared if compared else None
 
     def reset_agreement(self) -> None:
         self.compared = self.matched = 0
@@ -127,8 +129,8 @@ class Seam:
             else self.replay_known.to(ids.device)
         )
         same = (ids.sort(-1).values == want.sort(-1).values).all(-1)
-        self.compared += int(k.sum())
-        self.matched += int((same & k).sum())
+        self.compared = self.compared + k.sum()
+        self.matched = self.matched + (same & k).sum()
         if not self.override:
             return None
         new_ids = torch.where(k[..., None], want, ids)

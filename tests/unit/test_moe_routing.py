@@ -99,3 +99,17 @@ def test_replayed_router_still_gets_gradients(model, samples):
     (rows_logprobs(m, c.rows) * c.mask).sum().backward()
     grad = m.layers["0"].moe.router.gate.weight.grad
     assert grad is not None and float(grad.abs().sum()) > 0
+
+
+def test_replay_refused_on_dense_models_and_rl_on_mla():
+    from core.errors import ConfigError
+    from recipe.loader import load_recipe
+    from recipe.model_checks import check_model
+
+    with pytest.raises(ConfigError, match="routing replay needs MoE layers") as e:
+        check_model(load_recipe("recipes/rl_debug.toml", ["rl.routing_replay=true"]))
+    assert e.value.key == "rl.routing_replay"
+    mla = ["model.family=deepseek_v3", "model.flavor=debugmodel"]
+    with pytest.raises(ConfigError, match="uses MLA"):
+        check_model(load_recipe("recipes/rl_moe_debug.toml", mla))
+    check_model(load_recipe("recipes/rl_moe_debug.toml", ["rl.routing_replay=true"]))
