@@ -105,6 +105,11 @@ def keep_frozen(parallelize_fn: Callable[..., Any]) -> Callable[..., Any]:
     True: without this, LoRA's frozen base would train (and the optimizer would hold all of
     it). Names are stable through parallelization (FSDP2 keeps FQNs), so the frozen set is
     restored by name before the optimizer is built.
+
+    MoE: the routers' aux-loss-free expert bias is a buffer that torchtitan's optimizer
+    pre-hook moves by load_balance_coeff x sign(load imbalance) each step; under LoRA the
+    router is frozen, so the coefficient is set to 0.0 after the build (the buffer stays, as
+    the base checkpoint has it; the hook then adds exactly 0 and still resets the counts).
     """
 
     def parallelize(model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -113,6 +118,9 @@ def keep_frozen(parallelize_fn: Callable[..., Any]) -> Callable[..., Any]:
         for n, p in (out if out is not None else model).named_parameters():
             if plain_fqn(n) in frozen:
                 p.requires_grad_(False)
+        for m in (out if out is not None else model).modules():
+            if getattr(m, "load_balance_coeff", None) is not None and hasattr(m, "router"):
+                m.load_balance_coeff = 0.0  # the frozen router's bias does not move
         return out
 
     return parallelize

@@ -42,10 +42,20 @@ def test_rl_moe_debug_with_routing_replay(tmp_path):
 
 
 def test_sft_moe_debug_heldout_loss_falls(tmp_path):
-    recs = _train("recipes/sft_moe_debug.toml", tmp_path / "sft", "training.steps=10")
+    recs = _train("recipes/sft_moe_debug.toml", tmp_path / "sft", "training.steps=10",
+                  "checkpoint.interval=10")  # fmt: skip
     held = [r for r in recs if r.get("event") == "heldout"]
     assert [h["step"] for h in held] == [0, 10]
     assert held[1]["nll_per_trained_token"] < held[0]["nll_per_trained_token"] - 1.0, held
     export = tmp_path / "sft" / "export" / "sft_moe_debug"
     assert (export / "adapter_model.safetensors").is_file()
     assert (export / "routed_experts_lora.safetensors").is_file()  # the experts' pairs
+    # The frozen router's expert bias (a buffer torchtitan's load-balancing hook moves every
+    # step) has not moved from its initial zeros under LoRA (runtime.build.keep_frozen).
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(tmp_path / "sft" / "checkpoint" / "step-10", tmp_path / "ck.pt")
+    sd = torch.load(tmp_path / "ck.pt", weights_only=False)
+    bias = [v for k, v in sd.get("model", sd).items() if k.endswith("expert_bias_E")]
+    assert bias and all(float(b.abs().max()) == 0.0 for b in bias)
