@@ -84,6 +84,16 @@ def summarize(
     return out
 
 
+def moe_figures(model_parts: list[torch.nn.Module] | None) -> dict[str, Any]:
+    """The last step's per-layer expert load (runtime.moe_metrics); {} for dense models."""
+    from runtime.moe_metrics import EXPERT_LOAD_ATTR, expert_load_figures
+
+    loads: list[torch.Tensor] = [
+        x for p in model_parts or () if (x := getattr(p, EXPERT_LOAD_ATTR, None)) is not None
+    ]
+    return expert_load_figures(torch.cat(loads)) if loads else {}
+
+
 class TitanscaleMetrics(MetricsProcessor):
     """MetricsProcessor with useful-token accounting, per-node figures, JSONL and a summary."""
 
@@ -223,7 +233,7 @@ class TitanscaleMetrics(MetricsProcessor):
         }
         if extra_metrics:
             rec.update({k: v for k, v in extra_metrics.items() if isinstance(v, (int, float))})
-        rec.update(self._moe_figures())
+        rec.update(moe_figures(getattr(self, "model_parts", None)))
         self.records.append(rec)
         if self._jsonl is not None:
             self._jsonl.write(rec)
