@@ -50,6 +50,9 @@ class Workload:
     # (wqkv, wo, w1, w3, w2), `lora_adapters` of them resident. 0 = every weight trained.
     lora_rank: int = 0
     lora_adapters: int = 1
+    # lora.target_modules (() = the block linears above); "experts": MoE routed experts, one
+    # pair per expert and projection (runtime.moe_experts)
+    lora_targets: tuple[str, ...] = ()
 
     @property
     def lora_params_per_layer(self) -> int:
@@ -57,10 +60,23 @@ class Workload:
         one of the two, counted as split: an upper bound within a few percent)."""
         if not self.lora_rank:
             return 0
-        s, t = self.shape, self.layout.tp
+        s, t, r = self.shape, self.layout.tp, self.lora_rank
         qd, kv, d, f = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.dim, s.ffn_hidden
-        ios = [(d, qd + 2 * kv), (qd, d), (d, f), (d, f), (f, d)]
-        return self.lora_adapters * sum(self.lora_rank * (i + o) for i, o in ios) // t
+        on = set(self.lora_targets or ("wqkv", "wo", "w1", "w2", "w3"))
+        ios = ([(d, qd + 2 * kv)] if on & {"wqkv", "wq", "wkv", "wk", "wv"} else []) + (
+            [(qd, d)] if "wo" in on else []
+        )
+        attn = sum(r * (i + o) for i, o in ios)
+        mlp = lambda h: r * 3 * (d + h) if on & {"w1", "w2", "w3"} and h else 0  # noqa: E731
+        if not s.is_moe:
+            return self.lora_adapters * (attn + mlp(f)) // t
+        # MoE: dense layers' MLP, MoE layers' shared experts and (target "experts") every
+        # routed expert's pair, averaged over the layers (routed adapters are not TP-split)
+        moe, dense = s.n_moe_layers, s.n_layers - s.n_moe_layers
+        shared = mlp(s.n_shared_experts * s.moe_ffn_hidden)
+        routed = s.n_routed_experts * r * 3 * (d + s.moe_ffn_hidden) if "experts" in on else 0
+        total = s.n_layers * attn // t + dense * mlp(f) // t + moe * (shared // t + routed)
+        return self.lora_adapters * total // s.n_layers
 
     @property
     def microbatches(self) -> int:
@@ -160,7 +176,11 @@ def lora_fields(recipe) -> dict[str, Any]:
     """Workload fields for a recipe's [finetune]/[lora] (the planner and tools.predict)."""
     if recipe.finetune.mode != "lora":
         return {}
-    return {"lora_rank": recipe.lora.rank, "lora_adapters": max(1, len(recipe.adapters))}
+    return {
+        "lora_rank": recipe.lora.rank,
+        "lora_adapters": max(1, len(recipe.adapters)),
+        "lora_targets": tuple(recipe.lora.target_modules),
+    }
 
 
 # ----------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from data.chat import BadChat, ChatRenderer, Example, decode_masked, parse_record
-from runtime.steps import forward_logits
+from runtime.steps import forward_logits, logprobs_of
 
 
 def load_examples(path: str | Path) -> list[Example]:
@@ -45,7 +45,9 @@ def exact_match(
     pad_id: int = 0,
 ) -> dict[str, float]:
     """{'exact_match': fraction of examples whose every trained token is the argmax,
-    'token_accuracy', 'examples'}; one example per row, padding as its own document."""
+    'token_accuracy', 'nll_per_trained_token' (the held-out loss: mean -log p of the trained
+    tokens, natural log, float32), 'examples'}; one example per row, padding as its own
+    document."""
     was_training = model.training
     model.eval()
     rows = []
@@ -53,6 +55,7 @@ def exact_match(
         ids_np, trained_np = decode_masked(renderer.render(ex))
         rows.append((torch.as_tensor(ids_np), torch.as_tensor(trained_np)))
     correct = tokens = tokens_ok = 0
+    nll = 0.0
     try:
         for i in range(0, len(rows), batch_size):
             chunk = rows[i : i + batch_size]
@@ -72,11 +75,13 @@ def exact_match(
             correct += int(hit.all(dim=1).sum())
             tokens += int(m.sum())
             tokens_ok += int((hit & m).sum())
+            nll -= float(logprobs_of(logits, y)[m].sum())  # float32 in chunks
     finally:
         model.train(was_training)
     n = len(rows)
     return {
         "exact_match": correct / n if n else 0.0,
         "token_accuracy": tokens_ok / tokens if tokens else 0.0,
+        "nll_per_trained_token": nll / tokens if tokens else 0.0,
         "examples": n,
     }

@@ -28,6 +28,11 @@ import torch
 import torch.nn as nn
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
+# LoRA on MoE routed experts (runtime.moe_experts): PEFT cannot hold one pair per expert of a
+# fused expert tensor as transformers 5 lays Qwen3-MoE out, so these pairs go beside the PEFT
+# folder in torchtitan's names (layers.N.moe.routed_experts.inner_experts.lora_{a,b}{1,2,3}:
+# A (E, r, in), B (E, out, r); 1 = gate/w1, 3 = up/w3, 2 = down/w2; scale lora_alpha / r).
+ROUTED_EXPERTS_WEIGHTS = "routed_experts_lora.safetensors"
 PEFT_CONFIG = "adapter_config.json"
 _HF_NAMES = {"wo": "self_attn.o_proj", "w1": "mlp.gate_proj", "w2": "mlp.down_proj",
              "w3": "mlp.up_proj"}  # fmt: skip
@@ -63,6 +68,34 @@ def base_state(model: nn.Module, *, copy: bool = True) -> dict[str, torch.Tensor
             continue
         whole = v.full_tensor() if hasattr(v, "full_tensor") else v
         out[k] = whole.detach().clone() if copy and whole is v else whole.detach()
+    return out
+
+
+def expert_adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The routed-expert adapters (runtime.moe_experts), name -> full tensor, detached."""
+    from runtime.moe_experts import expert_lora_modules
+
+    out = {}
+    for name, m in expert_lora_modules(model):
+        for p, t in m.named_parameters(recurse=False):
+            if p.startswith("lora_"):
+                out[f"{name}.{p}"] = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+    return out
+
+
+@torch.no_grad()
+def fold_expert_adapters(
+    base: dict[str, torch.Tensor], experts: dict[str, torch.Tensor], scale: float
+) -> dict[str, torch.Tensor]:
+    """Routed-expert adapters folded into the base expert weights (torchtitan names):
+    w[e] + scale * B[e] A[e] per expert and projection, in float32, cast back."""
+    out = dict(base)
+    for key, w_name in (("1", "w1_EFD"), ("3", "w3_EFD"), ("2", "w2_EDF")):
+        for a_key in [k for k in experts if k.endswith(f".lora_a{key}")]:
+            mod = a_key.rsplit(".", 1)[0]
+            a, b = experts[a_key].float(), experts[f"{mod}.lora_b{key}"].float()
+            w = out[f"{mod}.{w_name}"]
+            out[f"{mod}.{w_name}"] = (w.float() + scale * torch.bmm(b, a)).to(w.dtype)
     return out
 
 
@@ -386,6 +419,7 @@ def export_adapter(
     r = recipe
     folder = adapter_export_folder(r, name)
     adapter = adapter_state(model)
+    experts = expert_adapter_state(model)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     # FSDP: an all-gather on every rank (collective); no further copy of the base anywhere.
     base = base_state(model, copy=False) if r.finetune.export_merged else None
@@ -402,8 +436,15 @@ def export_adapter(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         export_peft(tmp, rank=r.lora.rank, alpha=r.lora.alpha, **kw)
+        scale = r.lora.alpha / r.lora.rank
+        if experts:
+            from safetensors.torch import save_file
+
+            save_file({k: v.detach().cpu().contiguous() for k, v in experts.items()},
+                      os.path.join(tmp, ROUTED_EXPERTS_WEIGHTS))  # fmt: skip
+            if base is not None:  # new tensors for the experts: the model's stay untouched
+                base = fold_expert_adapters(base, experts, scale)
         if base is not None:
-            scale = r.lora.alpha / r.lora.rank
             merged = os.path.join(tmp, "merged")
             export_merged(merged, base=base, scale=scale, family=r.model.family, **kw)
             write_manifest(merged, folder_crcs(merged))

@@ -61,7 +61,8 @@ class SFTTrainer(TitanscaleTrainer):
         metrics.write_event("heldout", **rec)
         logger.info(
             f"held-out exact match at step {step}: {res['exact_match']:.3f} "
-            f"({res['examples']} examples, token accuracy {res['token_accuracy']:.3f})"
+            f"({res['examples']} examples, token accuracy {res['token_accuracy']:.3f}, "
+            f"loss {res['nll_per_trained_token']:.4f})"
         )
 
     def train_step(self, data_iterator: Any) -> None:

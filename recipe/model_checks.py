@@ -161,6 +161,19 @@ def check_model(recipe: Recipe) -> None:
     if recipe.finetune.mode == "lora":
         check_lora_targets(recipe)
     rl = recipe.rl
+    if rl.enabled and rl.routing_replay and not shape.is_moe:
+        raise ConfigError(
+            f"routing replay needs MoE layers; {_where(recipe)} is dense",
+            file=recipe.source,
+            key="rl.routing_replay",
+        )
+    if rl.enabled and shape.attention == "mla":
+        raise ConfigError(
+            f"RL's generator decodes GQA attention only; {_where(recipe)} uses MLA (a qwen3 "
+            "MoE flavor decodes)",
+            file=recipe.source,
+            key="model.family",
+        )
     if rl.enabled and shape.max_seq_len and rl.max_new_tokens >= shape.max_seq_len:
         raise ConfigError(
             f"{rl.max_new_tokens} new tokens (after the prompt) exceed the model's maximum "
@@ -172,18 +185,22 @@ def check_model(recipe: Recipe) -> None:
 
 def model_linear_names(family: str, flavor: str) -> set[str]:
     """Last names of the Linear layers in torchtitan's config tree of the model (what its
-    LoRA converter matches `lora.target_modules` against)."""
+    LoRA converter matches `lora.target_modules` against), and "experts" when it has routed
+    experts (runtime.moe_experts' target)."""
     from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import GroupedExperts
     from torchtitan.protocols.module import Module
 
     from core.models import model_config
 
     cfg = model_config(flavor, family)
-    return {
-        fqn.rsplit(".", 1)[-1]
-        for fqn, c, _parent, _attr in cfg.traverse(Module.Config, recurse=True)
-        if isinstance(c, Linear.Config)
-    }
+    out = set()
+    for fqn, c, _parent, _attr in cfg.traverse(Module.Config, recurse=True):
+        if isinstance(c, Linear.Config):
+            out.add(fqn.rsplit(".", 1)[-1])
+        elif isinstance(c, GroupedExperts.Config):
+            out.add("experts")
+    return out
 
 
 def check_lora_targets(recipe: Recipe) -> None:

@@ -704,6 +704,15 @@ class RLSection:
             "correction for train/inference mismatch and policy lag; 0 = off."
         ),
     )
+    routing_replay: bool = field(
+        default=False,
+        metadata=doc(
+            "MoE bases: Rollout Routing Replay (R3, arXiv:2510.11370): the trainer's forwards "
+            "use the top-k experts the generator chose for each token and MoE layer; gate "
+            "weights are still computed from the current router (docs/rl.md). Metrics per "
+            "update either way: router_agreement, train_infer_kl_replay / _no_replay."
+        ),
+    )
     mode: Literal["sync", "async"] = field(
         default="sync",
         metadata=doc(
@@ -886,7 +895,9 @@ class FinetuneSection:
 # Last names of the Linear layers in torchtitan's llama3 and qwen3 decoders (fused or
 # separate attention projections); tests/unit/test_reliability_adapters.py checks them
 # against the models' config trees.
-LORA_TARGETS = ("wqkv", "wq", "wkv", "wk", "wv", "wo", "w1", "w2", "w3", "lm_head")
+# "experts": the routed experts of MoE layers (runtime.moe_experts: one low-rank pair per
+# expert and projection, through the grouped GEMM); w1/w2/w3 also match shared experts.
+LORA_TARGETS = ("wqkv", "wq", "wkv", "wk", "wv", "wo", "w1", "w2", "w3", "lm_head", "experts")
 MAX_ADAPTER_NAME = 128
 
 
@@ -905,8 +916,10 @@ class LoraSection:
         default_factory=lambda: ["wqkv", "wq", "wkv", "wk", "wv", "wo", "w1", "w2", "w3"],
         metadata=doc(
             "Linear layers to adapt, by the last name in torchtitan's module path (attention "
-            "wqkv/wq/wkv/wk/wv/wo, MLP w1/w2/w3, lm_head); other names are refused, names "
-            "absent from the model are ignored, and at least one must be in it."
+            "wqkv/wq/wkv/wk/wv/wo, MLP and MoE shared-expert w1/w2/w3, lm_head), and "
+            "'experts': every MoE layer's routed experts (one pair per expert, rank a "
+            "multiple of 8); other names are refused, names absent from the model are "
+            "ignored, and at least one must be in it. MoE routers stay frozen."
         ),
     )
 
@@ -920,6 +933,12 @@ class LoraSection:
             )
         if not self.target_modules:
             raise ConfigError("expected at least one module name", key="target_modules")
+        if "experts" in self.target_modules and self.rank % 8:
+            # torch._grouped_mm: every row stride a multiple of 16 bytes (8 bfloat16 values)
+            raise ConfigError(
+                f"expected a multiple of 8 with target 'experts' (grouped GEMM), got {self.rank}",
+                key="rank",
+            )
         for name in self.target_modules:
             # torchtitan's LoRA converter only warns for a name it does not find; with no
             # match at all the optimizer later fails on an empty parameter list.

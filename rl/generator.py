@@ -15,6 +15,14 @@ caller adds EOS) and strings (`stop_strings`, matched on the decoded completion 
 `decode` callable the generator is given); a stopped sample ends with the token that
 completed the stop, as Tinker returns them.
 
+MoE layers (torchtitan's qwen3 MoE flavors: GQA attention, `moe` instead of
+`feed_forward`) decode through the layer's own `moe` module. A generator over its own copy
+records, per sequence position fed to the model and MoE layer, the top-k expert ids its
+routers chose (runtime.routing's seam): `Sample.routing` is (len(prompt) + len(tokens) - 1,
+n_moe_layers, top_k) int16 -- the prompt's positions (prefill) and every sampled token but
+the last (each fed back for the next); exactly the input positions of the trainer's forward
+over prompt + completion, which Rollout Routing Replay replays (rl.trainer, docs/rl.md).
+
 The generator holds its own copy of the weights (optionally in bfloat16: the
 inference-numerics side of the train/inference mismatch) and a version number; the trainer
 pushes full weights or only its trainable (LoRA adapter) parameters with `update_weights`.
@@ -34,6 +42,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from runtime import routing
 
 # A context manager factory: `with gather(module):` makes the module's own weights whole.
 Gather = Callable[[Any], contextlib.AbstractContextManager]
@@ -70,6 +80,8 @@ class Sample:
     logprobs: list[float]  # log p(token) at the sampling temperature, before top-k/top-p
     finish_reason: str  # "stop" | "length"
     version: int  # weight version that produced it
+    # MoE: (prompt + completion - 1 positions, MoE layers, top_k) int16 expert ids
+    routing: torch.Tensor | None = None
 
 
 @dataclass
@@ -92,8 +104,6 @@ def _layers(model: Any) -> list[Any]:
 
 def _check_supported(model: torch.nn.Module) -> None:
     for layer in _layers(model):
-        if getattr(layer, "moe", None) is not None:
-            raise NotImplementedError("KV-cache decoding of MoE layers is not implemented")
         if not hasattr(layer, "attention") or not hasattr(layer.attention, "qkv_linear"):
             raise NotImplementedError(f"unsupported layer type {type(layer).__name__}")
 
@@ -150,7 +160,8 @@ def _forward_cached(
                 h = h + _attention(
                     layer.attention, layer.attention_norm(h), positions, cache, i, start, key_ok
                 )
-                h = h + layer.feed_forward(layer.ffn_norm(h))
+                ffn = layer.moe if getattr(layer, "moe", None) is not None else layer.feed_forward
+                h = h + ffn(layer.ffn_norm(h))
         if last_only:
             return model.lm_head(model.norm(h[:, -1:]))[:, 0]
         return model.lm_head(model.norm(h))
@@ -270,6 +281,8 @@ class Generator(StagedWeights):
         self.on_token: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._init_staging()
+        # MoE routing record (a private copy only: a shared model's forwards are not ours)
+        self._seam = None if shared else routing.seam(model)
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, **kw) -> Generator:
@@ -399,23 +412,39 @@ class Generator(StagedWeights):
         seqs = [prompts[i] for i in chunk]
         P = max(len(p) for p in seqs)
         tokens, positions, lens, key_ok, cache = self._prefill_inputs(seqs, P + params.max_tokens)
-        logits = _forward_cached(
-            self.model, tokens, positions, cache, 0, key_ok, gather=self.gather
-        )
+        seam = self._seam
+        if seam is not None:
+            seam.start_recording()
+        try:
+            logits = _forward_cached(
+                self.model, tokens, positions, cache, 0, key_ok, gather=self.gather
+            )
+            prefill_ids = seam.take() if seam is not None else None
+            return self._decode_rows(chunk, seqs, cache, logits, lens, key_ok, P, params, gen,
+                                     version, prefill_ids)  # fmt: skip
+        finally:
+            if seam is not None:
+                seam.recording = None
+
+    def _decode_rows(self, chunk, seqs, cache, logits, lens, key_ok, P, params, gen, version,
+                     prefill_ids) -> list[Sample]:  # fmt: skip
+        """The n samples of each prefilled prompt, in batches of up to max_batch rows."""
         rows = [j for j in range(len(seqs)) for _ in range(params.n)]
         out: list[Sample] = []
         for s in range(0, len(rows), self.max_batch):
             sub = rows[s : s + self.max_batch]
+            src = torch.tensor(sub, device=self.device)
             if sub == list(range(len(seqs))):  # n = 1, one batch: the prefill cache itself
                 c, lg, ln, ok = cache, logits, lens, key_ok
             else:  # each sample row starts from a copy of its prompt's keys and values
-                src = torch.tensor(sub, device=self.device)
                 c = _Cache(
                     [k.index_select(0, src) for k in cache.k],
                     [v.index_select(0, src) for v in cache.v],
                 )
                 lg, ln, ok = logits[src], lens[src], key_ok[src]
-            out += self._decode([chunk[j] for j in sub], c, lg, ln, ok, P, params, gen, version)
+            ids = None if prefill_ids is None else prefill_ids[src]
+            out += self._decode([chunk[j] for j in sub], c, lg, ln, ok, P, params, gen, version,
+                                ids)  # fmt: skip
         return out
 
     def _stop_string_at_end(self, toks: list[int], stops: tuple[str, ...]) -> bool:
@@ -439,6 +468,7 @@ class Generator(StagedWeights):
         params: SamplingParams,
         gen: torch.Generator,
         version: int,
+        prefill_ids: torch.Tensor | None = None,
     ) -> list[Sample]:
         dev, B = self.device, len(prompt_index)
         stop = torch.tensor(list(params.stop_tokens), device=dev, dtype=torch.long)
@@ -446,6 +476,7 @@ class Generator(StagedWeights):
         ends: list[int | None] = [None] * B  # tokens kept when the row stopped
         hist: list[list[int]] = [[] for _ in range(B)]
         toks, lps = [], []
+        step_ids: list[torch.Tensor] = []  # (B, 1, n_moe, K) per token fed back
         for t in range(params.max_tokens):
             if self.on_token is not None:
                 self.on_token()
@@ -471,11 +502,17 @@ class Generator(StagedWeights):
                 self.model, tok[:, None], (lens + t)[:, None], cache, P + t, key_ok,
                 gather=self.gather,
             )  # fmt: skip
+            if self._seam is not None and prefill_ids is not None:
+                step_ids.append(self._seam.take())
         tok_m = torch.stack(toks, 1).tolist()
         lp_m = torch.stack(lps, 1).float().tolist()
         out = []
         for b, i in enumerate(prompt_index):
             n = ends[b]
             seq, lp = (tok_m[b], lp_m[b]) if n is None else (tok_m[b][:n], lp_m[b][:n])
-            out.append(Sample(i, seq, lp, "length" if n is None else "stop", version))
+            route = None
+            if prefill_ids is not None:
+                fed = [prefill_ids[b, P - int(lens[b]) :]] + [x[b] for x in step_ids]
+                route = torch.cat(fed)[: int(lens[b]) + len(seq) - 1].to(torch.int16).cpu()
+            out.append(Sample(i, seq, lp, "length" if n is None else "stop", version, route))
         return out

@@ -116,6 +116,7 @@ class RLRun:
             microbatch_tokens=self.microbatch_tokens,
             microbatch_rows=job.recipe.training.local_batch_size,
             dp_group=dist.group.WORLD if self.world > 1 else None,
+            routing_replay=rl.routing_replay,
         )
         self.generator: Any = (
             self._vllm_generator(model) if rl.generator == "vllm" else self._build_generator(model)
@@ -233,7 +234,8 @@ class RLRun:
                 continue
             adv = group_advantages(torch.tensor(rs), G, normalize_std=rl.normalize_std)
             for s, r, a in zip(group, rs, adv.tolist(), strict=True):
-                rollouts.append(Rollout(prompts[g], s.tokens, s.logprobs, a, r, s.version, group=g))
+                rollouts.append(Rollout(prompts[g], s.tokens, s.logprobs, a, r, s.version, group=g,
+                                        routing=s.routing))  # fmt: skip
             rewards += rs
         new_tokens = sum(len(s.tokens) for s in samples)
         return Batch(step, rollouts, rewards, time.perf_counter() - t0, errors, new_tokens)
@@ -332,6 +334,7 @@ class RLRun:
             same = (lag == 0)[:, None] & c.mask.bool()
             mm = mismatch_stats(c.sampling_logprobs, old, same) if bool(same.any()) else {}
         behav = mismatch_stats(c.sampling_logprobs, old, c.mask)
+        mm.update(self.policy.routing_metrics(c, old))  # MoE: before the step changes weights
         lb = self.policy.loss_batch(c, old)
         with self._named_non_finite(batch, step):
             # pi_old was scored under these very weights: the engine's first pass is it.
@@ -342,13 +345,16 @@ class RLRun:
     def _train_on_policy(self, batch: Batch, step: int, lag: torch.Tensor) -> dict[str, float]:
         """train_on when `on_policy`: one forward per microbatch; pi_old and the mismatch
         statistics come from that forward (the same values the scoring pass would give)."""
-        c = collate(batch.rollouts, self.policy.pad_id, self.policy.device)
+        c = collate(batch.rollouts, self.policy.pad_id, self.policy.device,
+                    replay=self.policy.routing_replay)  # fmt: skip
         with self._named_non_finite(batch, step):
             loss, old = self.policy.forward_backward_on_policy(c, self.loss_fn)
+            moe = self.policy.routing_metrics(c, old)  # MoE: before the step changes weights
             grad_norm = self.policy.optim_step()
         behav = mismatch_stats(c.sampling_logprobs, old, c.mask)
         # Every sample is at lag 0: the train/inference mismatch is over all its tokens.
-        return self._stats(loss, grad_norm, lag, behav, behav if bool(c.mask.any()) else {}, c)
+        mm = dict(behav) if bool(c.mask.any()) else {}
+        return self._stats(loss, grad_norm, lag, behav, {**mm, **moe}, c)
 
     @contextlib.contextmanager
     def _named_non_finite(self, batch: Batch, step: int) -> Iterator[None]:

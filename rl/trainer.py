@@ -10,12 +10,17 @@ ways to get gradients, all through the same forward:
 - `forward_backward_grads(c, batch, grads_fn)`: "gradients from outside": the user gets the
   detached logprobs and returns d loss / d logprobs per token, which are backpropagated;
 - then `optim_step()` (clipping, the guard, optimizer, scheduler, zero_grad).
+
+MoE policies: rollouts carry the generator's expert ids (rl.generator `Sample.routing`);
+with `routing_replay` every forward of the trainer (scoring and training) replays them
+(Rollout Routing Replay, runtime.routing); `routing_metrics` measures the router agreement
+and the train/inference KL with and without replay.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,6 +40,8 @@ class Rollout:
     reward: float = 0.0
     version: int = 0  # generator weight version that sampled it
     group: int = 0
+    # MoE: (len(prompt) + len(completion) - 1, n_moe_layers, top_k) generator expert ids
+    routing: torch.Tensor | None = None
 
 
 @dataclass
@@ -44,9 +51,31 @@ class Collated:
     sampling_logprobs: torch.Tensor  # (B, L-1), 0 off the mask
     advantages: torch.Tensor  # (B,)
     versions: torch.Tensor  # (B,)
+    routing: torch.Tensor | None = None  # (B, L-1, n_moe_layers, K) generator expert ids
+    routing_known: torch.Tensor | None = None  # (B, L-1) positions with recorded ids
 
 
-def collate(rollouts: Sequence[Rollout], pad_id: int, device: torch.device) -> Collated:
+def _routing(rollouts: Sequence[Rollout], L: int, device: torch.device):
+    """The rollouts' recorded expert ids as (B, L, n, K) int64 and the (B, L) positions that
+    have them (None when no rollout has any)."""
+    have = [r.routing for r in rollouts if r.routing is not None]
+    if not have:
+        return None, None
+    n, k = have[0].shape[1:]
+    ids = torch.zeros(len(rollouts), L, n, k, dtype=torch.long)
+    known = torch.zeros(len(rollouts), L, dtype=torch.bool)
+    for b, r in enumerate(rollouts):
+        if r.routing is not None:
+            m = min(L, r.routing.shape[0])
+            ids[b, :m] = r.routing[:m].long()
+            known[b, :m] = True
+    return ids.to(device), known.to(device)
+
+
+def collate(
+    rollouts: Sequence[Rollout], pad_id: int, device: torch.device, *, replay: bool = False
+) -> Collated:
+    """`replay`: the rows carry the recorded routing (every forward over them replays it)."""
     lengths = [len(r.prompt) + len(r.completion) for r in rollouts]
     B, L = len(rollouts), max(lengths)
     tokens = torch.full((B, L), pad_id, dtype=torch.long)
@@ -58,12 +87,18 @@ def collate(rollouts: Sequence[Rollout], pad_id: int, device: torch.device) -> C
         # logprob index t scores token t+1: completion tokens sit at p .. p+c-1
         mask[b, p - 1 : p - 1 + c] = 1.0
         slp[b, p - 1 : p - 1 + c] = torch.tensor(r.sampling_logprobs, dtype=torch.float32)
+    rows = shifted_rows(tokens.to(device), lengths)
+    ids, known = _routing(rollouts, L - 1, device)
+    if replay and ids is not None:
+        rows.routing, rows.routing_known = ids, known
     return Collated(
-        shifted_rows(tokens.to(device), lengths),
+        rows,
         mask.to(device),
         slp.to(device),
         torch.tensor([r.advantage for r in rollouts], dtype=torch.float32, device=device),
         torch.tensor([r.version for r in rollouts], device=device),
+        ids,
+        known,
     )
 
 
@@ -80,9 +115,11 @@ class PolicyTrainer:
         pad_id: int = 0,
         reference: torch.nn.Module | None = None,
         microbatch_tokens: int = 2**62,  # default: one microbatch
+        routing_replay: bool = False,
         **engine_kw: Any,
     ) -> None:
         self.model, self.pad_id, self.reference = model, pad_id, reference
+        self.routing_replay = routing_replay
         self.engine = StepEngine(model, optimizers, lr_schedulers,
                                  microbatch_tokens=microbatch_tokens, label="rl", **engine_kw)  # fmt: skip
 
@@ -92,8 +129,39 @@ class PolicyTrainer:
 
     def score(self, rollouts: Sequence[Rollout]) -> tuple[Collated, torch.Tensor]:
         """The trainer's logprobs of the sampled tokens under the current weights (pi_old)."""
-        c = collate(rollouts, self.pad_id, self.device)
+        c = collate(rollouts, self.pad_id, self.device, replay=self.routing_replay)
         return c, self.engine.logprobs(c.rows)
+
+    def routing_metrics(self, c: Collated, logprobs: torch.Tensor) -> dict[str, float]:
+        """MoE rollouts only ({} otherwise): `logprobs` are the trainer's under the current
+        weights with this trainer's replay setting; one more no-grad scoring pass gives the
+        other setting's. Returns train_infer_kl_replay / train_infer_kl_no_replay (k3 on the
+        sampled tokens, rl.mismatch; meaningful when the samples' weights are the trainer's)
+        and router_agreement: the share of (token, MoE layer) pairs, over the positions the
+        generator recorded, whose top-k expert set under the trainer's own router equals the
+        generator's (counted by the seam in the extra pass)."""
+        from rl.mismatch import mismatch_stats
+        from runtime import routing
+
+        if c.routing is None:
+            return {}
+        seam = routing.seam(self.model)
+        assert seam is not None
+        # the other setting's pass; it also counts the agreement (replaying, or comparing)
+        other = replace(c.rows, routing=c.routing, routing_known=c.routing_known,
+                        replay=not self.routing_replay)  # fmt: skip
+        seam.reset_agreement()
+        lp_other = self.engine.logprobs(other)
+        agreement = seam.agreement()
+        with_r, without = (logprobs, lp_other) if self.routing_replay else (lp_other, logprobs)
+        routing.set_replay(self.model, None)
+        kl_r = mismatch_stats(c.sampling_logprobs, with_r, c.mask)["train_infer_kl"]
+        kl_n = mismatch_stats(c.sampling_logprobs, without, c.mask)["train_infer_kl"]
+        return {
+            "router_agreement": float(agreement if agreement is not None else 1.0),
+            "train_infer_kl_replay": kl_r,
+            "train_infer_kl_no_replay": kl_n,
+        }
 
     def loss_batch(self, c: Collated, old_logprobs: torch.Tensor | None) -> LossBatch:
         ref = None

@@ -35,6 +35,7 @@ from recipe.schema import Recipe
 from runtime.checkpoint import AtomicCheckpointManager
 from runtime.loss import WeightedChunkedLoss, WeightedCrossEntropyLoss
 from runtime.metrics import TitanscaleMetrics
+from runtime.moe_experts import convert_experts
 from runtime.moe_metrics import record_expert_load
 from runtime.platform import Platform, spmd_backend
 from runtime.validation import TitanscaleValidator
@@ -73,8 +74,26 @@ def check_moe_precision(recipe: Recipe, choice: KernelChoice, platform: Platform
 def lora_converter(recipe: Recipe) -> LoRAConverter.Config:
     """`[lora]` as torchtitan's LoRA converter config."""
     lo = recipe.lora
-    return LoRAConverter.Config(
-        rank=lo.rank, alpha=lo.alpha, target_modules=list(lo.target_modules)
+    # "experts" is runtime.moe_experts' target (routed experts), not a Linear
+    targets = [t for t in lo.target_modules if t != "experts"]
+    return LoRAConverter.Config(rank=lo.rank, alpha=lo.alpha, target_modules=targets)
+
+
+def post_train_experts(recipe: Recipe, model_config: Any, *, cpu: bool) -> Any:
+    """Post-training on an MoE base (finetune or RL): torchtitan's routed experts swapped for
+    runtime.moe_experts' (LoRA on them when lora.target_modules has "experts"; base frozen
+    in LoRA mode; float32 experts on CPU, where the routing-replay logprob equality holds to
+    1e-5, bfloat16 as torchtitan on GPU). Dense models and pretraining: unchanged."""
+    if recipe.finetune.mode == "off" and not recipe.rl.enabled:
+        return model_config
+    lora = recipe.finetune.mode == "lora"
+    rank = recipe.lora.rank if lora and "experts" in recipe.lora.target_modules else 0
+    return convert_experts(
+        model_config,
+        rank=rank,
+        alpha=recipe.lora.alpha,
+        compute_dtype="param" if cpu else "bfloat16",
+        freeze_base=lora,
     )
 
 
@@ -86,6 +105,11 @@ def keep_frozen(parallelize_fn: Callable[..., Any]) -> Callable[..., Any]:
     True: without this, LoRA's frozen base would train (and the optimizer would hold all of
     it). Names are stable through parallelization (FSDP2 keeps FQNs), so the frozen set is
     restored by name before the optimizer is built.
+
+    MoE: the routers' aux-loss-free expert bias is a buffer that torchtitan's optimizer
+    pre-hook moves by load_balance_coeff x sign(load imbalance) each step; under LoRA the
+    router is frozen, so the coefficient is set to 0.0 after the build (the buffer stays, as
+    the base checkpoint has it; the hook then adds exactly 0 and still resets the counts).
     """
 
     def parallelize(model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -94,6 +118,9 @@ def keep_frozen(parallelize_fn: Callable[..., Any]) -> Callable[..., Any]:
         for n, p in (out if out is not None else model).named_parameters():
             if plain_fqn(n) in frozen:
                 p.requires_grad_(False)
+        for m in (out if out is not None else model).modules():
+            if getattr(m, "load_balance_coeff", None) is not None and hasattr(m, "router"):
+                m.load_balance_coeff = 0.0  # the frozen router's bias does not move
         return out
 
     return parallelize
@@ -312,6 +339,7 @@ def build_trainer_config(
         # Last converter: the base (incl. any quantized linears) frozen, adapters trained.
         spec.model = lora_converter(recipe).build().convert(spec.model)
         spec.parallelize_fn = keep_frozen(spec.parallelize_fn)
+    spec.model = post_train_experts(recipe, spec.model, cpu=platform.is_cpu)
 
     first_less, last_less = (1, 1)
     microbatch_size = 1

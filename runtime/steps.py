@@ -44,6 +44,7 @@ import torch
 from torchtitan.components.loss import IGNORE_INDEX
 
 from core.errors import ConfigError
+from runtime import routing
 
 # Tokens whose float32 log-softmax exists at once (forward and backward): 1024 x a 128K
 # vocabulary is 0.5 GiB of float32; the model-dtype logits of the microbatch stay whole.
@@ -63,12 +64,17 @@ class Rows:
     """A batch of rows: `inputs` (B, L) token ids, `targets` (B, L) the token each position
     predicts (IGNORE_INDEX where nothing is scored), optional `positions` (B, L) (packed
     documents restart at 0; None = 0..L-1 per row) and `lengths` (real tokens per row, for
-    the budget; None = L)."""
+    the budget; None = L). MoE: `routing` (B, L, n_moe_layers, K) expert ids to replay at
+    the `routing_known` (B, L) positions (runtime.routing; None = the routers' own choice);
+    `replay` False: only count the routers' agreement with them (runtime.routing.Seam)."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
     positions: torch.Tensor | None = None
     lengths: list[int] | None = None
+    routing: torch.Tensor | None = None
+    routing_known: torch.Tensor | None = None
+    replay: bool = True
 
     def __len__(self) -> int:
         return int(self.inputs.shape[0])
@@ -81,7 +87,12 @@ class Rows:
         n = max(self.lens()[lo:hi])
         pos = None if self.positions is None else self.positions[lo:hi, :n]
         lengths = None if self.lengths is None else self.lengths[lo:hi]
-        return Rows(self.inputs[lo:hi, :n], self.targets[lo:hi, :n], pos, lengths)
+        route = known = None
+        if self.routing is not None:
+            route = self.routing[lo:hi, :n]
+            known = None if self.routing_known is None else self.routing_known[lo:hi, :n]
+        return Rows(self.inputs[lo:hi, :n], self.targets[lo:hi, :n], pos, lengths, route, known,
+                    self.replay)  # fmt: skip
 
 
 def shifted_rows(tokens: torch.Tensor, lengths: Sequence[int]) -> Rows:
@@ -204,7 +215,10 @@ def logprobs_of(
 
 
 def token_logprobs(model: torch.nn.Module, rows: Rows, *, temperature: float = 1.0) -> torch.Tensor:
-    """(B, L) float32 logprobs of `rows.targets` under `model` (0 at ignored targets)."""
+    """(B, L) float32 logprobs of `rows.targets` under `model` (0 at ignored targets).
+    Rows with `routing` replay it (set before the forward and left set, so that an
+    activation-checkpointed recompute in backward routes the same; rows without clear it)."""
+    routing.set_replay(model, rows.routing, rows.routing_known, replay=rows.replay)
     return logprobs_of(
         forward_logits(model, rows.inputs, rows.positions), rows.targets, temperature
     )

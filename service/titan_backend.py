@@ -85,6 +85,8 @@ def _category(fqn: str) -> str:
 
 
 def _targets(spec: LoraSpec, fqn: str) -> bool:
+    if ".router." in fqn:  # MoE routers are never adapted (docs/sft.md "LoRA on MoE bases")
+        return False
     return {"attn": spec.train_attn, "mlp": spec.train_mlp, "unembed": spec.train_unembed}[
         _category(fqn)
     ]
@@ -142,6 +144,7 @@ def build_lora_model(
 
     from kernels.registry import apply_kernels
     from runtime.build import choose_kernels, recipe_model_spec
+    from runtime.moe_experts import convert_experts
     from runtime.platform import Platform
 
     platform = Platform.detect()
@@ -149,6 +152,9 @@ def build_lora_model(
     cfg = apply_kernels(spec.model, choose_kernels(recipe, platform)).model_config
     # Every linear gets a LoRA slot; each client's adapter decides which it trains.
     cfg = LoRAConverter.Config(rank=1, alpha=recipe.lora.alpha).build().convert(cfg)
+    # MoE: routed experts frozen (no per-expert adapters in the service), float32 on CPU
+    cfg = convert_experts(cfg, compute_dtype="param" if platform.is_cpu else "bfloat16",
+                          freeze_base=True)  # fmt: skip
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[recipe.training.dtype]
     sharded_load = mesh is not None and bool(recipe.checkpoint.load_from)
     torch.manual_seed(recipe.training.seed)

@@ -63,6 +63,7 @@ def start_server(
     sets=TINY,
     keys: str | None = None,
     procs: int = 1,
+    recipe: str = "recipes/debug.toml",
 ) -> Server:
     """`procs` > 1: a model resource, `python -m tools.torchrun --standalone
     --nproc-per-node procs -m tools.serve ...` (rank 0 serves)."""
@@ -83,7 +84,7 @@ def start_server(
         "-m",
         "tools.serve",
         "--recipe",
-        "recipes/debug.toml",
+        recipe,
         "--port",
         str(port),
         "--api-key-file",

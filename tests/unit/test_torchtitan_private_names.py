@@ -90,6 +90,18 @@ PRIVATE_NAMES: list[tuple[str, str, str, str]] = [
         "called with reduction 'none' (weighted CE under TP)",
         "runtime/loss.py",
     ),
+    (
+        "torchtitan.protocols.module",
+        "Module._distribute_states",
+        "override + super() (routed-expert adapters placed as the base experts)",
+        "runtime/moe_experts.py",
+    ),
+    (
+        "torchtitan.models.common.moe",
+        "GroupedExperts._grouped_mm",
+        "called (the adapters' grouped GEMMs)",
+        "runtime/moe_experts.py",
+    ),
 ]
 
 # Module attributes that torchtitan looks up at call time and the CPU layer replaces
