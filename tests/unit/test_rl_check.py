@@ -24,7 +24,6 @@ def check(overrides):
         (["rl.env=no_such_mod_q:make"], "rl.env", "cannot import"),
         (["rl.reward=rl.envs:missing"], "rl.reward", "no callable"),
         (["rl.loss=custom", "rl.custom_loss=nocolon"], "rl.custom_loss", "module:function"),
-        (["rl.generator=vllm"], "rl.generator", "vllm"),
     ],
 )
 def test_rl_config_errors(overrides, key, text):
