@@ -50,6 +50,11 @@ class Workload:
     # (wqkv, wo, w1, w3, w2), `lora_adapters` of them resident. 0 = every weight trained.
     lora_rank: int = 0
     lora_adapters: int = 1
+    # Mixture of experts (parallel.moe): the expert-parallel degree (torchtitan carves it out
+    # of dp_shard x cp x tp; 1 = experts sharded like the dense weights) and the recipe's
+    # `moe.capacity_factor` (0 = dropless, torchtitan's only mode).
+    ep: int = 1
+    capacity_factor: float = 0.0
 
     @property
     def lora_params_per_layer(self) -> int:
@@ -153,7 +158,21 @@ def workload_from_recipe(
         virtual_stages=par.pp_stages_per_rank if layout.pp > 1 else 0,
         stack=stack,
         **lora_fields(recipe),
+        **moe_fields(recipe),
     )
+
+
+def moe_fields(recipe) -> dict[str, Any]:
+    """Workload fields for a recipe's `parallel.ep` and `[moe]` (absent: a dense recipe)."""
+    out: dict[str, Any] = {}
+    ep = getattr(recipe.parallel, "ep", 1)
+    if ep and ep > 1:
+        out["ep"] = ep
+    moe = getattr(recipe, "moe", None)
+    cf = getattr(moe, "capacity_factor", 0.0) if moe is not None else 0.0
+    if cf:
+        out["capacity_factor"] = float(cf)
+    return out
 
 
 def lora_fields(recipe) -> dict[str, Any]:
@@ -221,6 +240,14 @@ def _span(d: int, inner: int, cluster: Cluster) -> GroupSpan:
 # cp) and "dp" (dp_replicate x dp_shard; no collective of its own, reported only).
 _AXIS_NAMES = tuple(a.value for a in MESH_ORDER)
 SPAN_KEYS = _AXIS_NAMES + ("fsdp",)
+
+
+def expert_spans(layout: Layout, ep: int, cluster: Cluster) -> dict[str, GroupSpan]:
+    """Spans of the sparse mesh's groups (torchtitan: pp, dp_replicate, efsdp, ep with ep
+    innermost): an EP group is `ep` consecutive ranks; efsdp (dp_shard x cp x tp / ep)
+    strides over them."""
+    efsdp = max(1, layout.dp_shard * layout.cp * layout.tp // max(1, ep))
+    return {"ep": _span(ep, 1, cluster), "efsdp": _span(efsdp, ep, cluster)}
 
 
 def planned_spans(layout: Layout, cluster: Cluster) -> dict[str, GroupSpan]:

@@ -79,6 +79,8 @@ def predict_recipe(recipe, cluster, stack: str = "torchtitan") -> tuple[dict, ob
                 "dp_shard": layout.dp_shard,
                 "cp": layout.cp,
                 "tp": layout.tp,
+                # MoE only (a dense layout's keys stay as they were).
+                **({"ep": pred.moe["ep"]} if pred.moe else {}),
             },
             "world_size": world,
             "stack": stack,
