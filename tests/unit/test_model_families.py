@@ -11,11 +11,15 @@ import torch
 
 from core.errors import ConfigError
 from core.models import (
+    FAMILIES,
+    KIMI_VISION_FLAVORS,
     LLAMA3_FLAVORS,
+    MOE_FAMILIES,
     QWEN3_FLAVORS,
     QWEN3_MOE_FLAVORS,
     model_config,
     model_shape,
+    shape_of_config,
 )
 from parallel.perf import model_flops_per_token
 from recipe.loader import load_recipe
@@ -41,9 +45,10 @@ def test_flavor_lists_are_torchtitans_registries():
     "overrides, key, needle",
     [
         (["model.family=qwen"], "model.family", "did you mean 'qwen3'"),
-        (["model.family=deepseek_v3"], "model.family", "not supported yet"),
+        (["model.family=qwen3_5"], "model.family", "GPU only"),
+        (["model.family=kimi_k2_7", "model.flavor=Kimi-VL-A3B"], "model.flavor", "vision"),
         (["model.family=qwen3", "model.flavor=0.6b"], "model.flavor", "did you mean '0.6B'"),
-        (["model.family=qwen3", "model.flavor=30B-A3B"], "model.flavor", "not supported yet"),
+        (["model.family=deepseek_v3", "model.flavor=16b"], "model.flavor", "did you mean '16B'"),
         (["model.flavor=0.6B"], "model.flavor", "unknown llama3 flavor"),
     ],
 )
@@ -65,6 +70,55 @@ def test_qwen3_shape_counts_equal_torchtitans(flavor):
         _, flops = cfg.get_nparams_and_flops(model, seq)
         assert shape.flops_per_token(seq) == flops, seq
         assert model_flops_per_token(shape, seq) == flops, seq  # the performance model's
+
+
+_EVERY_MOE_FLAVOR = [(fam, fl) for fam, fls in FAMILIES.items() for fl in fls
+                     if model_shape(fl, fam).is_moe]  # fmt: skip
+
+
+def test_flavor_lists_are_torchtitans_moe_registries():
+    from torchtitan.models.deepseek_v3 import deepseekv3_configs
+    from torchtitan.models.gpt_oss import gptoss_configs
+    from torchtitan.models.kimi_k2_7 import kimi_k2_5_configs
+
+    assert set(FAMILIES["deepseek_v3"]) == set(deepseekv3_configs)
+    assert set(FAMILIES["gpt_oss"]) == set(gptoss_configs)
+    assert set(FAMILIES["kimi_k2_7"]) | set(KIMI_VISION_FLAVORS) == set(kimi_k2_5_configs)
+    assert {fam for fam, _ in _EVERY_MOE_FLAVOR} == {"qwen3", *MOE_FAMILIES}
+
+
+@pytest.mark.parametrize("family, flavor", _EVERY_MOE_FLAVOR)
+def test_moe_shape_counts_equal_torchtitans(family, flavor):
+    """total_params = torchtitan's meta-built model; flops_per_token = its own MoE count
+    (active parameters: top_k of the routed experts)."""
+    cfg = model_config(flavor, family)
+    with torch.device("meta"):
+        model = cfg.build()
+    shape = model_shape(flavor, family)
+    assert shape.is_moe and 0 < shape.top_k < shape.n_routed_experts
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if "moe.routed_experts" in n)
+    assert routed == shape.n_moe_layers * shape.n_routed_experts * shape.routed_expert_params
+    assert (
+        shape.total_params - shape.active_params
+        == routed * (shape.n_routed_experts - shape.top_k) // shape.n_routed_experts
+    )
+    _, flops = cfg.get_nparams_and_flops(model, 4096)
+    assert shape.flops_per_token(4096) == flops
+
+
+def test_mtp_shape_counts_equal_torchtitans():
+    from torchtitan.models.deepseek_v3 import deepseekv3_configs
+
+    cfg = deepseekv3_configs["debugmodel"](
+        attn_backend="flex", moe_comm_backend="standard", num_mtp_layers=1
+    )
+    with torch.device("meta"):
+        model = cfg.build()
+    shape = shape_of_config(cfg, "debugmodel", "deepseek_v3")
+    assert shape.n_mtp_layers == 1
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+    assert shape.flops_per_token(2048) == cfg.get_nparams_and_flops(model, 2048)[1]
 
 
 def _hf_dict(cfg) -> dict:
