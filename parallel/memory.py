@@ -106,8 +106,9 @@ def layer_activation_bytes(w: Workload, mode: str | None = None, st: Stack | Non
     if m is not None:
         # The average block: attention as below; the FFN share is the dense SwiGLU's on the
         # dense layers and the MoE layer's (parallel.moe) on the others.
-        attn = layer_activation_bytes(w.with_(shape=replace(s, ffn_hidden=0)), mode, st)
-        dense_ffn = layer_activation_bytes(w.with_(shape=replace(s, n_routed_experts=0)), mode, st)
+        dense = replace(s, n_routed_experts=0)
+        attn = layer_activation_bytes(w.with_(shape=replace(dense, ffn_hidden=0)), mode, st)
+        dense_ffn = layer_activation_bytes(w.with_(shape=dense), mode, st)
         imb = effective_imbalance(st.moe_imbalance, w.capacity_factor)
         moe = moe_activation_bytes(m, mode, imb, t) * (2 if w.dtype == "float32" else 1)
         return attn + (1 - m.moe_fraction) * (dense_ffn - attn) + m.moe_fraction * moe

@@ -154,10 +154,7 @@ def block_gemms(w: Workload) -> list[tuple[int, int]]:
 def attention_width(shape) -> float:  # noqa: ANN001 (ModelShape)
     """Per-token width of the score and value products: heads x head_dim (GQA); MLA's
     mean of the query/key head dim (nope + rope) and the value head dim."""
-    if getattr(shape, "attention", "gqa") == "mla":
-        qk = shape.qk_nope_head_dim + shape.qk_rope_head_dim
-        return shape.n_heads * (qk + shape.v_head_dim) / 2
-    return float(shape.n_heads * shape.head_dim)
+    return shape.n_heads * shape.attention_head_dims / 2
 
 
 def moe_block_gemms(w: Workload, m: MoEDims) -> list[tuple[float, float, float, bool]]:
@@ -167,7 +164,7 @@ def moe_block_gemms(w: Workload, m: MoEDims) -> list[tuple[float, float, float, 
     layers. The routed experts are priced apart (grouped GEMMs, `layer_costs`)."""
     s, t = w.shape, w.layout.tp
     d = s.dim
-    if getattr(s, "attention", "gqa") == "mla":
+    if s.attention == "mla":
         h, qk, v = s.n_heads, s.qk_nope_head_dim + s.qk_rope_head_dim, s.v_head_dim
         attn: list[tuple[float, float]] = []
         if s.q_lora_rank:
@@ -773,7 +770,10 @@ def _collectives(w: Workload, layers_rank: int) -> list[Collective]:
     tok = w.tokens_per_microbatch / c
     micro = w.grad_accum if p == 1 else w.microbatches
     out: list[Collective] = []
-    stage_params = s.total_params / (t * p)
+    # What FSDP gathers per GPU (MoE: the local experts only; dense: total / tp).
+    head = 0 if s.weight_tying else s.vocab_size * s.dim
+    ends = (s.vocab_size * s.dim + head + s.dim) / t
+    stage_params = (s.n_layers * gathered_layer_params(s, t, w.ep) + ends) / p
     if t > 1:
         act = tok * s.dim
         ag = 1 if fp8_tp_gather(w) else elt

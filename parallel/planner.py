@@ -565,8 +565,9 @@ def apply_plan(recipe: Recipe, plan: Plan) -> Recipe:
         async_tp=recipe.parallel.async_tp and lay.tp > 1,
         pp_stages_per_rank=0,
         auto=False,
-        **({"ep": plan.ep} if hasattr(r.parallel, "ep") else {}),
     )
+    if hasattr(r.parallel, "ep"):  # the recipe key (branch moe's schema)
+        r.parallel.ep = plan.ep
     r.training = dataclasses.replace(
         r.training,
         activation_checkpoint=cast(Any, plan.activation_checkpoint),
