@@ -38,8 +38,8 @@ from dataclasses import dataclass, replace
 
 from core.models import pp_layer_weights
 from parallel.moe import (
+    busiest_load,
     dispatch_buffer_bytes,
-    effective_imbalance,
     gathered_layer_params,
     layer_params,
     moe_activation_bytes,
@@ -109,7 +109,7 @@ def layer_activation_bytes(w: Workload, mode: str | None = None, st: Stack | Non
         dense = replace(s, n_routed_experts=0)
         attn = layer_activation_bytes(w.with_(shape=replace(dense, ffn_hidden=0)), mode, st)
         dense_ffn = layer_activation_bytes(w.with_(shape=dense), mode, st)
-        imb = effective_imbalance(st.moe_imbalance, w.capacity_factor)
+        imb = busiest_load(w, st)
         moe = moe_activation_bytes(m, mode, imb, t) * (2 if w.dtype == "float32" else 1)
         return attn + (1 - m.moe_fraction) * (dense_ffn - attn) + m.moe_fraction * moe
     d, qd, kv, f = s.dim, s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.ffn_hidden
@@ -471,7 +471,7 @@ def _memory_for_rank(w: Workload, rank: int, st: Stack) -> MemoryEstimate:
     m = moe_dims(s)
     if m is not None:
         # One MoE layer's dispatch at a time: send/receive buffers under imbalance, router.
-        imb = effective_imbalance(st.moe_imbalance, w.capacity_factor)
+        imb = busiest_load(w, st)
         workspace += dispatch_buffer_bytes(m, imb, t) * tokens * (2 if w.dtype == "float32" else 1)
     logits = 0.0
     if has_last:

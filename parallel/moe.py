@@ -145,6 +145,13 @@ def effective_imbalance(imbalance: float, capacity_factor: float) -> float:
     return imbalance
 
 
+def busiest_load(w, st) -> float:  # noqa: ANN001 (Workload, Stack)
+    """The busiest EP rank's routed tokens over the mean for workload `w` on stack `st`:
+    the workload's own figure when it states one, else the stack's, capped by the capacity
+    factor."""
+    return effective_imbalance(w.load_imbalance or st.moe_imbalance, w.capacity_factor)
+
+
 def dropped_fraction(imbalance: float, capacity_factor: float) -> float:
     """Upper bound on the routed tokens a capacity factor drops on the busiest rank."""
     if capacity_factor <= 0 or imbalance <= capacity_factor:

@@ -26,7 +26,7 @@ from parallel.moe import (
     MoEDims,
     a2a_per_layer,
     a2a_time,
-    effective_imbalance,
+    busiest_load,
     fabric_of_ep,
     gathered_layer_params,
     moe_dims,
@@ -351,6 +351,7 @@ class LayerCosts:
     head: float  # output projection + loss (last stage only)
     ep_total: float = 0.0  # expert all-to-all (dispatch + combine, fwd + bwd), average block
     ep_exposed: float = 0.0
+    moe_overhead: float = 0.0  # host waits of the MoE layers (stack's moe_layer_overhead_s)
 
     @property
     def compute(self) -> float:
@@ -366,7 +367,12 @@ class LayerCosts:
     @property
     def total(self) -> float:
         return (
-            self.compute + self.tp_exposed + self.cp_exposed + self.interference + self.ep_exposed
+            self.compute
+            + self.tp_exposed
+            + self.cp_exposed
+            + self.interference
+            + self.ep_exposed
+            + self.moe_overhead
         )
 
     @property
@@ -448,7 +454,7 @@ def layer_costs(
         # routed experts), at the stack's grouped-GEMM efficiency. Without EP each expert's
         # hidden dim is split by tp; with EP the tokens are whole and spread over the group.
         ep = w.ep
-        imb = effective_imbalance(st.moe_imbalance, w.capacity_factor)
+        imb = busiest_load(w, st)
         h = m.expert_hidden / (t if ep == 1 else 1)
         routed_tok = tok / (1 if ep == 1 else t) * m.top_k * imb
         per_expert = max(1.0, routed_tok * max(ep, 1) / m.n_routed)
@@ -477,7 +483,7 @@ def layer_costs(
     if m is not None:
         # Pointwise work of the average block's FFN: dense SwiGLU on the dense layers; the
         # shared experts and the busiest rank's routed copies on the MoE layers.
-        imb = effective_imbalance(st.moe_imbalance, w.capacity_factor)
+        imb = busiest_load(w, st)
         f_moe = (m.n_shared + m.top_k * imb) * m.expert_hidden
         f_eq = (1 - m.moe_fraction) * s.ffn_hidden + m.moe_fraction * f_moe
         wp = w.with_(shape=replace(s, ffn_hidden=round(f_eq)))
@@ -534,6 +540,7 @@ def layer_costs(
         head=head,
         ep_total=ep_total,
         ep_exposed=ep_total * (1 - st.ep_a2a_hidden),
+        moe_overhead=0.0 if (m is None or is_cpu) else st.moe_layer_overhead_s * m.moe_fraction,
     )
 
 
@@ -570,6 +577,7 @@ def cached_layer_costs(
         span_cp,
         w.ep,
         w.capacity_factor,
+        w.load_imbalance,
         span_ep,
     )
     hit = _LAYER_CACHE.get(key)
@@ -720,6 +728,7 @@ def predict(
     moe: dict = {}
     if m is not None:
         breakdown["ep_alltoall_s"] = n * L.ep_exposed
+        breakdown["moe_overhead_s"] = n * L.moe_overhead
         moe = {
             "ep": w.ep,
             "ep_fabric": fabric_of_ep(w.ep, spans["ep"], cluster),
@@ -727,7 +736,7 @@ def predict(
             "active_params": getattr(s, "active_params", s.total_params),
             "routed_experts": m.n_routed,
             "top_k": m.top_k,
-            "load_imbalance": effective_imbalance(st.moe_imbalance, w.capacity_factor),
+            "load_imbalance": busiest_load(w, st),
             "capacity_factor": w.capacity_factor,
             "ep_alltoall_total_s": round(n * L.ep_total, 4),
             "mfu_convention": "model FLOPs on active parameters (6 x active + attention, as "

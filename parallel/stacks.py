@@ -82,6 +82,11 @@ class Stack:
     grouped_gemm_eff: float
     ep_a2a_hidden: float
     moe_imbalance: float
+    # Seconds per MoE layer and microbatch (forward + backward) the host spends waiting on
+    # the device: the dispatch reads the per-expert token counts back (a device-to-host sync
+    # for the all-to-all's split sizes), draining the launch queue, then launches the
+    # layer's many small kernels (permute, router, grouped GEMM setup) with nothing queued.
+    moe_layer_overhead_s: float
     sources: dict[str, str] = field(default_factory=dict)
     path: str = ""
     # The loss runs over this many sequence chunks, each projected, scored and
@@ -134,6 +139,7 @@ _CONSTANTS = (
     "grouped_gemm_eff",
     "ep_a2a_hidden",
     "moe_imbalance",
+    "moe_layer_overhead_s",
 )
 _TOP = (
     "name",

@@ -55,6 +55,9 @@ class Workload:
     # `moe.capacity_factor` (0 = dropless, torchtitan's only mode).
     ep: int = 1
     capacity_factor: float = 0.0
+    # Routed tokens on the busiest EP rank over the mean; 0 = the stack's `moe_imbalance`
+    # (NVIDIA's MoE benchmarks force-balance the routing: 1.0).
+    load_imbalance: float = 0.0
 
     @property
     def lora_params_per_layer(self) -> int:
