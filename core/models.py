@@ -132,7 +132,8 @@ class ModelShape:
 
     @property
     def n_moe_layers(self) -> int:
-        return self.n_layers - self.n_dense_layers if self.is_moe else 0
+        # max: a `model.layers` slice may keep fewer layers than the dense ones.
+        return max(0, self.n_layers - self.n_dense_layers) if self.is_moe else 0
 
     @property
     def embedding_params(self) -> int:

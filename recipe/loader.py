@@ -314,6 +314,9 @@ def check_layout(recipe: Recipe, layout: Layout) -> None:
     tr = recipe.training
     par = recipe.parallel
     shape = effective_shape(recipe)
+    from recipe.model_checks import check_expert_parallel  # imports this module
+
+    check_expert_parallel(recipe, layout)
     if shape.n_heads % layout.tp or shape.n_kv_heads % layout.tp:
         raise ConfigError(
             f"tp={layout.tp} must divide the attention heads ({shape.n_heads} query, "

@@ -4,7 +4,8 @@ Pure functions of the recipe and the model's shape (torchtitan's own config numb
 `core.models.model_shape`), so training (`runtime.session.prepare`) and the planning tools
 (tools.plan / predict / launch) make the same checks and print the same line:
 
-    check_model(recipe)                       # seq_len vs RoPE, head/layer arithmetic
+    check_model(recipe)                       # seq_len vs RoPE, head/layer arithmetic, MoE
+    check_expert_parallel(recipe, layout)     # parallel.ep vs the experts and the mesh
     check_vocab(recipe, tokenizer_ids, path)  # the tokenizer's ids vs the model's vocabulary
 
 Each raises `ConfigError` naming the recipe file and the key to change.
@@ -12,6 +13,7 @@ Each raises `ConfigError` naming the recipe file and the key to change.
 
 from __future__ import annotations
 
+from core.axes import Layout
 from core.errors import ConfigError
 from core.models import ModelShape
 from recipe.loader import effective_shape
@@ -104,11 +106,58 @@ def check_loss_chunks(recipe: Recipe, tp: int = 1, cp: int = 1) -> None:
         )
 
 
+def check_moe(recipe: Recipe, shape: ModelShape | None = None) -> None:
+    """`parallel.ep` against the routed experts, `[moe]` only on MoE models, and the
+    expert linear conversions torchtitan 0.3.0 offers (FP8/MXFP8 refused on CPU by the
+    kernels layer like every other linear backend)."""
+    shape = shape or effective_shape(recipe)
+    f = recipe.source
+    ep = recipe.parallel.ep
+    if not shape.is_moe:
+        if ep != 1:
+            raise ConfigError(
+                f"{_where(recipe)} is a dense model (no experts to split); use ep = 1",
+                file=f,
+                key="parallel.ep",
+            )
+        from recipe.schema import MoeSection
+
+        changed = [k for k, v in vars(recipe.moe).items() if getattr(MoeSection(), k) != v]
+        if changed:
+            raise ConfigError(
+                f"[moe] applies to mixture-of-experts models; {_where(recipe)} is dense",
+                file=f,
+                key=f"moe.{changed[0]}",
+            )
+        return
+    if shape.n_routed_experts % ep:
+        raise ConfigError(
+            f"ep={ep} must divide the {shape.n_routed_experts} routed experts of {_where(recipe)}",
+            file=f,
+            key="parallel.ep",
+        )
+
+
+def check_expert_parallel(recipe: Recipe, layout: Layout) -> None:
+    """torchtitan's mesh constraint: EP borrows ranks from FSDP, CP and TP, so ep must
+    divide dp_shard x cp x tp (ParallelDims raises it only after the process group)."""
+    ep = recipe.parallel.ep
+    borrow = layout.dp_shard * layout.cp * layout.tp
+    if ep > 1 and borrow % ep:
+        raise ConfigError(
+            f"ep={ep} must divide dp_shard x cp x tp = {layout.dp_shard} x {layout.cp} x "
+            f"{layout.tp} = {borrow} (expert parallelism borrows those ranks)",
+            file=recipe.source,
+            key="parallel.ep",
+        )
+
+
 def check_model(recipe: Recipe) -> None:
     """Every model check that needs no tokenizer (cheap: torchtitan's config only)."""
     shape = effective_shape(recipe)
     check_model_dims(recipe, shape)
     check_seq_len(recipe, shape)
+    check_moe(recipe, shape)
     if recipe.finetune.mode == "lora":
         check_lora_targets(recipe)
     rl = recipe.rl

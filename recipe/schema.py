@@ -1,6 +1,6 @@
 """The recipe contract: one dataclass per TOML section, every field documented.
 
-Sections: [job] [model] [training] [parallel] [kernels] [data] [checkpoint] [metrics]
+Sections: [job] [model] [training] [parallel] [moe] [kernels] [data] [checkpoint] [metrics]
 [finetune] [lora] [[adapters]] [validation] [profiling] [rl] [torchtitan].
 Field-local checks (ranges, choices) run in `__post_init__` and raise ConfigError with the
 key; checks that need several sections or the world size live in `recipe.loader`
@@ -69,15 +69,18 @@ class ModelSection:
     family: str = field(
         default="llama3",
         metadata=doc(
-            "Model family (torchtitan's registry): llama3 | qwen3. MoE families and flavors "
-            "are refused (not supported yet)."
+            "Model family (torchtitan's registry): llama3 | qwen3 | deepseek_v3 | gpt_oss | "
+            "kimi_k2_7 (text models: Moonlight). qwen3_5 is refused (its gated delta rule "
+            "needs the fla GPU kernels). docs/moe.md for the mixture-of-experts families."
         ),
     )
     flavor: str = field(
         default="debugmodel",
         metadata=doc(
             "torchtitan flavor of the family. llama3: debugmodel, 1B, 3B, 8B, 70B, 405B; "
-            "qwen3: debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B."
+            "qwen3: debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B, debugmodel_moe, 30B-A3B, "
+            "235B-A22B; deepseek_v3: debugmodel, 16B, 236B, 671B; gpt_oss: debugmodel, 20b, "
+            "120b; kimi_k2_7: debugmodel (text tower), moonlight-16B-A3B."
         ),
     )
     tokenizer: str = field(
@@ -223,6 +226,16 @@ class ParallelSection:
     tp: int = field(default=1, metadata=doc("Tensor-parallel degree (inside NVLink)."))
     pp: int = field(default=1, metadata=doc("Pipeline-parallel degree."))
     cp: int = field(default=1, metadata=doc("Context-parallel degree."))
+    ep: int = field(
+        default=1,
+        metadata=doc(
+            "Expert-parallel degree (MoE models; torchtitan's expert_parallel_degree): the "
+            "routed experts are split over ep ranks and tokens reach them by all-to-all. Must "
+            "divide the routed experts and dp_shard x cp x tp (EP borrows those ranks; the "
+            "experts are FSDP-sharded over the rest). torchtitan 0.3.0 has no separate "
+            "expert tensor-parallel degree."
+        ),
+    )
     pp_schedule: Literal[
         "GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
     ] = field(default="1F1B", metadata=doc("Pipeline schedule (torchtitan names)."))
@@ -266,13 +279,77 @@ class ParallelSection:
     )
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "tp", "pp", "cp"):
+        for name in ("dp_replicate", "tp", "pp", "cp", "ep"):
             _positive(name, getattr(self, name))
         if self.dp_shard != -1:
             _positive("dp_shard", self.dp_shard)
         _positive("world_size", self.world_size, allow_zero=True)
         _positive("pp_microbatches", self.pp_microbatches, allow_zero=True)
         _positive("pp_stages_per_rank", self.pp_stages_per_rank, allow_zero=True)
+
+
+LOAD_BALANCE_MODES = ("aux_loss_free", "none")
+
+
+@dataclass
+class MoeSection:
+    """Mixture-of-experts training options (docs/moe.md); refused on a dense model."""
+
+    load_balance: str = field(
+        default="aux_loss_free",
+        metadata=doc(
+            "Expert load balancing: aux_loss_free (DeepSeek-V3's bias update: before each "
+            "optimizer step every expert's routing bias moves by bias_update_speed toward "
+            "equal load; torchtitan's load_balance_coeff) or none. torchtitan 0.3.0 has no "
+            "auxiliary load-balancing loss, so 'aux_loss' is refused."
+        ),
+    )
+    bias_update_speed: float = field(
+        default=1e-3,
+        metadata=doc("Step of the aux_loss_free bias update (torchtitan's default 1e-3)."),
+    )
+    capacity_factor: float = field(
+        default=0.0,
+        metadata=doc(
+            "0 = dropless routing (every token reaches its top_k experts). Token dropping "
+            "exists in torchtitan 0.3.0 only in the HybridEP dispatcher (CUDA, deep_ep), "
+            "which titanscale does not run: values > 0 are refused."
+        ),
+    )
+    n_mtp_layers: int = field(
+        default=0,
+        metadata=doc(
+            "Multi-token prediction modules (DeepSeek-V3). torchtitan's MTP needs its own "
+            "loss in place of titanscale's chunked loss: not trained yet, values > 0 are "
+            "refused."
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if self.load_balance not in LOAD_BALANCE_MODES:
+            why = (
+                " (torchtitan 0.3.0 has no auxiliary load-balancing loss)"
+                if self.load_balance == "aux_loss"
+                else did_you_mean(self.load_balance, LOAD_BALANCE_MODES)
+            )
+            raise ConfigError(
+                f"expected one of {', '.join(LOAD_BALANCE_MODES)}, got "
+                f"{shown(self.load_balance)}{why}",
+                key="load_balance",
+            )
+        _positive("bias_update_speed", self.bias_update_speed)
+        if self.capacity_factor:
+            raise ConfigError(
+                "token dropping (capacity_factor > 0) needs torchtitan's HybridEP dispatcher "
+                "(CUDA, deep_ep), which titanscale does not run; use 0 (dropless)",
+                key="capacity_factor",
+            )
+        if self.n_mtp_layers:
+            raise ConfigError(
+                "multi-token prediction is not trained by titanscale yet (torchtitan's "
+                "MTPLoss would replace the chunked loss); use 0",
+                key="n_mtp_layers",
+            )
 
 
 @dataclass
@@ -884,6 +961,7 @@ class Recipe:
     model: ModelSection = field(default_factory=ModelSection)
     training: TrainingSection = field(default_factory=TrainingSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    moe: MoeSection = field(default_factory=MoeSection)
     kernels: KernelsSection = field(default_factory=KernelsSection)
     data: DataSection = field(default_factory=DataSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)

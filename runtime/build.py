@@ -151,14 +151,26 @@ def plain_fqn(name: str) -> str:
 
 
 def model_spec(family: str, flavor: str) -> ModelSpec:
-    """torchtitan's ModelSpec (config, parallelize fn, HF adapter) for a recipe's model."""
-    if family == "qwen3":
-        from torchtitan.models.qwen3 import model_registry as qwen3_registry
+    """torchtitan's ModelSpec (config, parallelize fn, HF adapter, MoE load-balancing hook)
+    for a recipe's model; the model config is core.models.model_config's (one home)."""
+    import importlib
 
-        return qwen3_registry(flavor)
-    from torchtitan.models.llama3 import model_registry as llama3_registry
+    from core.models import model_config
 
-    return llama3_registry(flavor)
+    registry = importlib.import_module(f"torchtitan.models.{family}").model_registry
+    spec = registry(flavor)
+    spec.model = model_config(flavor, family)
+    return spec
+
+
+def configure_moe(model: Any, recipe: Recipe) -> None:
+    """`[moe]` onto every MoE layer config (MTP layers included): the aux-loss-free bias
+    update's speed (torchtitan's load_balance_coeff; None = no bias, no update)."""
+    mo = recipe.moe
+    coeff = mo.bias_update_speed if mo.load_balance == "aux_loss_free" else None
+    for layer in [*model.layers, *(getattr(model, "mtp_layers", None) or ())]:
+        if getattr(layer, "moe", None) is not None:
+            layer.moe.load_balance_coeff = coeff
 
 
 # lr_schedule -> torchtitan's decay_type; wsd's cooldown is 1 - sqrt (Hägele et al. 2024,
@@ -256,6 +268,7 @@ def recipe_model_spec(recipe: Recipe) -> ModelSpec:
         spec.model.vocab_size = recipe.model.vocab_size
         spec.model.tok_embeddings.num_embeddings = recipe.model.vocab_size
         spec.model.lm_head.out_features = recipe.model.vocab_size
+    configure_moe(spec.model, recipe)
     return spec
 
 
@@ -338,6 +351,7 @@ def build_trainer_config(
             # (runtime.platform, bridge 8).
             spmd_backend=spmd_backend(),  # type: ignore[arg-type]
             pipeline_parallel_layers_per_stage=layers_per_stage,
+            expert_parallel_degree=par.ep,
         ),
         dataloader=dataloader,
         metrics=TitanscaleMetrics.Config(

@@ -196,6 +196,7 @@ class Platform:
             _APPLIED.add("timeout")
             _patch_pg_timeouts(device_barrier=False)
         _patch_fsdp_reduction()
+        _patch_uneven_all_to_all()
 
 
 def _set(module, name: str, value) -> None:
@@ -306,3 +307,43 @@ def _patch_fsdp_reduction() -> None:
                 module.set_force_sum_reduction_for_comms(True)
 
     _set(tt_fsdp, "disable_fsdp_gradient_division", disable_fsdp_gradient_division)
+
+
+def _patch_uneven_all_to_all() -> None:
+    """Expert-parallel token exchange on gloo.
+
+    Why: spmd_types' `_AllToAllUneven` (torchtitan's all-to-all token dispatch under the
+    spmd_types backend) calls the list form `dist.all_to_all`, which gloo accepts only for
+    equal chunk sizes ("ProcessGroupGloo::alltoall: invalid tensor size"); experts receive
+    uneven token counts. `all_to_all_single` with split sizes (gloo's alltoallv) moves the
+    same rows in the same order: the output is the concatenation of what each rank sent.
+    The backward is spmd_types' own (it calls this forward with the splits swapped).
+    """
+    import spmd_types._collectives as coll
+
+    uneven = coll._AllToAllUneven
+    if not hasattr(uneven, "forward"):
+        raise RuntimeError("titanscale's CPU layer expected spmd_types' _AllToAllUneven")
+
+    def forward(ctx, x, axis, output_split_sizes, input_split_sizes, dtype_options):  # noqa: ANN001
+        ctx.axis = axis
+        ctx.backward_options = dtype_options.backward_options
+        x = coll._apply_op_dtype(x, dtype_options.op_dtype)
+        world_size = torch.distributed.get_world_size(axis)
+        if input_split_sizes is None:
+            input_split_sizes = [x.shape[0] // world_size] * world_size
+        if output_split_sizes is None:
+            output_split_sizes = [x.shape[0] // world_size] * world_size
+        ctx.output_split_sizes = output_split_sizes
+        ctx.input_split_sizes = input_split_sizes
+        out = x.new_empty([sum(output_split_sizes), *x.shape[1:]])
+        torch.distributed.all_to_all_single(
+            out,
+            x.contiguous(),
+            output_split_sizes=list(output_split_sizes),
+            input_split_sizes=list(input_split_sizes),
+            group=axis,
+        )
+        return coll._apply_out_dtype(out, dtype_options.out_dtype)
+
+    uneven.forward = staticmethod(forward)

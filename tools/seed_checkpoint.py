@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> None:
     init_logger()
     # The seed is model weights only: parallel degrees of the recipe do not apply.
     degrees = ["parallel.world_size=0", "parallel.dp_replicate=1", "parallel.dp_shard=-1"]
-    degrees += ["parallel.tp=1", "parallel.pp=1", "parallel.cp=1", "parallel.auto=false"]
+    degrees += ["parallel.tp=1", "parallel.pp=1", "parallel.cp=1", "parallel.ep=1"]
+    degrees += ["parallel.auto=false"]
     # Nor do the recipe's checkpoints: a seed loads nothing (fresh initial weights), so the
     # checks of what a run would load (runtime.session.check_checkpoint_fit) do not apply.
     degrees += ["checkpoint.interval=0", "checkpoint.load_from=", "checkpoint.load_hf="]
