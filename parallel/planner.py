@@ -201,6 +201,7 @@ def _layout_recipe(recipe: Recipe, schedule: str, mbs: int, local: int) -> Recip
     r.parallel.pp_schedule = schedule  # type: ignore[assignment]
     r.parallel.pp_microbatches = mbs
     r.parallel.pp_stages_per_rank = 0  # plans use each schedule's default
+    r.parallel.ep = 1  # the planner checks each candidate's ep itself (parallel.moe.ep_reason)
     r.training = copy.copy(recipe.training)
     r.training.local_batch_size = local
     r.source = recipe.source
@@ -566,8 +567,7 @@ def apply_plan(recipe: Recipe, plan: Plan) -> Recipe:
         pp_stages_per_rank=0,
         auto=False,
     )
-    if hasattr(r.parallel, "ep"):  # the recipe key (branch moe's schema)
-        r.parallel.ep = plan.ep
+    r.parallel.ep = plan.ep
     r.training = dataclasses.replace(
         r.training,
         activation_checkpoint=cast(Any, plan.activation_checkpoint),

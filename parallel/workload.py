@@ -168,13 +168,10 @@ def workload_from_recipe(
 def moe_fields(recipe) -> dict[str, Any]:
     """Workload fields for a recipe's `parallel.ep` and `[moe]` (absent: a dense recipe)."""
     out: dict[str, Any] = {}
-    ep = getattr(recipe.parallel, "ep", 1)
-    if ep and ep > 1:
-        out["ep"] = ep
-    moe = getattr(recipe, "moe", None)
-    cf = getattr(moe, "capacity_factor", 0.0) if moe is not None else 0.0
-    if cf:
-        out["capacity_factor"] = float(cf)
+    if recipe.parallel.ep > 1:
+        out["ep"] = recipe.parallel.ep
+    if recipe.moe.capacity_factor:
+        out["capacity_factor"] = float(recipe.moe.capacity_factor)
     return out
 
 
