@@ -117,3 +117,83 @@ def test_ep64_fills_an_nvl72_rack_with_spares():
     assert "64 of 72 GPUs used, 2 host(s)" in ep_placement(64, nvl72)
     assert "spans 2 NVLink domains" in ep_placement(128, nvl72)
     assert ep_placement(1, nvl72) == ""
+
+
+# --- the models on torchtitan's real shapes (core.models, branch moe) -------------------
+
+
+def _w(flavor="16B", family="deepseek_v3", **kw):
+    from core.axes import Layout
+    from core.models import model_shape
+    from parallel.workload import Workload
+
+    base = dict(shape=model_shape(flavor, family), seq_len=4096, local_batch_size=1,
+                layout=Layout(dp_shard=8), ac="full")  # fmt: skip
+    base.update(kw)
+    return Workload(**base)
+
+
+def test_ep_shrinks_the_fsdp_gather_by_the_remote_experts_only():
+    """States per GPU do not depend on ep (torchtitan shards every parameter tp x dp_shard x
+    cp ways: dense over tp x fsdp, experts over ep x efsdp); what FSDP gathers per block
+    loses the experts held by the other ep - 1 ranks: 7/8 of the routed ones at ep 8."""
+    from parallel.memory import estimate_memory
+
+    w = _w()
+    s = w.shape
+    m1, m8 = estimate_memory(w), estimate_memory(w.with_(ep=8))
+    assert m1.states == m8.states
+    routed_per_block = s.n_moe_layers * s.n_routed_experts * 3 * s.dim * s.moe_ffn_hidden
+    routed_per_block /= s.n_layers
+    head = s.vocab_size * s.dim  # the largest unit FSDP gathers besides a block
+    block = (s.total_params - 2 * head - s.dim) / s.n_layers
+    u1, u8 = max(block, head), max(block - routed_per_block * 7 / 8, head)
+    # per unit: two bf16 copies in flight, one bf16 gradient and its fp32 reduce input
+    assert m1.unsharded - m8.unsharded == pytest.approx((u1 - u8) * (2 * 2 + 2 + 4))
+    assert u8 < u1 / 2  # 16B's 64 experts are most of a block
+
+
+def test_mfu_counts_active_parameters():
+    from parallel.cluster import load_cluster
+    from parallel.perf import predict
+
+    w = _w(ep=8)
+    p = predict(w, load_cluster("hgx_h100_ib", nodes=1))
+    s = w.shape
+    active = 6 * (s.active_params - s.vocab_size * s.dim)
+    assert s.flops_per_token(4096) < 6 * s.total_params / 3  # a third would be dense-like
+    attn = 6 * s.n_layers * s.n_heads * s.attention_head_dims * 4096
+    assert p.mfu_pct == pytest.approx(100 * p.tokens_per_sec_per_gpu * (active + attn) / 989e12)
+    assert p.moe["ep"] == 8 and "active" in p.moe["mfu_convention"]
+
+
+def test_the_all_to_all_leaves_nvlink_past_the_node():
+    """Qwen3 30B-A3B on 4 HGX H100 nodes: EP 8 stays in a node (NVLink), EP 16 crosses two
+    (InfiniBand) and its all-to-all costs more although each GPU sends the same bytes."""
+    from core.axes import Layout
+    from parallel.cluster import load_cluster
+    from parallel.perf import predict
+
+    cl = load_cluster("hgx_h100_ib", nodes=4)
+    w = _w("30B-A3B", "qwen3", layout=Layout(dp_shard=32), ac="none")
+    p8, p16 = predict(w.with_(ep=8), cl), predict(w.with_(ep=16), cl)
+    assert p8.moe["ep_fabric"] == "nvlink"
+    assert p16.moe["ep_fabric"].startswith("infiniband (2 NVLink domains")
+    assert p16.breakdown["ep_alltoall_s"] > 2 * p8.breakdown["ep_alltoall_s"] > 0
+
+
+def test_planner_searches_ep_where_torchtitan_allows_it():
+    from core.axes import Layout
+    from parallel.cluster import load_cluster
+    from parallel.planner import _Search
+    from recipe.loader import load_recipe
+    from tests.helpers.runs import ROOT
+
+    run = _Search(load_recipe(str(ROOT / "recipes" / "moe_debug.toml")),
+                  load_cluster("hgx_h100_ib", nodes=1), "torchtitan")  # fmt: skip
+    # 8 routed experts; ep must also divide dp_shard x cp x tp.
+    assert run.ep_options(Layout(dp_shard=4, tp=2)) == [1, 2, 4, 8]
+    assert run.ep_options(Layout(dp_shard=3)) == [1]
+    dense = _Search(load_recipe(str(ROOT / "recipes" / "llama3_8b.toml")),
+                    load_cluster("hgx_h100_ib", nodes=1), "torchtitan")  # fmt: skip
+    assert dense.ep_options(Layout(dp_shard=8)) == [1]
