@@ -766,11 +766,13 @@ def predict(
     )
 
 
-def _collectives(w: Workload, layers_rank: int) -> list[Collective]:
+def _collectives(w: Workload, layers_rank: int, expert: bool = False) -> list[Collective]:
     """Every collective of one optimizer step per group (buffer size = full group buffer).
 
     The same volumes the time model prices; `parallel.placement` turns them into bytes
-    crossing leaf and spine switches for a rank order.
+    crossing leaf and spine switches for a rank order. `expert`: also the MoE layers'
+    all-to-alls on the ep axis (tools.dryrun compares them; the placement tables have no
+    ep axis).
     """
     s, lay = w.shape, w.layout
     t, c, p = lay.tp, lay.cp, lay.pp
@@ -812,5 +814,16 @@ def _collectives(w: Workload, layers_rank: int) -> list[Collective]:
         v = w.stages_per_rank
         out.append(
             Collective("pp", "p2p", tok * s.dim / t * elt, 2 * v * w.microbatches, "activations")
+        )
+    m = moe_dims(s)
+    if expert and m is not None and w.ep > 1:
+        # Dispatch and combine per MoE layer, forward and backward (the mean routed copies:
+        # the busiest rank's share is the time model's business).
+        moe_layers = layers_rank * m.moe_fraction
+        nbytes = tok / t * m.top_k * m.dim * elt
+        out.append(
+            Collective(
+                "ep", "all_to_all", nbytes, a2a_per_layer(w.ac) * moe_layers * micro, "tokens"
+            )
         )
     return out

@@ -197,3 +197,16 @@ def test_planner_searches_ep_where_torchtitan_allows_it():
     dense = _Search(load_recipe(str(ROOT / "recipes" / "llama3_8b.toml")),
                     load_cluster("hgx_h100_ib", nodes=1), "torchtitan")  # fmt: skip
     assert dense.ep_options(Layout(dp_shard=8)) == [1]
+
+
+def test_dryrun_names_torchtitans_ep_and_efsdp_groups():
+    """torchtitan's sparse mesh (pp, dp_replicate, efsdp, ep), ep innermost, over the dense
+    block dp_shard x cp x tp: rank 5 of dp_shard 4 x tp 2 with ep 4 is in EP group 4..7 and
+    in the efsdp group {1, 5} (efsdp = 8 / 4 = 2, stride ep)."""
+    from core.axes import Layout
+    from tools.dryrun import axis_groups
+
+    named = {v: k for k, v in axis_groups(Layout(dp_shard=4, tp=2), 5, ep=4).items()}
+    assert named["ep"] == frozenset({4, 5, 6, 7})
+    assert named["efsdp"] == frozenset({1, 5})
+    assert "ep" not in axis_groups(Layout(dp_shard=4, tp=2), 5).values()
