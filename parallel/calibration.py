@@ -185,6 +185,7 @@ def _mcore(
     fsdp: bool = False,
     linear: str = "fp8_tensorwise",
     seq: int = 8192,
+    family: str = "llama3",
 ) -> Workload:
     """A Megatron-Core run as NVIDIA's tables state it: GBS, MBS, TP, PP, CP, VP, FSDP
     (else DDP + distributed optimizer); dp = GPUs / (TP x PP x CP); microbatches = GBS /
@@ -198,7 +199,7 @@ def _mcore(
     )
     sched = "Interleaved1F1B" if vp > 1 else "1F1B"
     return Workload(
-        shape=model_shape(flavor),
+        shape=model_shape(flavor, family),
         seq_len=seq,
         local_batch_size=mbs * (micro if pp > 1 else 1),
         layout=lay,
@@ -734,41 +735,6 @@ MOE_SET_APART = {
 }
 
 
-def _moe_mcore(
-    cluster: str,
-    family: str,
-    flavor: str,
-    gpus: int,
-    linear: str,
-    gbs: int,
-    mbs: int,
-    seq: int,
-    pp: int,
-    vp: int,
-    ep: int,
-) -> Workload:
-    dp = gpus // pp
-    micro = gbs // (dp * mbs)
-    return Workload(
-        shape=model_shape(flavor, family),
-        seq_len=seq,
-        local_batch_size=mbs * (micro if pp > 1 else 1),
-        layout=Layout(pp=pp, dp_replicate=dp),
-        grad_accum=1 if pp > 1 else micro,
-        pp_schedule="Interleaved1F1B" if vp > 1 else "1F1B",
-        pp_microbatches=micro if pp > 1 else 0,
-        virtual_stages=vp if vp > 1 else 0,
-        ac="none",
-        linear=linear,
-        fp8_tp_all_gather=linear == "fp8_tensorwise",
-        compile=True,
-        cp_rotate="alltoall",
-        stack="megatron_te",
-        ep=ep,
-        load_imbalance=1.0,
-    )
-
-
 def moe_rows() -> list[Row]:
     """The published MoE training rows (MOE_SOURCES), as Workloads on their clusters."""
     gpn = {GB300: 4, GB200: 4, B200: 8, H100: 8}
@@ -776,7 +742,11 @@ def moe_rows() -> list[Row]:
     prec = {"bf16": "BF16", "mxfp8": "FP8-MX", "fp8_tensorwise": "FP8-CS"}
     out = []
     for cl, fam, flavor, gpus, lin, gbs, mbs, seq, pp, vp, ep, tps in MOE_MCORE_ROWS:
-        w = _moe_mcore(cl, fam, flavor, gpus, lin, gbs, mbs, seq, pp, vp, ep)
+        w = replace(
+            _mcore(flavor, gpus, gbs, mbs, pp=pp, vp=vp, linear=lin, seq=seq, family=fam),
+            ep=ep,
+            load_imbalance=1.0,
+        )
         lay = f"PP{pp}" + (f"(VP{vp})" if vp > 1 else "") + f"xEP{ep}" if pp > 1 else f"EP{ep}"
         out.append(
             Row(

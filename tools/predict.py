@@ -161,9 +161,7 @@ def calibration_markdown() -> str:
         "| key | source | date | stack | rows |",
         "|---|---|---|---|---|",
     ]
-    for k, src in SOURCES.items():
-        n = sum(1 for r in rs if r.source == k)
-        lines.append(f"| {k} | [{src.title}]({src.url}) | {src.date} | {src.stack} | {n} |")
+    lines += _source_rows(SOURCES, rs)
     lines += [
         "",
         "## Throughput (constants as in stacks/*.toml, fitted on all rows)",
@@ -278,6 +276,15 @@ def calibration_markdown() -> str:
     return "\n".join(lines)
 
 
+def _source_rows(sources, rs) -> list[str]:
+    """One markdown row per calibration source: key, linked title, date, stack, rows."""
+    out = []
+    for k, src in sources.items():
+        n = sum(1 for r in rs if r.source == k)
+        out.append(f"| {k} | [{src.title}]({src.url}) | {src.date} | {src.stack} | {n} |")
+    return out
+
+
 def _moe_section() -> list[str]:
     """The mixture-of-experts rows (parallel.calibration.moe_rows): their own table and
     leave-one-source-out, every constant refitted from a neutral start in each fold."""
@@ -304,9 +311,7 @@ def _moe_section() -> list[str]:
         "| key | source | date | stack | rows |",
         "|---|---|---|---|---|",
     ]
-    for k, src in MOE_SOURCES.items():
-        n = sum(1 for r in rs if r.source == k)
-        lines.append(f"| {k} | [{src.title}]({src.url}) | {src.date} | {src.stack} | {n} |")
+    lines += _source_rows(MOE_SOURCES, rs)
     lines += [
         "",
         "| row | source | GPUs | cluster | published tok/s/GPU | predicted | error | MFU pred "
