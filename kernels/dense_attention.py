@@ -55,7 +55,7 @@ class DenseMaskAttention(FlexAttention):
         out_transform=None,
         **kwargs,
     ) -> torch.Tensor:
-        if score_mod is not None or out_transform is not None:
+        if score_mod is not None:
             raise NotImplementedError("dense attention supports plain masked attention only")
         if not isinstance(attention_masks, BlockMask):
             raise TypeError(f"expected a BlockMask, got {type(attention_masks).__name__}")
@@ -63,10 +63,27 @@ class DenseMaskAttention(FlexAttention):
         Lkv = k_BLNH.shape[1]
         mask = dense_mask_from_block_mask(attention_masks, B, Lq, Lkv)
         q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+        if out_transform is not None:
+            return out_transform(*_attention_with_lse(q, k, v, mask, scale))
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
         )
         return out.transpose(1, 2)
+
+
+def _attention_with_lse(q, k, v, mask, scale):  # noqa: ANN001, ANN202
+    """(out (B, L, N, H), logsumexp (B, L, N)) of masked softmax attention on (B, N, L, H)
+    inputs: what flex / varlen hand an `out_transform` (GPT-OSS's attention sinks rescale
+    the output by sigmoid(lse - sink)). Explicit scores: the same O(L^2) as the SDPA path."""
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: repeat the key/value heads
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.softmax(scores, dim=-1) @ v
+    return out.transpose(1, 2), lse.transpose(1, 2)
 
 
 def all_partial_block_mask(mask_mod, batch: int, seq_len: int, block_size, device) -> BlockMask:

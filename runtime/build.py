@@ -35,6 +35,7 @@ from recipe.schema import Recipe
 from runtime.checkpoint import AtomicCheckpointManager
 from runtime.loss import WeightedChunkedLoss, WeightedCrossEntropyLoss
 from runtime.metrics import TitanscaleMetrics
+from runtime.moe_metrics import record_expert_load
 from runtime.platform import Platform, spmd_backend
 from runtime.validation import TitanscaleValidator
 
@@ -48,7 +49,25 @@ def choose_kernels(
     caps = DeviceCaps(
         platform.device_type, platform.device_name, platform.compute_capability, detect_features()
     )
-    return check_kernels(recipe, caps, cp=layout.cp if layout is not None else None)
+    choice = check_kernels(recipe, caps, cp=layout.cp if layout is not None else None)
+    check_moe_precision(recipe, choice, platform)
+    return choice
+
+
+def check_moe_precision(recipe: Recipe, choice: KernelChoice, platform: Platform) -> None:
+    """FP8/MXFP8 on a mixture-of-experts model needs a GPU: torchtitan's low-precision
+    expert GEMMs (grouped float8 / MX kernels) have no CPU emulation, unlike the dense
+    linears. One line naming kernels.linear (exit 2) instead of a kernel error mid-step."""
+    from core.errors import ConfigError
+    from recipe.loader import effective_shape
+
+    if platform.is_cpu and choice.linear != "bf16" and effective_shape(recipe).is_moe:
+        raise ConfigError(
+            f"{choice.linear} on a mixture-of-experts model needs a GPU (torchtitan's "
+            "low-precision grouped expert GEMMs have no CPU emulation); use bf16 on CPU",
+            file=recipe.source,
+            key="kernels.linear",
+        )
 
 
 def lora_converter(recipe: Recipe) -> LoRAConverter.Config:
@@ -156,10 +175,12 @@ def model_spec(family: str, flavor: str) -> ModelSpec:
     import importlib
 
     from core.models import model_config
+    from runtime.hf_adapters import HF_ADAPTERS
 
     registry = importlib.import_module(f"torchtitan.models.{family}").model_registry
     spec = registry(flavor)
     spec.model = model_config(flavor, family)
+    spec.state_dict_adapter = HF_ADAPTERS.get(family, spec.state_dict_adapter)
     return spec
 
 
@@ -286,6 +307,7 @@ def build_trainer_config(
     # (torchtitan's converters), with the converted/skipped list kept for the log.
     spec.model = apply_kernels(spec.model, kernels, tp=layout.tp).model_config
     spec.parallelize_fn = unsharded_when_alone(spec.parallelize_fn)
+    spec.post_optimizer_build_fn = record_expert_load(spec.post_optimizer_build_fn)
     if recipe.finetune.mode == "lora":
         # Last converter: the base (incl. any quantized linears) frozen, adapters trained.
         spec.model = lora_converter(recipe).build().convert(spec.model)

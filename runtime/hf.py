@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from core.errors import ConfigError
-from core.models import HF_MODEL_TYPE, ModelShape
+from core.models import HF_MODEL_TYPE, ModelShape, hf_model_type
 
 # Tokenizer files copied next to exported weights, so the folder loads on its own.
 TOKENIZER_FILES = (
@@ -69,11 +69,26 @@ def read_hf_config(folder: str | Path, *, file: str | None, key: str) -> dict[st
     return data
 
 
+def _first(cfg: dict[str, Any], *keys: str) -> Any:
+    return next((cfg[k] for k in keys if cfg.get(k) is not None), None)
+
+
 def hf_shape(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The dimensions a Hugging Face config.json declares (None where absent)."""
+    """The dimensions a Hugging Face config.json declares (None where absent). Mixture of
+    experts: the routed experts (qwen3_moe num_experts, gpt_oss num_local_experts,
+    deepseek_v3 n_routed_experts), top-k and one expert's width (gpt_oss names it
+    intermediate_size: it has no dense FFN)."""
     heads = cfg.get("num_attention_heads")
     dim = cfg.get("hidden_size")
     head_dim = cfg.get("head_dim") or (dim // heads if dim and heads else None)
+    if cfg.get("kv_lora_rank"):  # multi-head latent attention: the query/key head width
+        head_dim = cfg.get("qk_nope_head_dim", 0) + cfg.get("qk_rope_head_dim", 0)
+    experts = _first(cfg, "num_experts", "num_local_experts", "n_routed_experts") or 0
+    moe: dict[str, Any] = {}
+    if experts:
+        expert_ffn = _first(cfg, "moe_intermediate_size", "intermediate_size")
+        moe = {"experts": experts, "top_k": cfg.get("num_experts_per_tok"),
+               "expert_ffn": expert_ffn}  # fmt: skip
     return {
         "model_type": cfg.get("model_type"),
         "layers": cfg.get("num_hidden_layers"),
@@ -84,35 +99,48 @@ def hf_shape(cfg: dict[str, Any]) -> dict[str, Any]:
         "ffn": cfg.get("intermediate_size"),
         "vocab": cfg.get("vocab_size"),
         "tied": bool(cfg.get("tie_word_embeddings", False)),
+        **moe,
     }
 
 
 def our_shape(shape: ModelShape) -> dict[str, Any]:
+    moe: dict[str, Any] = {}
+    if shape.is_moe:
+        moe = {"experts": shape.n_routed_experts, "top_k": shape.top_k,
+               "expert_ffn": shape.moe_ffn_hidden}  # fmt: skip
     return {
-        "model_type": HF_MODEL_TYPE[shape.family],
+        "model_type": hf_model_type(shape.family, shape.flavor),
         "layers": shape.n_layers,
         "dim": shape.dim,
         "heads": shape.n_heads,
         "kv_heads": shape.n_kv_heads,
         "head_dim": shape.head_dim,
-        "ffn": shape.ffn_hidden,
+        # A dense FFN width only where the model has dense layers (an all-MoE model's
+        # config.json carries an unused or expert-sized intermediate_size).
+        "ffn": shape.ffn_hidden if shape.n_layers > shape.n_moe_layers else None,
         "vocab": shape.vocab_size,
         "tied": shape.weight_tying,
+        **moe,
     }
 
 
 def _fmt(s: dict[str, Any]) -> str:
+    experts = (
+        f", {s['experts']} experts (top {s['top_k']}, width {s['expert_ffn']})"
+        if s.get("experts")
+        else ""
+    )
     return (
         f"{s['model_type']}, {s['layers']} layers, dim {s['dim']}, {s['heads']} heads "
         f"({s['kv_heads']} kv, head_dim {s['head_dim']}), ffn {s['ffn']}, vocab {s['vocab']}"
-        f"{', tied embeddings' if s['tied'] else ''}"
+        f"{experts}{', tied embeddings' if s['tied'] else ''}"
     )
 
 
 def shape_mismatch(shape: ModelShape, cfg: dict[str, Any]) -> str | None:
     """None when the Hugging Face config describes `shape`, else one line naming both."""
     theirs, ours = hf_shape(cfg), our_shape(shape)
-    differ = [k for k in ours if theirs[k] != ours[k]]
+    differ = [k for k in ours if theirs.get(k) != ours[k] and not (k == "ffn" and ours[k] is None)]
     if not differ:
         return None
     return (
@@ -309,7 +337,10 @@ def hf_config(
     """
     if base is not None:
         return {**base, "torch_dtype": dtype, "dtype": dtype}
+    if family not in SCRATCH_CONFIG_FAMILIES:
+        raise ValueError(f"no config.json writer for {family} (check_scratch_export refuses it)")
     layer = model_config.layers[0]
+    moe = next((x.moe for x in model_config.layers if getattr(x, "moe", None) is not None), None)
     attn = layer.attention
     rope = attn.rope
     heads = attn.n_heads
@@ -324,11 +355,11 @@ def hf_config(
             "high_freq_factor": float(rope.high_freq_factor),
             "original_max_position_embeddings": int(rope.original_max_position_embeddings),
         }
+    arch = {"llama3": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
     out: dict[str, Any] = {
-        "architectures": [{"llama3": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]],
-        "model_type": HF_MODEL_TYPE[family],
+        "architectures": ["Qwen3MoeForCausalLM" if moe is not None else arch],
+        "model_type": "qwen3_moe" if moe is not None else HF_MODEL_TYPE[family],
         "hidden_size": model_config.dim,
-        "intermediate_size": layer.feed_forward.w1.out_features,
         "num_hidden_layers": len(model_config.layers),
         "num_attention_heads": heads,
         "num_key_value_heads": attn.n_kv_heads or heads,
@@ -343,10 +374,59 @@ def hf_config(
         "torch_dtype": dtype,
         "dtype": dtype,
     }
+    if moe is None:
+        out["intermediate_size"] = layer.feed_forward.w1.out_features
+    else:  # Qwen3 MoE: every layer sparse (torchtitan's qwen3 MoE flavors)
+        width = moe.routed_experts.inner_experts.hidden_dim
+        out.update(
+            num_experts=moe.num_experts,
+            num_experts_per_tok=moe.router.top_k,
+            moe_intermediate_size=width,
+            intermediate_size=width,
+            norm_topk_prob=bool(moe.router.route_norm),
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
     if family == "llama3":
         out["mlp_bias"] = False
     out.update(token_ids or {})
     return out
+
+
+# Families whose config.json an export can write from torchtitan's config alone; the others
+# (DeepSeek-V3, GPT-OSS, Kimi: YaRN RoPE, MLA, sinks, routing details) export only from a run
+# that started from a Hugging Face folder (its config.json is kept).
+SCRATCH_CONFIG_FAMILIES = ("llama3", "qwen3")
+
+
+# MoE families whose Hugging Face format has no per-expert routing bias (DeepSeek-V3 and
+# Kimi carry it as e_score_correction_bias).
+NO_ROUTING_BIAS_FAMILIES = ("qwen3", "gpt_oss")
+
+
+def check_scratch_export(
+    family: str, *, export: bool, load_hf: str, file: str | None, moe_bias: bool = False
+) -> None:
+    """`checkpoint.export_hf` of a family whose config.json is not written from scratch
+    needs `checkpoint.load_hf`; a MoE model trained with the aux-loss-free routing bias
+    exports only where the format carries the bias (else the exported model would route
+    differently from the trained one). One line each, before any process group."""
+    if export and moe_bias and family in NO_ROUTING_BIAS_FAMILIES:
+        raise ConfigError(
+            f"the Hugging Face {family} MoE format has no routing bias, so a model trained "
+            'with moe.load_balance = "aux_loss_free" would export routing differently; set '
+            'moe.load_balance = "none" to export it',
+            file=file,
+            key="checkpoint.export_hf",
+        )
+    if export and not load_hf and family not in SCRATCH_CONFIG_FAMILIES:
+        raise ConfigError(
+            f"exporting {family} to Hugging Face needs checkpoint.load_hf (its config.json "
+            "is kept; titanscale writes one from scratch only for "
+            f"{', '.join(SCRATCH_CONFIG_FAMILIES)})",
+            file=file,
+            key="checkpoint.export_hf",
+        )
 
 
 def special_token_ids(tokenizer_dir: str | None) -> dict[str, int]:

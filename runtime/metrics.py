@@ -84,6 +84,16 @@ def summarize(
     return out
 
 
+def moe_figures(model_parts: list[torch.nn.Module] | None) -> dict[str, Any]:
+    """The last step's per-layer expert load (runtime.moe_metrics); {} for dense models."""
+    from runtime.moe_metrics import EXPERT_LOAD_ATTR, expert_load_figures
+
+    loads: list[torch.Tensor] = [
+        x for p in model_parts or () if (x := getattr(p, EXPERT_LOAD_ATTR, None)) is not None
+    ]
+    return expert_load_figures(torch.cat(loads)) if loads else {}
+
+
 class TitanscaleMetrics(MetricsProcessor):
     """MetricsProcessor with useful-token accounting, per-node figures, JSONL and a summary."""
 
@@ -223,6 +233,7 @@ class TitanscaleMetrics(MetricsProcessor):
         }
         if extra_metrics:
             rec.update({k: v for k, v in extra_metrics.items() if isinstance(v, (int, float))})
+        rec.update(moe_figures(getattr(self, "model_parts", None)))
         self.records.append(rec)
         if self._jsonl is not None:
             self._jsonl.write(rec)
@@ -270,6 +281,22 @@ class TitanscaleMetrics(MetricsProcessor):
         summary["precision_peak_tflops"] = (
             self.precision_peak / 1e12 if self.precision_peak else None
         )
+        if self.shape.is_moe:
+            s = self.shape
+            last: dict[str, Any] = next(
+                (r for r in reversed(self.records) if "moe_load_balance_loss" in r), {}
+            )
+            summary["moe"] = {
+                "mfu_basis": "active parameters (top_k of the routed experts + shared experts, "
+                "attention, dense layers, router, head)",
+                "total_params": s.total_params,
+                "active_params": s.active_params,
+                "routed_experts": s.n_routed_experts,
+                "top_k": s.top_k,
+                "moe_layers": s.n_moe_layers,
+                "ep": self.parallel_dims.ep,
+                **{k: v for k, v in last.items() if k.startswith("moe_")},
+            }
         summary["world_size"] = self.parallel_dims.world_size
         summary["processes_per_node"] = self.procs_per_node
         if self.data_stats is not None:

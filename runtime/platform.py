@@ -197,6 +197,7 @@ class Platform:
             _patch_pg_timeouts(device_barrier=False)
         _patch_fsdp_reduction()
         _patch_uneven_all_to_all()
+        _patch_expert_precision()
 
 
 def _set(module, name: str, value) -> None:
@@ -347,3 +348,45 @@ def _patch_uneven_all_to_all() -> None:
         return coll._apply_out_dtype(out, dtype_options.out_dtype)
 
     uneven.forward = staticmethod(forward)
+
+
+def _patch_expert_precision() -> None:
+    """Routed experts compute in their weights' dtype on CPU (float32 recipes stay float32).
+
+    Why: torchtitan 0.3.0's GroupedExperts / GptOssGroupedExperts cast tokens and expert
+    weights to bfloat16 for `torch._grouped_mm` whatever the parameter dtype (the CUDA
+    grouped GEMM wants bf16). On CPU `_grouped_mm` runs float32 forward and backward, and a
+    `training.dtype = "float32"` run would otherwise carry bf16 rounding in every expert
+    (2e-4 per MoE layer against transformers' float32 Qwen3-MoE). The wrapper runs
+    torchtitan's own forward with `Tensor.bfloat16` an identity for that call only, and
+    only when the experts' weights are float32 and real; bf16 weights (FSDP mixed precision)
+    and fake tensors (tools.dryrun) keep torchtitan's path exactly.
+    """
+    import torchtitan.models.common.moe as common_moe
+    import torchtitan.models.gpt_oss.moe as gpt_oss_moe
+
+    for cls in (common_moe.GroupedExperts, gpt_oss_moe.GptOssGroupedExperts):
+        if "forward" not in vars(cls):
+            raise RuntimeError(f"titanscale's CPU layer expected {cls.__name__}.forward")
+        cls.forward = _keep_float32(vars(cls)["forward"])
+
+
+def _keep_float32(forward):  # noqa: ANN001, ANN202
+    def wrapped(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor):  # noqa: N803
+        from torch._subclasses.fake_tensor import is_fake
+
+        weight = next(self.parameters())
+        local = weight.to_local() if hasattr(weight, "to_local") else weight
+        # Fake tensors (tools.dryrun) stand for the GPU run: torchtitan's bf16 path, whose
+        # fake grouped-mm kernel also accepts nothing else.
+        if local.dtype != torch.float32 or x_RD.dtype != torch.float32 or is_fake(x_RD):
+            return forward(self, x_RD, num_tokens_per_expert_E)
+        cast = torch.Tensor.bfloat16
+        torch.Tensor.bfloat16 = lambda t, *a, **k: t  # type: ignore[method-assign]
+        try:
+            return forward(self, x_RD, num_tokens_per_expert_E)
+        finally:
+            torch.Tensor.bfloat16 = cast  # type: ignore[method-assign]
+
+    wrapped.__wrapped__ = forward  # type: ignore[attr-defined]
+    return wrapped

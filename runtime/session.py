@@ -125,9 +125,23 @@ def check_environment(recipe: Recipe) -> None:
             )
     if recipe.checkpoint.export_hf:
         _probe_writable(Path(recipe.export_dir), file=f, key="checkpoint.export_folder")
-        from runtime.hf import check_export_target, export_run_id, export_steps
+        from runtime.hf import (
+            check_export_target,
+            check_scratch_export,
+            export_run_id,
+            export_steps,
+        )
 
         ck = recipe.checkpoint
+        from recipe.loader import effective_shape
+
+        check_scratch_export(
+            recipe.model.family,
+            export=True,
+            load_hf=ck.load_hf,
+            file=f,
+            moe_bias=effective_shape(recipe).is_moe and recipe.moe.load_balance != "none",
+        )
         steps = export_steps(recipe.training.steps, ck.interval, ck.export_hf_every_checkpoint)
         check_export_target(recipe.export_dir, steps, export_run_id(recipe.checkpoint_dir), file=f)
     if recipe.checkpoint.load_hf:

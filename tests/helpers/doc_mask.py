@@ -48,20 +48,29 @@ def spans(pos_row: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, starts[1:] + [pos_row.numel()], strict=True))
 
 
-def build_model(backend: str, seed: int = 0, device: str = "cpu", tp: bool = False):
+def build_model(
+    backend: str, seed: int = 0, device: str = "cpu", tp: bool = False, family: str = "llama3"
+):
     """torchtitan's llama3 debugmodel with the given attention backend, fp32.
 
     tp: declare torchtitan's llama3 sharding (what Trainer does through
     `update_from_config`), so that `model.parallelize(parallel_dims)` applies TP + SP.
+    family "deepseek_v3": its debug model cut to 2 layers (MLA; one dense, one MoE layer).
     """
     from torchtitan.models.common.attention import FlexAttention
     from torchtitan.models.llama3 import model_registry
 
     from kernels.dense_attention import DenseMaskAttention
 
-    cfg = model_registry(
-        "debugmodel", attn_backend="varlen" if backend == "varlen" else "flex"
-    ).model
+    if family == "llama3":
+        cfg = model_registry(
+            "debugmodel", attn_backend="varlen" if backend == "varlen" else "flex"
+        ).model
+    else:
+        from core.models import model_config
+
+        cfg = model_config("debugmodel", family)
+        cfg.layers = cfg.layers[:2]
     if backend == "dense":
         for _, _c, parent, attr in cfg.traverse(FlexAttention.Config):
             if isinstance(parent, list):

@@ -24,6 +24,51 @@ QWEN3_DEBUG: dict[str, Any] = {
     "tie_word_embeddings": True,
 }
 
+# Qwen3MoeConfig kwargs for torchtitan's qwen3 "debugmodel_moe" cut to 2 layers (every
+# layer sparse: 64 experts of width 768, top-8, softmax routing renormalised over the top-k).
+QWEN3_MOE_DEBUG: dict[str, Any] = {
+    **{k: v for k, v in QWEN3_DEBUG.items() if k != "intermediate_size"},
+    "num_hidden_layers": 2,
+    "tie_word_embeddings": False,
+    "intermediate_size": 768,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
+
+# GptOssConfig kwargs for torchtitan's gpt_oss "debugmodel" cut to 2 layers (a sliding-window
+# layer then a full one; 8 experts of width 2880, top-4; YaRN RoPE, attention sinks, biases).
+GPT_OSS_DEBUG: dict[str, Any] = {
+    "hidden_size": 256,
+    "intermediate_size": 2880,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 2048,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 4,
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "original_max_position_embeddings": 4096,
+        "truncate": False,
+    },
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "attention_bias": True,
+}
+
 TOL = 1e-4
 
 

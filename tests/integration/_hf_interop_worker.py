@@ -2,6 +2,8 @@
 
     python tests/integration/_hf_interop_worker.py FAMILY WORKDIR [scratch]
 
+FAMILY: llama3, qwen3, or a mixture-of-experts case of MOE_CASES (qwen3_moe, gpt_oss).
+
 1. Builds a small model of FAMILY with `transformers` (random weights), save_pretrained.
 2. Loads it through titanscale (`checkpoint.load_hf`, torchtitan's adapter) and compares
    our float32 logits with transformers' on the same tokens.
@@ -24,11 +26,23 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+# case -> (model.family, model.flavor, model.layers) of the titanscale recipe it loads into.
+MOE_CASES = {
+    "qwen3_moe": ("qwen3", "debugmodel_moe", 2),
+    "gpt_oss": ("gpt_oss", "debugmodel", 2),
+}
+
 
 def hf_model(family: str):
     """transformers' model with the debug flavor's shape (the independent reference)."""
     import transformers
 
+    from tests.helpers.hf_reference import GPT_OSS_DEBUG, QWEN3_MOE_DEBUG
+
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**QWEN3_MOE_DEBUG))
+    if family == "gpt_oss":
+        return transformers.GptOssForCausalLM(transformers.GptOssConfig(**GPT_OSS_DEBUG))
     if family == "llama3":
         cfg = transformers.LlamaConfig(
             hidden_size=256,
@@ -88,10 +102,14 @@ def main() -> None:
     from runtime import session
     from runtime.trainer import TitanscaleTrainer
 
+    fam, flavor, layers = MOE_CASES.get(family, (family, "debugmodel", 0))
     overrides = [
         f"job.output_dir={work / 'run'}",
-        f"model.family={family}",
-        "model.flavor=debugmodel",
+        f"model.family={fam}",
+        f"model.flavor={flavor}",
+        f"model.layers={layers}",
+        # The Qwen3-MoE / GPT-OSS formats have no routing bias to export (runtime.hf).
+        *(["moe.load_balance=none"] if family in MOE_CASES else []),
         *([] if scratch else [f"checkpoint.load_hf={src}"]),
         "checkpoint.export_hf=true",
         "checkpoint.export_dtype=float32",

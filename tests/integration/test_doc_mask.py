@@ -32,6 +32,17 @@ def test_cpu_backends_keep_documents_apart(backend):
     check(contamination(build_model(backend), x, pos))
 
 
+def test_moe_keeps_documents_apart():
+    """Mixture of experts (DeepSeek-V3 debug, MLA + routed experts): routing is per token and
+    dropless, so a packed document's logits depend on its own tokens only."""
+    from runtime.platform import Platform
+
+    torch.set_num_threads(1)
+    Platform.detect().apply()  # CPU: float32 experts (docs/moe.md)
+    x, pos, _ = packed_batch()
+    check(contamination(build_model("dense", family="deepseek_v3"), x, pos))
+
+
 def test_dense_matches_flex_forward():
     x, pos, _ = packed_batch()
     a = build_model("dense")

@@ -1,6 +1,7 @@
 """Hugging Face weights in and out against transformers as the external reference.
 
-For a small Llama 3 (torchtitan's debug shape) and a small Qwen3 built with `transformers`
+For a small Llama 3 (torchtitan's debug shape), a small Qwen3, Qwen3-MoE and GPT-OSS built
+with `transformers`
 (random weights, save_pretrained): `checkpoint.load_hf` gives float32 logits equal to
 transformers' within 1e-4 on the same tokens; after 3 training steps with `export_hf`, the
 exported folder loads in transformers and matches our trained model's logits again.
@@ -40,8 +41,10 @@ def _run(family: str, tmp: Path, *extra: str) -> dict:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe", "gpt_oss"])
 def test_load_hf_and_export_match_transformers(family, tmp_path):
+    """Mixture of experts (docs/moe.md): Qwen3MoeConfig and GptOssConfig models (torchtitan's
+    qwen3 debugmodel_moe and gpt_oss debugmodel shapes, 2 layers) in and out the same way."""
     r = _run(family, tmp_path)
     # The comparison can fail: before loading, our randomly initialised model is far off.
     assert r["init_gap"] > 100 * TOL

@@ -176,3 +176,32 @@ def test_load_hf_shape_mismatch_exits_2_before_any_process_group(tmp_path, capsy
     assert len(err) == 1 and "checkpoint.load_hf" in err[0] and "llama, 6 layers" in err[0]
     assert not torch.distributed.is_initialized()
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_moe_shape_check_against_transformers_configs():
+    """config.json of transformers' own MoE config classes against our MoE shapes: equal
+    when the dimensions are the flavor's, one line naming the experts when not."""
+    import dataclasses
+
+    import transformers
+
+    from tests.helpers.hf_reference import GPT_OSS_DEBUG, QWEN3_MOE_DEBUG
+
+    def cut(flavor: str, family: str):
+        return dataclasses.replace(model_shape(flavor, family), n_layers=2)
+
+    qwen = transformers.Qwen3MoeConfig(**QWEN3_MOE_DEBUG).to_dict()
+    assert shape_mismatch(cut("debugmodel_moe", "qwen3"), qwen) is None
+    oss = transformers.GptOssConfig(**GPT_OSS_DEBUG).to_dict()
+    assert shape_mismatch(cut("debugmodel", "gpt_oss"), oss) is None
+    # DeepSeek-V3's debug shape (MLA: head_dim = nope + rope; 1 dense layer of width 1024).
+    ds = transformers.DeepseekV3Config(
+        hidden_size=256, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=6,
+        num_attention_heads=16, num_key_value_heads=16, n_routed_experts=8, n_shared_experts=2,
+        num_experts_per_tok=3, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=2048,
+    ).to_dict()  # fmt: skip
+    assert shape_mismatch(model_shape("debugmodel", "deepseek_v3"), ds) is None
+    ds["n_routed_experts"] = 16
+    msg = shape_mismatch(model_shape("debugmodel", "deepseek_v3"), ds)
+    assert msg is not None and "\n" not in msg and "experts" in msg and "16 experts" in msg

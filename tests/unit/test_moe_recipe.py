@@ -68,3 +68,26 @@ def test_moe_section_reaches_torchtitans_moe_configs():
         spec = recipe_model_spec(load_recipe(MOE, sets))
         coeffs = {layer.moe.load_balance_coeff for layer in spec.model.layers if layer.moe}
         assert coeffs == {want}
+
+
+def test_fp8_on_a_moe_model_refused_on_cpu():
+    from runtime.build import choose_kernels
+    from runtime.platform import Platform
+
+    cpu = Platform(device_type="cpu", device_name="cpu", compute_capability=None, backend="gloo")
+    with pytest.raises(ConfigError) as e:
+        choose_kernels(load_recipe(MOE, ["kernels.linear=fp8_rowwise"]), cpu)
+    assert e.value.key == "kernels.linear" and "GPU" in str(e.value)
+    assert choose_kernels(load_recipe(MOE, []), cpu).linear == "bf16"
+
+
+def test_export_of_a_routing_bias_the_format_cannot_hold_is_refused():
+    from runtime.hf import check_scratch_export
+
+    with pytest.raises(ConfigError) as e:
+        check_scratch_export("gpt_oss", export=True, load_hf="x", file=None, moe_bias=True)
+    assert e.value.key == "checkpoint.export_hf" and "routing bias" in str(e.value)
+    check_scratch_export("deepseek_v3", export=True, load_hf="x", file=None, moe_bias=True)
+    with pytest.raises(ConfigError) as e:  # no config.json writer for DeepSeek-V3 from scratch
+        check_scratch_export("deepseek_v3", export=True, load_hf="", file=None)
+    assert "checkpoint.load_hf" in str(e.value)
