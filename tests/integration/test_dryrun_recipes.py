@@ -32,8 +32,8 @@ EXTRA = {
     "gpu_slice_70b": ["--cluster=hgx_h200_ib"],  # one GPU of the lent machine's kind
 }
 # Where the memory model may stay further from the measurement, and why (benchmarks/dryrun.md).
-# (Empty: the LoRA recipes were here until the dry run showed their base training under
-# activation checkpointing; runtime.build.keep_frozen now keeps it frozen.)
+# (The LoRA recipes were here until the dry run showed their base training under activation
+# checkpointing; runtime.build.keep_frozen now keeps it frozen.)
 EXPLAINED: dict[tuple[str, int], str] = {
     ("gpt_oss_120b", 0): "planner 93.2 GiB against 110.9 measured (-15.9%), not yet explained "
     "(benchmarks/dryrun.md, MoE section): GPT-OSS's sinks and expert biases are not counted "
