@@ -185,6 +185,7 @@ def _mcore(
     fsdp: bool = False,
     linear: str = "fp8_tensorwise",
     seq: int = 8192,
+    family: str = "llama3",
 ) -> Workload:
     """A Megatron-Core run as NVIDIA's tables state it: GBS, MBS, TP, PP, CP, VP, FSDP
     (else DDP + distributed optimizer); dp = GPUs / (TP x PP x CP); microbatches = GBS /
@@ -198,7 +199,7 @@ def _mcore(
     )
     sched = "Interleaved1F1B" if vp > 1 else "1F1B"
     return Workload(
-        shape=model_shape(flavor),
+        shape=model_shape(flavor, family),
         seq_len=seq,
         local_batch_size=mbs * (micro if pp > 1 else 1),
         layout=lay,
@@ -765,4 +766,216 @@ def leave_one_generation_out(
         f = replace(f, stacks=m, uninformed=tuple(n for n in f.uninformed if n not in own))
         fold = _fold(train, held, f)
         out[gen] = (donor, fold.scored, fold.set_apart)
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# Mixture-of-experts rows (issue 34): a calibration of their own. The dense constants are
+# fitted on the dense rows only (so the MoE rows move no dense figure); the MoE rows fit the
+# stacks' grouped-GEMM efficiency on top of them.
+
+MOE_SOURCES = {
+    s.key: s
+    for s in (
+        Source(
+            "mb2511moe",
+            "Megatron-Bridge performance summary, NeMo 25.11 container, MoE rows (routing "
+            "force-balanced, dropless)",
+            "https://github.com/NVIDIA-NeMo/Megatron-Bridge/blob/main/docs/performance-summary.md",
+            "2025-11",
+            "megatron_te",
+        ),
+        Source(
+            "dsv3",
+            "DeepSeek-V3 Technical Report (arXiv 2412.19437): 14.8T tokens in 2.664M H800 "
+            "GPU hours on 2,048 H800, PP16 x EP64 x ZeRO-1 DP, FP8, DualPipe",
+            "https://arxiv.org/abs/2412.19437",
+            "2024-12",
+            "megatron_te",
+        ),
+        Source(
+            "tt1993",
+            "torchtitan PR 1993, DeepSeek-V3 16B on 8 B200 (EP 1, seq 4096, local batch 4, "
+            "compiled, no AC): 18% MFU",
+            "https://github.com/pytorch/torchtitan/pull/1993",
+            "2025-11",
+            "torchtitan",
+        ),
+    )
+}
+MOE_MCORE_ASSUMED = (
+    "no activation recompute (the table lists none); EP carved out of the data-parallel ranks "
+    "(Megatron's parallel folding); routing balanced (load imbalance 1.0, as the table says)"
+)
+# (cluster, family, flavor, GPUs, precision, GBS, MBS, seq, PP, VP, EP, tokens/s/GPU), as
+# published in the 25.11 table. The DGX-H100 Qwen3 235B row is malformed there (a column
+# missing: GBS cannot be told from MBS) and is set apart.
+# fmt: off
+MOE_MCORE_ROWS: tuple[tuple[str, str, str, int, str, int, int, int, int, int, int, float], ...] = (
+    (GB300, "deepseek_v3", "671B", 256, "bf16", 4096, 1, 4096, 2, 4, 32, 3848),
+    (GB300, "deepseek_v3", "671B", 256, "mxfp8", 4096, 1, 4096, 2, 4, 32, 4357),
+    (GB300, "gpt_oss", "120b", 64, "bf16", 1280, 2, 8192, 1, 1, 64, 18347),
+    (GB300, "qwen3", "30B-A3B", 8, "mxfp8", 512, 4, 4096, 1, 1, 8, 28934),
+    (GB300, "qwen3", "235B-A22B", 256, "bf16", 8192, 2, 4096, 4, 12, 16, 6131),
+    (GB200, "deepseek_v3", "671B", 256, "bf16", 4096, 1, 4096, 4, 4, 64, 3139),
+    (GB200, "deepseek_v3", "671B", 256, "mxfp8", 4096, 1, 4096, 8, 4, 32, 4018),
+    (GB200, "gpt_oss", "120b", 64, "bf16", 1280, 1, 8192, 1, 1, 64, 15876),
+    (GB200, "qwen3", "30B-A3B", 8, "mxfp8", 512, 4, 4096, 1, 1, 8, 23766),
+    (GB200, "qwen3", "235B-A22B", 256, "bf16", 8192, 1, 4096, 8, 3, 32, 4916),
+    (B200, "deepseek_v3", "671B", 256, "mxfp8", 2048, 1, 4096, 16, 1, 8, 2139),
+    (B200, "gpt_oss", "120b", 64, "bf16", 512, 4, 4096, 1, 1, 8, 8213),
+    (B200, "qwen3", "30B-A3B", 8, "mxfp8", 512, 1, 4096, 1, 1, 8, 9299),
+    (B200, "qwen3", "235B-A22B", 64, "mxfp8", 1024, 1, 4096, 8, 2, 8, 3269),
+    (H100, "gpt_oss", "120b", 64, "bf16", 512, 4, 4096, 4, 1, 8, 5630),
+    (H100, "qwen3", "30B-A3B", 16, "fp8_tensorwise", 512, 2, 4096, 2, 24, 8, 5275),
+)
+# fmt: on
+MOE_SET_APART = {
+    "Qwen3_235B_a22B DGX-H100 x256 FP8-CS (mb2511moe)": "the published row has a column "
+    "missing (GBS and MBS cannot be told apart), so its layout is unknown",
+}
+
+
+def moe_rows() -> list[Row]:
+    """The published MoE training rows (MOE_SOURCES), as Workloads on their clusters."""
+    gpn = {GB300: 4, GB200: 4, B200: 8, H100: 8}
+    gpu_of = {GB300: "GB300", GB200: "GB200", B200: "B200", H100: "H100"}
+    prec = {"bf16": "BF16", "mxfp8": "FP8-MX", "fp8_tensorwise": "FP8-CS"}
+    out = []
+    for cl, fam, flavor, gpus, lin, gbs, mbs, seq, pp, vp, ep, tps in MOE_MCORE_ROWS:
+        w = replace(
+            _mcore(flavor, gpus, gbs, mbs, pp=pp, vp=vp, linear=lin, seq=seq, family=fam),
+            ep=ep,
+            load_imbalance=1.0,
+        )
+        lay = f"PP{pp}" + (f"(VP{vp})" if vp > 1 else "") + f"xEP{ep}" if pp > 1 else f"EP{ep}"
+        out.append(
+            Row(
+                f"{fam} {flavor} {lay} {prec[lin]} {gpu_of[cl]} x{gpus}",
+                "mb2511moe",
+                cl,
+                gpus // gpn[cl],
+                w,
+                tps,
+                assumed=MOE_MCORE_ASSUMED,
+            )
+        )
+    # DeepSeek-V3: 14.8T tokens / (2.664M GPU hours x 3600 s) = 1,543 tokens/s/GPU over the
+    # whole pretraining (restarts and evaluation included, so a lower bound on a step's rate).
+    v3 = Workload(
+        shape=model_shape("671B", "deepseek_v3"),
+        seq_len=4096,
+        local_batch_size=60,
+        layout=Layout(pp=16, dp_replicate=128),
+        pp_schedule="DualPipeV",
+        pp_microbatches=60,
+        ac="selective",
+        linear="fp8_rowwise",
+        compile=True,
+        stack="megatron_te",
+        ep=64,
+    )
+    out.append(
+        Row(
+            "deepseek_v3 671B PP16xEP64 FP8 H800 x2048 (DeepSeek)",
+            "dsv3",
+            "hgx_h800_ib",
+            256,
+            v3,
+            round(14.8e12 / (2.664e6 * 3600), 1),
+            assumed=(
+                "DeepSeek's own stack (HAI-LLM) priced as megatron_te; its 1x128/128x128 FP8 "
+                "as fp8_rowwise; DualPipe as DualPipeV; the final batch (15,360 sequences, 120 "
+                "per pipeline: 60 per rank and direction); MLA up-projection / SwiGLU recompute "
+                "as selective AC; MTP module not counted; the stack's load imbalance"
+            ),
+        )
+    )
+    # torchtitan PR 1993: MFU 18% on B200 against torchtitan's own FLOP count (active
+    # parameters) = tokens/s x flops_per_token / BF16 peak.
+    s16 = model_shape("16B", "deepseek_v3")
+    pk = GPUS["B200"].peak_tflops["bf16"] * 1e12
+    out.append(
+        Row(
+            "deepseek_v3 16B FSDP8 BF16 B200 x8 (torchtitan)",
+            "tt1993",
+            B200,
+            1,
+            Workload(
+                shape=s16,
+                seq_len=4096,
+                local_batch_size=4,
+                layout=Layout(dp_shard=8),
+                ac="none",
+                compile=True,
+            ),
+            round(0.18 * pk / s16.flops_per_token(4096), 1),
+            assumed="converted from the stated 18% MFU with torchtitan's FLOP count; the "
+            "stack's load imbalance (the run does not state one)",
+        )
+    )
+    return out
+
+
+def moe_fit_params() -> list[FitParam]:
+    def on(stack: str) -> Callable[[Row], bool]:
+        return lambda r: r.workload.stack == stack
+
+    return [
+        _const("megatron_te", "grouped_gemm_eff", 0.2, 1.0, on("megatron_te")),
+        _const("megatron_te", "moe_layer_overhead_s", 0.0, 0.03, on("megatron_te")),
+        _const("torchtitan", "grouped_gemm_eff", 0.2, 1.0, on("torchtitan")),
+    ]
+
+
+def neutral(m: dict[str, Stack], params: list[FitParam]) -> dict[str, Stack]:
+    """Every constant in `params` at its neutral start (`FitParam.neutral`, the middle of its
+    bounds): a fold's starting point that nothing fitted before it (on any row) has touched."""
+    for prm in params:
+        m = prm.set(m, prm.neutral)
+    return m
+
+
+def fit_moe(moe: list[Row], dense: list[Row] | None = None) -> dict[str, Stack]:
+    """The MoE constants fitted on `moe` from a neutral start, on top of the dense
+    constants: the profiles' (`dense` None: what stacks/*.toml ship, fitted on the dense rows
+    alone) or cold-fitted on `dense` (the cross-validation's folds), so that nothing keeps a
+    value fitted on rows outside `moe` + `dense`. Coordinate descent to convergence
+    (FIT_TOL), as the dense fit."""
+    m = neutral(base_stacks(), moe_fit_params())
+    if dense is not None:
+        m = fit(dense, m)
+    for _ in range(MAX_SWEEPS):
+        moved = 0.0
+        for prm in moe_fit_params():
+            sub = [r for r in moe if prm.affects(r)]
+            if sub:
+                v = round(_golden(_sq_loss(prm, sub, m), prm.lo, prm.hi), 3)
+                moved = max(moved, abs(v - prm.get(m)))
+                m = prm.set(m, v)
+        if moved <= FIT_TOL + 1e-12:
+            break
+    return m
+
+
+def moe_leave_one_source_out(
+    moe: list[Row] | None = None, dense: list[Row] | None = None
+) -> dict[str, Fold]:
+    """For each MoE source: every constant (dense and MoE) refitted from a neutral start
+    without that source's rows (MoE rows, and its dense rows where the same document has
+    them: mb2511moe holds out mb2511 too), then this source's MoE rows predicted. A held-out
+    row whose stack keeps no MoE row in the fold (its grouped-GEMM efficiency would be the
+    neutral start, informed by nothing: tt1993, torchtitan's only MoE row) is set apart."""
+    moe = moe or moe_rows()
+    dense = dense or rows()
+    same_doc = {"mb2511moe": "mb2511"}
+    out: dict[str, Fold] = {}
+    for key in dict.fromkeys(r.source for r in moe):
+        held = [r for r in moe if r.source == key]
+        train = [r for r in moe if r.source != key]
+        stacks_left = {r.workload.stack for r in train}
+        m = fit_moe(train, [r for r in dense if r.source != same_doc.get(key)])
+        scored = [(r, _error_pct(r, m)) for r in held if r.workload.stack in stacks_left]
+        apart = [r for r in held if r.workload.stack not in stacks_left]
+        out[key] = Fold(scored, {}, apart, 0, True)
     return out

@@ -37,6 +37,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from core.models import pp_layer_weights
+from parallel.moe import (
+    busiest_load,
+    dispatch_buffer_bytes,
+    gathered_layer_params,
+    layer_params,
+    moe_activation_bytes,
+    moe_dims,
+)
 from parallel.stacks import Stack, load_stack
 from parallel.workload import Workload
 
@@ -94,6 +102,16 @@ def layer_activation_bytes(w: Workload, mode: str | None = None, st: Stack | Non
     s = w.shape
     mode = mode or w.ac
     t = w.layout.tp
+    m = moe_dims(s)
+    if m is not None:
+        # The average block: attention as below; the FFN share is the dense SwiGLU's on the
+        # dense layers and the MoE layer's (parallel.moe) on the others.
+        dense = replace(s, n_routed_experts=0)
+        attn = layer_activation_bytes(w.with_(shape=replace(dense, ffn_hidden=0)), mode, st)
+        dense_ffn = layer_activation_bytes(w.with_(shape=dense), mode, st)
+        imb = busiest_load(w, st)
+        moe = moe_activation_bytes(m, mode, imb, t) * (2 if w.dtype == "float32" else 1)
+        return attn + (1 - m.moe_fraction) * (dense_ffn - attn) + m.moe_fraction * moe
     d, qd, kv, f = s.dim, s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.ffn_hidden
     lse = 4 * s.n_heads  # fp32 logsumexp per head
     if mode == "full":
@@ -391,16 +409,22 @@ def _memory_for_rank(w: Workload, rank: int, st: Stack) -> MemoryEstimate:
     has_last = (n_stages - 1) in stages
     emb = s.vocab_size * s.dim
     head = 0 if s.weight_tying else s.vocab_size * s.dim
-    params: float = layers * s.params_per_layer
+    params: float = layers * layer_params(s)
     params += emb if has_first else 0
     params += (head + s.dim) if has_last else 0
     params /= t
+    # What FSDP gathers per block on this GPU (MoE: the local experts only, parallel.moe).
+    layer_gather = gathered_layer_params(s, t, w.ep)
+    gathered = (
+        layers * layer_gather
+        + ((emb if has_first else 0) + ((head + s.dim) if has_last else 0)) / t
+    )
 
     elt = w.bytes_per_param_compute
     fsdp = lay.dp_shard * c
     fp8 = w.linear != "bf16"
     ag_bytes = 1 if (fp8 and w.fp8_all_gather) else elt
-    unit: float = max(s.params_per_layer, head if has_last else 0, emb if has_first else 0) / t
+    unit: float = max(layer_gather, (head if has_last else 0) / t, (emb if has_first else 0) / t)
     grad_bytes = 4  # torchtitan: fp32 gradients (reduce_dtype float32)
     if w.lora_rank:
         # Frozen base: its weights only (sharded like the states); rank-r adapters on
@@ -426,7 +450,7 @@ def _memory_for_rank(w: Workload, rank: int, st: Stack) -> MemoryEstimate:
             states = params * (STATE_BYTES_PER_PARAM - 4)
         if p > 1:
             # No reshard after forward under PP; gradients accumulate unsharded in fp32.
-            unsharded = params * (ag_bytes + grad_bytes)
+            unsharded = gathered * (ag_bytes + grad_bytes)
         else:
             unsharded = unit * (2 * ag_bytes + elt + grad_bytes)
 
@@ -444,6 +468,11 @@ def _memory_for_rank(w: Workload, rank: int, st: Stack) -> MemoryEstimate:
     # Backward recomputes one checkpointed layer at a time (measured: without AC the peak
     # comes at the start of backward, before any layer's workspace).
     workspace = (layer_activation_bytes(w, "none", st) - per_layer_tok) * tokens
+    m = moe_dims(s)
+    if m is not None:
+        # One MoE layer's dispatch at a time: send/receive buffers under imbalance, router.
+        imb = busiest_load(w, st)
+        workspace += dispatch_buffer_bytes(m, imb, t) * tokens * (2 if w.dtype == "float32" else 1)
     logits = 0.0
     if has_last:
         fused = st.loss_bytes_eager <= st.loss_bytes_compiled  # fused cross-entropy

@@ -22,8 +22,17 @@ from dataclasses import dataclass, field, replace
 from core.hardware import GPUS, peak_flops
 from parallel.cluster import Cluster
 from parallel.memory import MemoryEstimate, estimate_memory, rank_stages, stage_layers
+from parallel.moe import (
+    MoEDims,
+    a2a_per_layer,
+    a2a_time,
+    busiest_load,
+    fabric_of_ep,
+    gathered_layer_params,
+    moe_dims,
+)
 from parallel.stacks import Stack, load_stack
-from parallel.workload import GroupSpan, Workload, planned_spans
+from parallel.workload import GroupSpan, Workload, expert_spans, planned_spans
 
 # --- hardware constants (stack-independent) ------------------------------------------
 # The software stack's efficiency constants (GEMM, attention, fusion, overlap, optimizer)
@@ -78,6 +87,7 @@ class Prediction:
     tp_total_s: float = 0.0  # TP collective time before async-TP hiding (information)
     workload: Workload | None = None
     layers_per_rank: int = 0
+    moe: dict = field(default_factory=dict)  # MoE only: ep, its fabric, params, convention
 
     @property
     def collectives(self) -> list[Collective]:
@@ -93,6 +103,7 @@ class Prediction:
             "step_time_s": round(self.step_time_s, 4),
             "memory_gib_per_gpu": round(self.memory.reserved_gib, 2),
             "breakdown": {k: round(v, 4) for k, v in self.breakdown.items()},
+            **({"moe": self.moe} if self.moe else {}),
         }
 
 
@@ -138,6 +149,47 @@ def block_gemms(w: Workload) -> list[tuple[int, int]]:
     s, t = w.shape, w.layout.tp
     qd, kv, d, f = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.dim, s.ffn_hidden
     return [(d, (qd + 2 * kv) // t), (qd // t, d), (d, f // t), (d, f // t), (f // t, d)]
+
+
+def attention_width(shape) -> float:  # noqa: ANN001 (ModelShape)
+    """Per-token width of the score and value products: heads x head_dim (GQA); MLA's
+    mean of the query/key head dim (nope + rope) and the value head dim."""
+    return shape.n_heads * shape.attention_head_dims / 2
+
+
+def moe_block_gemms(w: Workload, m: MoEDims) -> list[tuple[float, float, float, bool]]:
+    """(in, out, share of tokens, recomputed under selective AC) per GPU of the average MoE
+    model block's dense linears under TP: attention (MLA's low-rank projections or GQA's),
+    the dense SwiGLU on the dense layers, the shared experts and the router on the MoE
+    layers. The routed experts are priced apart (grouped GEMMs, `layer_costs`)."""
+    s, t = w.shape, w.layout.tp
+    d = s.dim
+    if s.attention == "mla":
+        h, qk, v = s.n_heads, s.qk_nope_head_dim + s.qk_rope_head_dim, s.v_head_dim
+        attn: list[tuple[float, float]] = []
+        if s.q_lora_rank:
+            attn += [(d, s.q_lora_rank), (s.q_lora_rank, h * qk / t)]
+        else:
+            attn += [(d, h * qk / t)]
+        attn += [
+            (d, s.kv_lora_rank + s.qk_rope_head_dim),
+            (s.kv_lora_rank, h * (qk - s.qk_rope_head_dim + v) / t),
+        ]
+        attn += [(h * v / t, d)]
+    else:
+        qd, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+        attn = [(d, (qd + 2 * kv) / t), (qd / t, d)]
+    out = [(k, n, 1.0, i % 2 == 1) for i, (k, n) in enumerate(attn)]
+    dense = 1 - m.moe_fraction
+    if dense and s.ffn_hidden:
+        f = s.ffn_hidden / t
+        out += [(d, f, dense, False), (d, f, dense, True), (f, d, dense, False)]
+    if m.n_shared:
+        hs = m.n_shared * m.expert_hidden / t
+        out += [(d, hs, m.moe_fraction, False), (d, hs, m.moe_fraction, True)]
+        out += [(hs, d, m.moe_fraction, False)]
+    out.append((d, m.n_routed, m.moe_fraction, False))  # router (replicated over tp)
+    return out
 
 
 def model_flops_per_token(shape, seq_len: int) -> int:
@@ -297,6 +349,9 @@ class LayerCosts:
     cp_exposed: float
     interference: float  # compute slowdown under overlapped TP/CP collectives
     head: float  # output projection + loss (last stage only)
+    ep_total: float = 0.0  # expert all-to-all (dispatch + combine, fwd + bwd), average block
+    ep_exposed: float = 0.0
+    moe_overhead: float = 0.0  # host waits of the MoE layers (stack's moe_layer_overhead_s)
 
     @property
     def compute(self) -> float:
@@ -311,7 +366,14 @@ class LayerCosts:
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp_exposed + self.cp_exposed + self.interference
+        return (
+            self.compute
+            + self.tp_exposed
+            + self.cp_exposed
+            + self.interference
+            + self.ep_exposed
+            + self.moe_overhead
+        )
 
     @property
     def forward(self) -> float:
@@ -321,6 +383,7 @@ class LayerCosts:
             + self.attention_fwd
             + (self.pointwise + self.fp8_cast) / 3
             + self.tp_exposed / 3
+            + self.ep_exposed / 3
         )
 
 
@@ -339,10 +402,17 @@ def _peak(kind: str, w: Workload, links: Links) -> float:
 
 
 def layer_costs(
-    w: Workload, links: Links, span_tp: GroupSpan, span_cp: GroupSpan, st: Stack
+    w: Workload,
+    links: Links,
+    span_tp: GroupSpan,
+    span_cp: GroupSpan,
+    st: Stack,
+    span_ep: GroupSpan | None = None,
 ) -> LayerCosts:
-    """Per-block costs; depends on tp, cp and the microbatch, not on dp or pp (cached)."""
+    """Per-block costs; depends on tp, cp, ep and the microbatch, not on dp or pp (cached).
+    An MoE model's block is the average of its dense and MoE layers (parallel.moe)."""
     s = w.shape
+    m = moe_dims(s)
     gpu = links.gpu
     t, c = w.layout.tp, w.layout.cp
     is_cpu = links.is_cpu
@@ -355,8 +425,13 @@ def layer_costs(
         _peak("bf16", w, links),
     )
     fwd_mm = bwd_mm = recompute_mm = 0.0
-    for i, (k, n) in enumerate(block_gemms(w)):
-        fl = 2.0 * tok * k * n
+    gemms: list[tuple[float, float, float, bool]]
+    if m is None:
+        gemms = [(k, n, 1.0, SAC_RECOMPUTED[i]) for i, (k, n) in enumerate(block_gemms(w))]
+    else:
+        gemms = moe_block_gemms(w, m)
+    for k, n, share, sac_recomputed in gemms:
+        fl = 2.0 * tok * k * n * share
         x = min(k, n)
         tf = fl / (p_fwd * (1.0 if is_cpu else gemm_eff(st, fwd_kind, x, gpu)))
         fwd_mm += tf
@@ -370,19 +445,53 @@ def layer_costs(
             bwd_mm += tf + 2 * lt
         else:
             bwd_mm += tf + fl / (p_wgrad * (1.0 if is_cpu else gemm_eff(st, wgrad_kind, x, gpu)))
-        if w.ac == "full" or (w.ac == "selective" and SAC_RECOMPUTED[i]):
+        if w.ac == "full" or (w.ac == "selective" and sac_recomputed):
             recompute_mm += tf
-    qd = s.n_heads * s.head_dim
+    ep_total = 0.0
+    if m is not None:
+        # Routed experts: grouped GEMMs on the busiest EP rank (imbalance x the mean routed
+        # copies), each expert's GEMM as wide as the tokens it gets (ep x tokens x top_k /
+        # routed experts), at the stack's grouped-GEMM efficiency. Without EP each expert's
+        # hidden dim is split by tp; with EP the tokens are whole and spread over the group.
+        ep = w.ep
+        imb = busiest_load(w, st)
+        h = m.expert_hidden / (t if ep == 1 else 1)
+        routed_tok = tok / (1 if ep == 1 else t) * m.top_k * imb
+        per_expert = max(1.0, routed_tok * max(ep, 1) / m.n_routed)
+        fl = 2.0 * routed_tok * 3 * m.dim * h * m.moe_fraction
+        x = min(h, per_expert, m.dim)
+        g_eff = 1.0 if is_cpu else st.grouped_gemm_eff
+        tf = fl / (p_fwd * (1.0 if is_cpu else gemm_eff(st, fwd_kind, x, gpu)) * g_eff)
+        fwd_mm += tf
+        bwd_mm += tf + fl / (
+            p_wgrad * (1.0 if is_cpu else gemm_eff(st, wgrad_kind, x, gpu)) * g_eff
+        )
+        if w.ac in ("full", "selective"):  # selective recomputes the grouped GEMMs
+            recompute_mm += tf
+        if ep > 1 and span_ep is not None:
+            # Dispatch and combine of the tp shard's tokens (top_k copies of dim each).
+            nbytes = tok / t * m.top_k * m.dim * elt
+            one = a2a_time(nbytes, ep, span_ep, links, imb)
+            ep_total = a2a_per_layer(w.ac) * one * m.moe_fraction
+    qd = attention_width(s)
     attn_e = 1.0 if is_cpu else st.attention_eff * st.gpu_factor(gpu)
     attn_fwd = 4.0 * tok * attention_keys(w) * qd / t / (p_bf16 * attn_e)
     # Backward is 2.5 forwards (flash recomputes the scores); full AC reruns the forward.
     attention = attn_fwd * (1 + 2.5 + (1 if w.ac == "full" else 0))
     rerun = 4 / 3 if w.ac == "full" else 1.0
-    pw = pointwise_bytes(w) * (
+    wp = w
+    if m is not None:
+        # Pointwise work of the average block's FFN: dense SwiGLU on the dense layers; the
+        # shared experts and the busiest rank's routed copies on the MoE layers.
+        imb = busiest_load(w, st)
+        f_moe = (m.n_shared + m.top_k * imb) * m.expert_hidden
+        f_eq = (1 - m.moe_fraction) * s.ffn_hidden + m.moe_fraction * f_moe
+        wp = w.with_(shape=replace(s, ffn_hidden=round(f_eq)))
+    pw = pointwise_bytes(wp) * (
         st.pointwise_scale_compiled if w.compile else st.pointwise_scale_eager
     )
     pointwise = tok * pw / links.hbm * rerun
-    fp8_cast = tok * fp8_cast_bytes(w) / links.hbm * rerun
+    fp8_cast = tok * fp8_cast_bytes(wp) / links.hbm * rerun
 
     act = tok * s.dim  # elements of one full-sequence (SP-gathered) activation
     tp_total = 0.0
@@ -429,6 +538,9 @@ def layer_costs(
         cp_exposed=cp_exposed,
         interference=st.comm_sm_slowdown * overlapped,
         head=head,
+        ep_total=ep_total,
+        ep_exposed=ep_total * (1 - st.ep_a2a_hidden),
+        moe_overhead=0.0 if (m is None or is_cpu) else st.moe_layer_overhead_s * m.moe_fraction,
     )
 
 
@@ -436,7 +548,12 @@ _LAYER_CACHE: dict[tuple, LayerCosts] = {}
 
 
 def cached_layer_costs(
-    w: Workload, links: Links, span_tp: GroupSpan, span_cp: GroupSpan, st: Stack
+    w: Workload,
+    links: Links,
+    span_tp: GroupSpan,
+    span_cp: GroupSpan,
+    st: Stack,
+    span_ep: GroupSpan | None = None,
 ) -> LayerCosts:
     """`layer_costs` keyed on what it depends on (the planner calls it for many layouts
     that differ only in dp and pp)."""
@@ -458,12 +575,16 @@ def cached_layer_costs(
         links,
         span_tp,
         span_cp,
+        w.ep,
+        w.capacity_factor,
+        w.load_imbalance,
+        span_ep,
     )
     hit = _LAYER_CACHE.get(key)
     if hit is None:
         if len(_LAYER_CACHE) > 65536:
             _LAYER_CACHE.clear()
-        hit = _LAYER_CACHE[key] = layer_costs(w, links, span_tp, span_cp, st)
+        hit = _LAYER_CACHE[key] = layer_costs(w, links, span_tp, span_cp, st, span_ep)
     return hit
 
 
@@ -492,7 +613,10 @@ def predict(
     fsdp = lay.dp_shard * c
     elt = w.bytes_per_param_compute
     st = stack_of(w, stack)
-    L = cached_layer_costs(w, links, spans["tp"], spans["cp"], st)
+    m = moe_dims(s)
+    if m is not None and "ep" not in spans:
+        spans = {**spans, **expert_spans(lay, w.ep, cluster)}
+    L = cached_layer_costs(w, links, spans["tp"], spans["cp"], st, spans.get("ep"))
 
     # --- pipeline ranks: the slowest sets the pace ------------------------------------
     v = w.stages_per_rank
@@ -508,7 +632,8 @@ def predict(
             t_mb, layers_rank, with_head = tr, layers, last
 
     # --- data parallelism -------------------------------------------------------------
-    lp = s.params_per_layer / t
+    # Bytes FSDP moves per block on this GPU (MoE: the local experts only, parallel.moe).
+    lp = gathered_layer_params(s, t, w.ep)
     fp8_ag = w.fp8_all_gather and w.linear == "fp8_tensorwise"
     ag_bytes = lp * (1 if fp8_ag else elt)
     # Gradient bytes reduced per parameter (LoRA: the frozen base has no gradients).
@@ -600,6 +725,23 @@ def predict(
         "optimizer_s": t_opt,
         "host_launch_s": host_launch,
     }
+    moe: dict = {}
+    if m is not None:
+        breakdown["ep_alltoall_s"] = n * L.ep_exposed
+        breakdown["moe_overhead_s"] = n * L.moe_overhead
+        moe = {
+            "ep": w.ep,
+            "ep_fabric": fabric_of_ep(w.ep, spans["ep"], cluster),
+            "total_params": s.total_params,
+            "active_params": getattr(s, "active_params", s.total_params),
+            "routed_experts": m.n_routed,
+            "top_k": m.top_k,
+            "load_imbalance": busiest_load(w, st),
+            "capacity_factor": w.capacity_factor,
+            "ep_alltoall_total_s": round(n * L.ep_total, 4),
+            "mfu_convention": "model FLOPs on active parameters (6 x active + attention, as "
+            "Megatron-LM and DeepSeek-V3 count), against the dense BF16 peak",
+        }
     step = sum(breakdown.values())
 
     world = lay.world_size
@@ -620,14 +762,17 @@ def predict(
         tp_total_s=n * L.tp_total,
         workload=w,
         layers_per_rank=layers_rank,
+        moe=moe,
     )
 
 
-def _collectives(w: Workload, layers_rank: int) -> list[Collective]:
+def _collectives(w: Workload, layers_rank: int, expert: bool = False) -> list[Collective]:
     """Every collective of one optimizer step per group (buffer size = full group buffer).
 
     The same volumes the time model prices; `parallel.placement` turns them into bytes
-    crossing leaf and spine switches for a rank order.
+    crossing leaf and spine switches for a rank order. `expert`: also the MoE layers'
+    all-to-alls on the ep axis (tools.dryrun compares them; the placement tables have no
+    ep axis).
     """
     s, lay = w.shape, w.layout
     t, c, p = lay.tp, lay.cp, lay.pp
@@ -636,7 +781,10 @@ def _collectives(w: Workload, layers_rank: int) -> list[Collective]:
     tok = w.tokens_per_microbatch / c
     micro = w.grad_accum if p == 1 else w.microbatches
     out: list[Collective] = []
-    stage_params = s.total_params / (t * p)
+    # What FSDP gathers per GPU (MoE: the local experts only; dense: total / tp).
+    head = 0 if s.weight_tying else s.vocab_size * s.dim
+    ends = (s.vocab_size * s.dim + head + s.dim) / t
+    stage_params = (s.n_layers * gathered_layer_params(s, t, w.ep) + ends) / p
     if t > 1:
         act = tok * s.dim
         ag = 1 if fp8_tp_gather(w) else elt
@@ -666,5 +814,16 @@ def _collectives(w: Workload, layers_rank: int) -> list[Collective]:
         v = w.stages_per_rank
         out.append(
             Collective("pp", "p2p", tok * s.dim / t * elt, 2 * v * w.microbatches, "activations")
+        )
+    m = moe_dims(s)
+    if expert and m is not None and w.ep > 1:
+        # Dispatch and combine per MoE layer, forward and backward (the mean routed copies:
+        # the busiest rank's share is the time model's business).
+        moe_layers = layers_rank * m.moe_fraction
+        nbytes = tok / t * m.top_k * m.dim * elt
+        out.append(
+            Collective(
+                "ep", "all_to_all", nbytes, a2a_per_layer(w.ac) * moe_layers * micro, "tokens"
+            )
         )
     return out

@@ -6,6 +6,11 @@ Search space, for world size W = nodes x gpus_per_node:
   divides the query and key/value heads), pp splits the layers evenly
   (`recipe.loader.check_layout`, the same check a hand-written recipe gets), and
   dp_replicate x dp_shard takes the rest in every factorisation;
+- ep (mixture-of-experts models only): every divisor of the routed experts that divides
+  dp_shard x cp x tp (torchtitan carves the EP groups, `ep` consecutive ranks, out of
+  them; parallel.moe). The all-to-all stays inside one NVLink domain when ep fits in it
+  (an NVL72 rack holds EP 64: 16 of its 18 trays); otherwise each plan names the fabric it
+  crosses (`ep_fabric`) and the time model prices the NIC share of it;
 - pp_schedule (all of torchtitan's, when pp > 1; zero-bubble schedules only without
   activation checkpointing, which torchtitan cannot combine with them) and microbatches
   (divisors of the local batch, at least pp);
@@ -35,10 +40,18 @@ from core.models import PP_SCHEDULES, pp_layer_weights, stages_per_rank
 from parallel.cluster import Cluster
 from parallel.job_checks import check_before_search, check_kernels_on
 from parallel.memory import MemoryProfile, memory_profile, runtime_overhead_gib
+from parallel.moe import ep_placement, ep_reason, fabric_of_ep, moe_dims
 from parallel.perf import Prediction, predict
 from parallel.placement import planned_traffic
 from parallel.stacks import load_stack
-from parallel.workload import Workload, linear_for, lora_fields, planned_spans
+from parallel.workload import (
+    Workload,
+    expert_spans,
+    linear_for,
+    lora_fields,
+    moe_fields,
+    planned_spans,
+)
 from recipe.loader import check_layout, effective_shape, uses_cuda_graphs
 from recipe.schema import Recipe
 
@@ -68,6 +81,9 @@ class Plan:
     global_batch_size: int
     prediction: Prediction
     cross_switch: dict[str, float] = field(default_factory=dict)  # GB/step: leaf, spine
+    ep: int = 1  # expert-parallel degree (MoE; torchtitan carves it out of dp_shard x cp x tp)
+    ep_fabric: str = "none"  # where the expert all-to-all runs (parallel.moe.fabric_of_ep)
+    ep_placement: str = ""  # how the EP groups lie in the NVLink domains
 
     @property
     def tokens_per_sec_per_gpu(self) -> float:
@@ -79,7 +95,8 @@ class Plan:
 
     def describe(self) -> str:
         sched = f" {self.pp_schedule} x{self.microbatches}" if self.pp_schedule else ""
-        return f"{self.layout.describe()}{sched} ac={self.activation_checkpoint}"
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        return f"{self.layout.describe()}{ep}{sched} ac={self.activation_checkpoint}"
 
     def to_json(self) -> dict:
         lay = self.layout
@@ -90,6 +107,9 @@ class Plan:
             "tp": lay.tp,
             "pp": lay.pp,
             "cp": lay.cp,
+            "ep": self.ep,
+            "ep_fabric": self.ep_fabric,
+            "ep_placement": self.ep_placement,
             "pp_schedule": self.pp_schedule,
             "microbatches": self.microbatches,
             "activation_checkpoint": self.activation_checkpoint,
@@ -101,6 +121,7 @@ class Plan:
             "global_batch_size": self.global_batch_size,
             "step_time_s": round(p.step_time_s, 4),
             "tokens_per_sec_per_node": round(p.tokens_per_sec_per_node, 1),
+            **({"moe": p.moe} if p.moe else {}),
         }
 
 
@@ -180,6 +201,7 @@ def _layout_recipe(recipe: Recipe, schedule: str, mbs: int, local: int) -> Recip
     r.parallel.pp_schedule = schedule  # type: ignore[assignment]
     r.parallel.pp_microbatches = mbs
     r.parallel.pp_stages_per_rank = 0  # plans use each schedule's default
+    r.parallel.ep = 1  # the planner checks each candidate's ep itself (parallel.moe.ep_reason)
     r.training = copy.copy(recipe.training)
     r.training.local_batch_size = local
     r.source = recipe.source
@@ -245,7 +267,7 @@ def search(
         key=lambda p: (
             -p.tokens_per_sec_per_gpu,
             p.memory_gib,
-            (p.layout.pp, p.layout.dp_replicate, p.layout.tp, p.layout.cp),
+            (p.layout.pp, p.layout.dp_replicate, p.layout.tp, p.layout.cp, p.ep),
         )
     )
     # Without any candidate, `explain_infeasible` says why (tools.plan, best_plan).
@@ -296,8 +318,10 @@ class _Search:
             # Only tp > 1 layouts have TP collectives to overlap (perf.layer_costs).
             async_tp=recipe.parallel.async_tp,
             stack=stack,
+            capacity_factor=moe_fields(recipe).get("capacity_factor", 0.0),
             **lora_fields(recipe),
         )
+        self.moe = moe_dims(self.base.shape)
         self.valid: dict[tuple, str] = {}
         self.profiles: dict[tuple, MemoryProfile] = {}
         self.plans: list[Plan] = []
@@ -331,6 +355,19 @@ class _Search:
                 out.append((sched, mbs, self.why_invalid(probe, sched, mbs, smallest_local)))
         return out
 
+    def ep_options(self, layout: Layout) -> list[int]:
+        """Expert-parallel degrees torchtitan accepts for `layout` (MoE: divisors of the
+        routed experts dividing dp_shard x cp x tp; dense: 1), at most MAX_OPTIONS spread."""
+        if self.moe is None:
+            return [1]
+        room = layout.dp_shard * layout.cp * layout.tp
+        eps = [
+            e
+            for e in _divisors(self.moe.n_routed, room)
+            if not ep_reason(e, self.moe.n_routed, layout.dp_shard, layout.cp, layout.tp)
+        ]
+        return _spread(eps, MAX_OPTIONS)
+
     def layouts(self, tp: int, cp: int, pp: int, dp: int, share: int) -> None:
         """Every dp_replicate x dp_shard split, schedule and AC mode of these degrees."""
         # With pp the whole share is one pipelined step; without, the largest local batch
@@ -341,24 +378,30 @@ class _Search:
         for rep in _spread(_divisors(dp), MAX_OPTIONS):
             layout = Layout(pp=pp, dp_replicate=rep, dp_shard=dp // rep, cp=cp, tp=tp)
             spans = None  # the planned spans, computed once per layout when first needed
-            for sched, mbs, reason in options:
-                sched_out = sched if pp > 1 else None
-                if reason:
-                    self.candidates += 1
-                    self.rejected.append(Rejected(layout, sched_out, mbs, "-", reason))
-                    continue
-                for ac in AC_MODES:
-                    self.candidates += 1
-                    if pp > 1 and sched in ZERO_BUBBLE and ac != "none":
-                        self.rejected.append(Rejected(layout, sched, mbs, ac, _ZERO_BUBBLE_WITH_AC))
+            for ep in self.ep_options(layout):
+                for sched, mbs, reason in options:
+                    sched_out = sched if pp > 1 else None
+                    if reason:
+                        self.candidates += 1
+                        self.rejected.append(Rejected(layout, sched_out, mbs, "-", reason))
                         continue
-                    fit, why = self.fit(layout, probe, sched, mbs, ac, locals_, share)
-                    if fit is None:
-                        self.rejected.append(Rejected(layout, sched_out, mbs, ac, why))
-                        continue
-                    if spans is None:
-                        spans = planned_spans(layout, self.cluster)
-                    self.price(layout, sched, mbs, ac, fit, spans)
+                    for ac in AC_MODES:
+                        self.candidates += 1
+                        if pp > 1 and sched in ZERO_BUBBLE and ac != "none":
+                            self.rejected.append(
+                                Rejected(layout, sched, mbs, ac, _ZERO_BUBBLE_WITH_AC)
+                            )
+                            continue
+                        fit, why = self.fit(layout, probe, sched, mbs, ac, locals_, share, ep)
+                        if fit is None:
+                            self.rejected.append(Rejected(layout, sched_out, mbs, ac, why))
+                            continue
+                        if spans is None:
+                            spans = planned_spans(layout, self.cluster)
+                        sp = spans
+                        if self.moe is not None:
+                            sp = {**spans, **expert_spans(layout, ep, self.cluster)}
+                        self.price(layout, sched, mbs, ac, fit, sp, ep)
 
     def fit(
         self,
@@ -369,6 +412,7 @@ class _Search:
         ac: str,
         locals_: list[int],
         share: int,
+        ep: int = 1,
     ) -> tuple[Any, str]:
         """((local batch, accumulation, memory), '') for the largest local batch that fits,
         or (None, the last memory reason)."""
@@ -383,7 +427,7 @@ class _Search:
             # peak by 4 bytes per parameter (parallel.memory, measured by tools.dryrun).
             accum = 1 if pp > 1 else share // local
             graphs = uses_cuda_graphs(self.recipe, pp, self.recipe.kernels.attention)
-            mkey = (layout.tp, cp, pp, sched, mbs, ac, local, zero1, accum > 1 or graphs)
+            mkey = (layout.tp, cp, pp, sched, mbs, ac, local, zero1, accum > 1 or graphs, ep)
             prof = self.profiles.get(mkey)
             if prof is None:
                 prof = self.profiles[mkey] = memory_profile(
@@ -396,6 +440,7 @@ class _Search:
                         ac=ac,
                         grad_accum=accum,
                         cuda_graphs=graphs,
+                        ep=ep,
                     )
                 )
             return prof.required_gib((dp // rep) * cp, self.overhead), prof
@@ -422,7 +467,9 @@ class _Search:
             last_reason = f"memory: needs {gib:.1f} GiB of {self.hbm_gib:.1f} (local batch {local})"
         return None, last_reason
 
-    def price(self, layout: Layout, sched: str, mbs: int, ac: str, fit: tuple, spans) -> None:
+    def price(
+        self, layout: Layout, sched: str, mbs: int, ac: str, fit: tuple, spans, ep: int = 1
+    ) -> None:
         """The performance model's prediction of one fitting candidate, kept as a Plan."""
         local, accum, mem = fit
         pp = layout.pp
@@ -436,6 +483,7 @@ class _Search:
             pp_schedule=sched if pp > 1 else "1F1B",
             pp_microbatches=mbs,
             ac=ac,
+            ep=ep,
         )
         self.plans.append(
             Plan(
@@ -446,6 +494,9 @@ class _Search:
                 local_batch_size=local,
                 global_batch_size=w.tokens_per_step // w.seq_len,
                 prediction=predict(w, self.cluster, spans, memory=mem),
+                ep=ep,
+                ep_fabric=fabric_of_ep(ep, spans["ep"], self.cluster) if ep > 1 else "none",
+                ep_placement=ep_placement(ep, self.cluster),
             )
         )
 
@@ -516,6 +567,7 @@ def apply_plan(recipe: Recipe, plan: Plan) -> Recipe:
         pp_stages_per_rank=0,
         auto=False,
     )
+    r.parallel.ep = plan.ep
     r.training = dataclasses.replace(
         r.training,
         activation_checkpoint=cast(Any, plan.activation_checkpoint),

@@ -76,6 +76,17 @@ class Stack:
     kernel_launch_s: float
     kernels_per_block_eager: float
     kernels_per_block_compiled: float
+    # Mixture of experts (parallel.moe): grouped GEMMs' efficiency relative to a dense GEMM
+    # of the same per-expert shape; the share of the expert all-to-all hidden behind compute;
+    # routed tokens on the busiest EP rank over the mean (dropless routing).
+    grouped_gemm_eff: float
+    ep_a2a_hidden: float
+    moe_imbalance: float
+    # Seconds per MoE layer and microbatch (forward + backward) the host spends waiting on
+    # the device: the dispatch reads the per-expert token counts back (a device-to-host sync
+    # for the all-to-all's split sizes), draining the launch queue, then launches the
+    # layer's many small kernels (permute, router, grouped GEMM setup) with nothing queued.
+    moe_layer_overhead_s: float
     sources: dict[str, str] = field(default_factory=dict)
     path: str = ""
     # The loss runs over this many sequence chunks, each projected, scored and
@@ -125,6 +136,10 @@ _CONSTANTS = (
     "kernel_launch_s",
     "kernels_per_block_eager",
     "kernels_per_block_compiled",
+    "grouped_gemm_eff",
+    "ep_a2a_hidden",
+    "moe_imbalance",
+    "moe_layer_overhead_s",
 )
 _TOP = (
     "name",
@@ -204,7 +219,13 @@ def parse_stack(data: dict[str, Any], file: str) -> Stack:
         if k not in consts:
             raise ConfigError("missing", file=file, key=f"constants.{k}")
     c: dict[str, Any] = {k: _num(consts[k], file, f"constants.{k}") for k in _CONSTANTS}
-    for k in ("attention_eff", "tp_hidden", "comm_sm_slowdown"):
+    for k in (
+        "attention_eff",
+        "tp_hidden",
+        "comm_sm_slowdown",
+        "grouped_gemm_eff",
+        "ep_a2a_hidden",
+    ):
         _num(c[k], file, f"constants.{k}", 0.0, 1.0)
     flags: dict[str, Any] = {}
     for k in (

@@ -53,6 +53,14 @@ class Workload:
     # lora.target_modules (() = the block linears above); "experts": MoE routed experts, one
     # pair per expert and projection (runtime.moe_experts)
     lora_targets: tuple[str, ...] = ()
+    # Mixture of experts (parallel.moe): the expert-parallel degree (torchtitan carves it out
+    # of dp_shard x cp x tp; 1 = experts sharded like the dense weights) and the recipe's
+    # `moe.capacity_factor` (0 = dropless, torchtitan's only mode).
+    ep: int = 1
+    capacity_factor: float = 0.0
+    # Routed tokens on the busiest EP rank over the mean; 0 = the stack's `moe_imbalance`
+    # (NVIDIA's MoE benchmarks force-balance the routing: 1.0).
+    load_imbalance: float = 0.0
 
     @property
     def lora_params_per_layer(self) -> int:
@@ -169,7 +177,18 @@ def workload_from_recipe(
         virtual_stages=par.pp_stages_per_rank if layout.pp > 1 else 0,
         stack=stack,
         **lora_fields(recipe),
+        **moe_fields(recipe),
     )
+
+
+def moe_fields(recipe) -> dict[str, Any]:
+    """Workload fields for a recipe's `parallel.ep` and `[moe]` (absent: a dense recipe)."""
+    out: dict[str, Any] = {}
+    if recipe.parallel.ep > 1:
+        out["ep"] = recipe.parallel.ep
+    if recipe.moe.capacity_factor:
+        out["capacity_factor"] = float(recipe.moe.capacity_factor)
+    return out
 
 
 def lora_fields(recipe) -> dict[str, Any]:
@@ -241,6 +260,14 @@ def _span(d: int, inner: int, cluster: Cluster) -> GroupSpan:
 # cp) and "dp" (dp_replicate x dp_shard; no collective of its own, reported only).
 _AXIS_NAMES = tuple(a.value for a in MESH_ORDER)
 SPAN_KEYS = _AXIS_NAMES + ("fsdp",)
+
+
+def expert_spans(layout: Layout, ep: int, cluster: Cluster) -> dict[str, GroupSpan]:
+    """Spans of the sparse mesh's groups (torchtitan: pp, dp_replicate, efsdp, ep with ep
+    innermost): an EP group is `ep` consecutive ranks; efsdp (dp_shard x cp x tp / ep)
+    strides over them."""
+    efsdp = max(1, layout.dp_shard * layout.cp * layout.tp // max(1, ep))
+    return {"ep": _span(ep, 1, cluster), "efsdp": _span(efsdp, ep, cluster)}
 
 
 def planned_spans(layout: Layout, cluster: Cluster) -> dict[str, GroupSpan]:

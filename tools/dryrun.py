@@ -360,6 +360,32 @@ def _cuda_rms_norm():
 _PROPAGATING = [0]
 
 
+def _balanced_expert_dispatch(p: Any) -> None:
+    """MoE under expert parallelism: torchtitan's all-to-all dispatcher reads the per-rank
+    token counts back to the host (`tolist()`) for the split sizes, which fake tensors
+    cannot give. The dry run sends each EP peer an equal share of the rank's routed copies
+    (balanced routing; the planner's load imbalance is its own term)."""
+    import torch
+    from torchtitan.models.common import token_dispatcher as td
+
+    cls = td.AllToAllTokenDispatcher
+    reorder = cls._local_reorder
+
+    def local_reorder(self, x, scores, ids):
+        out = reorder(self, x, scores, ids)
+        self._dryrun_routed = int(ids.numel())  # T x K routed copies (shapes are real)
+        return out
+
+    def sync_counts(self, local_e, global_ep_e, ep_size):
+        global_e = torch.ops._c10d_functional.wait_tensor(global_ep_e).reshape(-1)
+        n = getattr(self, "_dryrun_routed", 0)
+        splits = [n // ep_size + (1 if i < n % ep_size else 0) for i in range(ep_size)]
+        return global_e, splits, list(splits)
+
+    p.set(cls, "_local_reorder", local_reorder)
+    p.set(cls, "_sync_token_count_exchange", sync_counts)
+
+
 @contextlib.contextmanager
 def fake_world(world: int, rank: int, caps, boundary: _Boundary) -> Iterator[Any]:
     """torch's fake process group at `world` ranks as `rank`, and the few patches a whole
@@ -428,6 +454,7 @@ def fake_world(world: int, rank: int, caps, boundary: _Boundary) -> Iterator[Any
             st._inference_mode = InferenceMode.DYNAMIC
 
     p.set(pp_schedules._PipelineSchedule, "_warmup_p2p", warmup_p2p)
+    _balanced_expert_dispatch(p)
     p.set(pp_stage.PipelineStage, "_send_meta", lambda st, meta, dst: boundary.send(st, meta, dst))
     p.set(pp_stage.PipelineStage, "_recv_meta", lambda st, src: boundary.recv(st, src))
     if caps.is_cuda:
@@ -686,7 +713,7 @@ def _collective_counter_class():
     return Collectives
 
 
-def axis_groups(layout, rank: int) -> dict[frozenset[int], str]:
+def axis_groups(layout, rank: int, ep: int = 1) -> dict[frozenset[int], str]:
     """The rank set of each parallel axis's group holding `rank`, named as the performance
     model names them (parallel.perf: tp, cp, fsdp = dp_shard x cp, dp_replicate, pp).
     Collectives are attributed by their group's ranks, not by torchtitan's mesh names:
@@ -728,6 +755,16 @@ def axis_groups(layout, rank: int) -> dict[frozenset[int], str]:
         ("world", set(order)),
     ]
     out: dict[frozenset[int], str] = {}
+    if ep > 1:
+        # torchtitan's sparse mesh (pp, dp_replicate, efsdp, ep), ep innermost: an EP group
+        # is `ep` consecutive ranks of the dp_shard x cp x tp block, efsdp strides over them.
+        inner = layout.dp_shard * layout.cp * layout.tp
+        base = rank - rank % inner
+        pos = rank % inner
+        out[frozenset(range(base + pos - pos % ep, base + pos - pos % ep + ep))] = "ep"
+        efsdp = frozenset(base + pos % ep + k * ep for k in range(inner // ep))
+        if len(efsdp) > 1:
+            out[efsdp] = "efsdp"
     for name, axes in named:
         g = group(axes)
         if len(g) > 1:
@@ -884,7 +921,7 @@ def simulate(job: DryRunJob, rank: int, boundary: _Boundary) -> dict[str, Any]:
         memory = _memory_tracker_class()()
         memory.track_external(*trainer.model_parts, *trainer.optimizers.optimizers)
         memory.name_modules(trainer.model_parts)
-        comms = _collective_counter_class()(axis_groups(job.layout, rank))
+        comms = _collective_counter_class()(axis_groups(job.layout, rank, job.recipe.parallel.ep))
         patches = _Patches()
         post_backward = FSDPParamGroup.post_backward
 
@@ -944,7 +981,7 @@ def planned(job: DryRunJob, rank: int) -> dict[str, Any]:
     eager = estimate_rank(w.with_(compile=False), pp_rank)
     stages, layers = _layers_of(job, pp_rank)
     colls: dict[str, dict[str, float]] = {}
-    for c in _collectives(w, layers):
+    for c in _collectives(w, layers, expert=True):
         row = colls.setdefault(f"{c.axis}.{c.kind}", {"count": 0, "gib": 0.0})
         row["count"] += c.count
         row["gib"] += c.nbytes * c.count / GIB

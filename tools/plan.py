@@ -48,7 +48,8 @@ def _fmt_plan_row(i: int, p) -> str:
     mfu = "n/a" if p.prediction.mfu_pct is None else f"{p.prediction.mfu_pct:.1f}"
     cs = p.cross_switch or {}
     return (
-        f"{i:>3} {lay.pp:>3} {lay.dp_replicate:>4} {lay.dp_shard:>5} {lay.cp:>3} {lay.tp:>3}  "
+        f"{i:>3} {lay.pp:>3} {lay.dp_replicate:>4} {lay.dp_shard:>5} {lay.cp:>3} {lay.tp:>3} "
+        f"{p.ep:>3}  "
         f"{sched:<21} {p.microbatches:>4} {p.activation_checkpoint:<9} {p.local_batch_size:>5} "
         f"{p.memory_gib:>7.1f} {p.tokens_per_sec_per_gpu:>9.1f} {mfu:>6} "
         f"{cs.get('leaf', 0):>10.1f} {cs.get('spine', 0):>9.1f}"
@@ -56,7 +57,8 @@ def _fmt_plan_row(i: int, p) -> str:
 
 
 HEADER = (
-    f"{'#':>3} {'pp':>3} {'rep':>4} {'shard':>5} {'cp':>3} {'tp':>3}  {'schedule':<21} {'mb':>4} "
+    f"{'#':>3} {'pp':>3} {'rep':>4} {'shard':>5} {'cp':>3} {'tp':>3} {'ep':>3}  {'schedule':<21} "
+    f"{'mb':>4} "
     f"{'AC':<9} {'lbs':>5} {'mem GiB':>7} {'tok/s/GPU':>9} {'MFU%':>6} {'leaf GB/s':>10} "
     f"{'spine GB':>9}"
 ).replace("leaf GB/s", "leaf GB")
@@ -345,6 +347,9 @@ def main(argv: list[str] | None = None) -> None:
     print(
         "(GB per optimizer step over the whole job; leaf = leaving a host, spine = between leaves)"
     )
+    for i, pl in enumerate(top, 1):
+        if pl.ep > 1:  # MoE: where each plan's expert all-to-all runs
+            print(f"plan {i}: ep {pl.ep} all-to-all over {pl.ep_fabric}; {pl.ep_placement}")
     if text_extra:
         print(text_extra)
 

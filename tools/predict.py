@@ -94,6 +94,8 @@ def predict_recipe(recipe, cluster, stack: str = "torchtitan") -> tuple[dict, ob
                 "dp_shard": layout.dp_shard,
                 "cp": layout.cp,
                 "tp": layout.tp,
+                # MoE only (a dense layout's keys stay as they were).
+                **({"ep": pred.moe["ep"]} if pred.moe else {}),
             },
             "world_size": world,
             "stack": stack,
@@ -178,9 +180,7 @@ def calibration_markdown() -> str:
         "| key | source | date | stack | rows |",
         "|---|---|---|---|---|",
     ]
-    for k, src in SOURCES.items():
-        n = sum(1 for r in rs if r.source == k)
-        lines.append(f"| {k} | [{src.title}]({src.url}) | {src.date} | {src.stack} | {n} |")
+    lines += _source_rows(SOURCES, rs)
     lines += [
         "",
         "## Throughput (in-sample: constants as in stacks/*.toml, cold-fitted on all rows)",
@@ -306,7 +306,105 @@ def calibration_markdown() -> str:
     for name, val, what in consts:
         lines.append(f"| {name} | `{val}` | {what} |")
     lines += ["", "Reasons for each constant: docs/perf_model.md and the profiles' [sources].", ""]
+    lines += _moe_section()
     return "\n".join(lines)
+
+
+def _source_rows(sources, rs) -> list[str]:
+    """One markdown row per calibration source: key, linked title, date, stack, rows."""
+    out = []
+    for k, src in sources.items():
+        n = sum(1 for r in rs if r.source == k)
+        out.append(f"| {k} | [{src.title}]({src.url}) | {src.date} | {src.stack} | {n} |")
+    return out
+
+
+def _moe_section() -> list[str]:
+    """The mixture-of-experts rows (parallel.calibration.moe_rows): their own table and
+    leave-one-source-out, every constant refitted from a neutral start in each fold."""
+    from parallel.calibration import (
+        MOE_SET_APART,
+        MOE_SOURCES,
+        moe_fit_params,
+        moe_leave_one_source_out,
+        moe_rows,
+    )
+    from parallel.stacks import load_stack
+
+    rs = moe_rows()
+    lines = [
+        "## Mixture-of-experts rows (issue 34)",
+        "",
+        "A calibration of their own: the dense constants above are fitted on the dense rows",
+        "alone (no MoE row moves a dense figure); the MoE constants (`"
+        + "`, `".join(p.name for p in moe_fit_params())
+        + "`) are fitted on these rows with the dense constants as shipped. MFU counts model",
+        "FLOPs on the ACTIVE parameters (6 x active + attention, Megatron's and DeepSeek's",
+        "convention) against the dense BF16 peak.",
+        "",
+        "| key | source | date | stack | rows |",
+        "|---|---|---|---|---|",
+    ]
+    lines += _source_rows(MOE_SOURCES, rs)
+    lines += [
+        "",
+        "| row | source | GPUs | cluster | published tok/s/GPU | predicted | error | MFU pred "
+        "| all-to-all s/step | assumed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    errs = []
+    for r in rs:
+        p = r.predict()
+        e = 100 * (p.tokens_per_sec_per_gpu / r.tokens_per_sec_per_gpu - 1)
+        errs.append(abs(e))
+        mfu = "-" if p.mfu_pct is None else f"{p.mfu_pct:.1f}%"
+        lines.append(
+            f"| {r.name} | {r.source} | {r.gpus:,} | {r.cluster} | {r.tokens_per_sec_per_gpu:,.0f} "
+            f"| {p.tokens_per_sec_per_gpu:,.0f} | {e:+.1f}% | {mfu} | "
+            f"{p.breakdown.get('ep_alltoall_s', 0.0):.3f} | {r.assumed} |"
+        )
+    lines += [
+        "",
+        f"**MoE throughput: mean |error| {_mean(errs):.1f}%, max {max(errs):.1f}% over "
+        f"{len(errs)} rows.**",
+        "",
+        "Set apart (not priced):",
+        "",
+        *[f"- {name}: {why}" for name, why in MOE_SET_APART.items()],
+        "",
+        "### MoE leave-one-source-out",
+        "",
+        "For each source: every constant, dense and MoE, is reset to the middle of its bounds and",
+        "refitted without that source's rows (for mb2511moe also without the dense rows of the",
+        "same document, mb2511); then the source's MoE rows are predicted. A row of a stack that",
+        "keeps no MoE row in the fold (tt1993, torchtitan's only one) would be priced from the",
+        "neutral start alone: it is set apart, not scored.",
+        "",
+        "| held-out source | rows | mean abs error | max abs error | set apart |",
+        "|---|---|---|---|---|",
+    ]
+    every: list[float] = []
+    apart: list[str] = []
+    for key, fold in moe_leave_one_source_out(rs).items():
+        es = [abs(e) for _, e in fold.scored]
+        every += es
+        apart += [f"{r.name} ({key})" for r in fold.set_apart]
+        mean = f"{_mean(es):.1f}%" if es else "-"
+        most = f"{max(es):.1f}%" if es else "-"
+        lines.append(f"| {key} | {len(es)} | {mean} | {most} | {len(fold.set_apart)} |")
+    lines += [
+        "",
+        f"**MoE leave-one-source-out: mean |error| {_mean(every):.1f}%, max {max(every):.1f}% "
+        f"over {len(every)} rows; set apart: {', '.join(apart) or 'none'}.**",
+        "",
+        "| MoE constant | torchtitan | megatron_te |",
+        "|---|---|---|",
+    ]
+    tt, mc = load_stack("torchtitan"), load_stack("megatron_te")
+    for k in ("grouped_gemm_eff", "moe_layer_overhead_s", "ep_a2a_hidden", "moe_imbalance"):
+        lines.append(f"| {k} | `{getattr(tt, k)}` | `{getattr(mc, k)}` |")
+    lines.append("")
+    return lines
 
 
 def _logo_section(rs, logo, generation_of) -> list[str]:
