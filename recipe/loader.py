@@ -289,9 +289,13 @@ def check_graph_options(recipe: Recipe, layout: Layout) -> None:
 
 def uses_cuda_graphs(recipe: Recipe, pp: int, attention: str = "flex") -> bool:
     """Whether `training.cuda_graphs` turns capture on for this layout and attention backend
-    (torchtitan captures only on CUDA; on CPU it warns and runs eager)."""
+    (torchtitan captures only on CUDA; on CPU it warns and runs eager). "auto" leaves it off
+    under expert parallelism: torchtitan refuses graphs with its all-to-all token dispatcher
+    (the dispatch sizes are read back to the host every step)."""
     mode = recipe.training.cuda_graphs
     if mode == "off" or pp > 1:
+        return False
+    if mode == "auto" and recipe.parallel.ep > 1:
         return False
     return mode == "on" or attention != "varlen"
 

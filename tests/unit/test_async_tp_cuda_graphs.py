@@ -117,3 +117,16 @@ def test_planner_prices_cuda_graphs_for_small_blocks():
     assert graphed.tokens_per_sec_per_gpu > eager.tokens_per_sec_per_gpu
     big = Workload(model_shape("70B"), 8192, 1, Layout(dp_shard=8), ac="full", compile=True)
     assert predict(big, c).breakdown["host_launch_s"] == 0  # GPU-bound: graphs change nothing
+
+
+def test_auto_cuda_graphs_stay_off_under_expert_parallelism():
+    """torchtitan refuses CUDA graphs with its all-to-all token dispatcher; "auto" must not
+    turn them on for an MoE recipe with ep > 1 (it does for the same recipe at ep 1)."""
+    from recipe.loader import load_recipe, uses_cuda_graphs
+
+    one = load_recipe("recipes/moe_debug.toml", ["training.cuda_graphs=auto"])
+    two = load_recipe(
+        "recipes/moe_debug.toml",
+        ["training.cuda_graphs=auto", "parallel.ep=2", "parallel.dp_shard=2"],
+    )
+    assert uses_cuda_graphs(one, pp=1) and not uses_cuda_graphs(two, pp=1)
