@@ -72,6 +72,11 @@ TORCH_PRIVATE: list[tuple[str, str, str]] = [
     ("torchtitan.distributed.utils", "set_determinism", "patched"),
     ("torchtitan.components.quantization.float8", "has_cuda_capability", "patched"),
     ("torchtitan.components.quantization.mx", "has_cuda_capability", "patched"),
+    # MoE under expert parallelism: balanced split sizes instead of a host read of fake counts
+    ("torchtitan.models.common.token_dispatcher", "AllToAllTokenDispatcher._local_reorder",
+     "patched (wrapped: counts the routed copies)"),
+    ("torchtitan.models.common.token_dispatcher",
+     "AllToAllTokenDispatcher._sync_token_count_exchange", "patched (balanced splits)"),
 ]  # fmt: skip
 
 
