@@ -4,12 +4,14 @@ Each record is what billing needs and nothing a client could forge:
 
     {"v": 1, "ts": <unix end time>, "tenant": "alice", "session": "s-...", "model": "..."|null,
      "kind": "forward_backward", "ok": true, "wall_s": 0.21, "devices": 1, "device_s": 0.21,
-     "pieces": 1, "tokens": {"trained": 1024}}
+     "unbilled_s": 0.0, "pieces": 1, "tokens": {"trained": 1024}}
 
-`device_s` = wall seconds x devices held (GPU-seconds). `tokens`: what a successful op
+`device_s` = billed wall seconds x devices held (GPU-seconds). `tokens`: what a successful op
 processed, by kind: `prefill` (prompt tokens of a sample x samples, and forward-only
-tokens), `sampled` (tokens generated), `trained` (forward_backward tokens); a failed op
-bills its device-seconds (the devices ran) and no tokens. Only ops that ran are recorded. The tenant is its key-file name or
+tokens), `sampled` (tokens generated), `trained` (forward_backward tokens). An op refused
+on the tenant's input while it ran bills its device-seconds and no tokens; an op that failed
+through the service's own fault bills nothing (its time is `unbilled_s`, the operator's).
+Only ops that ran are recorded. The tenant is its key-file name or
 the key's fingerprint, never the key. A record is appended with one `write(2)` of a whole
 line to a file opened O_APPEND (mode 0600), so concurrent writers never interleave and a
 reader sees whole lines; a line cut short by a crash (power loss mid-write) is skipped and

@@ -250,6 +250,13 @@ def create_app(service: Service, keys: KeyFile | None) -> FastAPI:
         b = await parsed(request, wire.CreateModelBody)
         return future_json(service.create_model(tenant, b))
 
+    @route("GET", "/api/v1/tokenizer")
+    async def tokenizer(request: Request, tenant: str):
+        # Not a Tinker route: tools.tokenizer fetches the served tokenizer into the folder
+        # its tokenizer_id names, where the SDK's get_tokenizer() loads it (docs/from_tinker.md).
+        base = request.query_params.get("base_model")
+        return await asyncio.to_thread(service.tokenizer_files, tenant, base)
+
     @route("POST", "/api/v1/get_info")
     async def get_info(request: Request, tenant: str):
         b = await parsed(request, wire.GetInfoBody)

@@ -34,6 +34,9 @@ class BaseModelInfo:
     vocab_size: int
     arch: str
     tokenizer_id: str | None = None
+    # Server side only (never sent: a path of this machine): the folder whose files
+    # GET /api/v1/tokenizer hands to clients.
+    tokenizer_dir: str | None = None
 
 
 class Backend(Protocol):

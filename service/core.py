@@ -57,6 +57,8 @@ from service.types import LoraSpec
 log = logging.getLogger("service")
 INTERNAL_OPS = ("free", "load_sampler")  # ops the service queues itself: no client polls them
 GIB = 1 << 30
+# The files of a Hugging Face tokenizer folder GET /api/v1/tokenizer hands out (text only).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def _consumes_seq(e: ServiceError) -> bool:
@@ -187,6 +189,23 @@ class Service:
     def check_base_model(self, name: str, field: str = "base_model") -> None:
         if name != self.info.name:
             raise bad_request(field, f"unknown base model {name!r}; served: {self.info.name!r}")
+
+    def tokenizer_files(self, tenant: str, base_model: str | None) -> dict[str, Any]:
+        """The served tokenizer for a client's `AutoTokenizer.from_pretrained(tokenizer_id)`:
+        `tokenizer_id` (a name, never a server path) and the text of the folder's tokenizer
+        files (TOKENIZER_FILES; what a Hugging Face tokenizer folder holds besides weights).
+        The tokenizer is the base's, the same for every tenant; 404 when none is served."""
+        if base_model is not None:
+            self.check_base_model(base_model)
+        folder = self.info.tokenizer_dir
+        files: dict[str, str] = {}
+        for name in TOKENIZER_FILES if folder else ():
+            f = Path(folder or "", name)
+            if f.is_file():
+                files[name] = f.read_text(encoding="utf-8")
+        if "tokenizer.json" not in files:
+            raise not_found("tokenizer")
+        return {"tokenizer_id": self.info.tokenizer_id or self.info.name, "files": files}
 
     def get_info(self, tenant: str, model_id: str) -> dict[str, Any]:
         m = self.registry.model(model_id, tenant)

@@ -40,7 +40,9 @@ Accounting: each op's wall time (all its pieces) x the backend's device count is
 its session's device-seconds, logged per op (`service.op ... device_s=... session_device_s=...`)
 and handed to `record` (the JSONL accounting log, service/accounting.py) as one record, with
 the tokens the op processed (`Op.tokens`: prefill, sampled, trained) when it succeeded. Only
-ops that ran are recorded: a refusal placeholder never runs and is never billed. The last
+ops that ran are recorded: a refusal placeholder never runs and is never billed. An op that
+failed through the service's own fault (category "server") bills nothing: its time is the
+record's `unbilled_s`. The last
 `TRACE_KEEP` ops of each session (start, wait, wall) feed `export_session_trace`.
 """
 
@@ -404,7 +406,12 @@ class Scheduler:
                         self._running = None
                 continue
             wall = op.wall_s
-            device_s = wall * self.devices
+            # Billed: ops that succeeded or failed on the tenant's input ("user"). A failure
+            # of the service itself ("server": a bug, a device fault, shutdown) is the
+            # operator's cost: recorded as `unbilled_s`, never charged to the tenant (#41).
+            spent_s = wall * self.devices
+            server_fault = outcome.error is not None and outcome.category == "server"
+            device_s = 0.0 if server_fault else spent_s
             with self._cond:
                 if self._running is op:
                     self._running = None
@@ -445,6 +452,7 @@ class Scheduler:
                         "wall_s": wall,
                         "devices": self.devices,
                         "device_s": device_s,
+                        "unbilled_s": spent_s - device_s,
                         "pieces": op.pieces,
                         "tokens": dict(op.tokens) if outcome.error is None else {},
                     }

@@ -12,9 +12,11 @@ base) its weights, all settled before the model is built.
   base with the default `embedded` takes the folder's own tokenizer. EOS ids: the
   tokenizer's `eos_token` and config.json / generation_config.json's `eos_token_id`.
 - `tokenizer_id` (what `get_info` returns; the SDK's `get_tokenizer()` calls
-  `AutoTokenizer.from_pretrained` on it): `--tokenizer-id`, else the served name when it is
-  a Hugging Face `org/name`, else the tokenizer folder's absolute path (a client on the same
-  machine or filesystem loads it without network).
+  `AutoTokenizer.from_pretrained` on it): `--tokenizer-id`, else the served name. Never a
+  server path: a Hugging Face name loads from the Hub or the client's cache; for any base,
+  `python -m tools.tokenizer --url URL` fetches the served tokenizer's files
+  (`GET /api/v1/tokenizer`) into a folder of that name in the client's working directory,
+  which `from_pretrained` reads as a local folder.
 - Weights of a Hugging Face base: the folder's safetensors through torchtitan's own
   `StateDictAdapter.from_hf` (the same conversion `checkpoint.load_hf` uses in training),
   then a strict check that every base tensor was filled.
@@ -134,12 +136,11 @@ def resolve_served_base(
             file=f,
             key="model.tokenizer",
         )
-    tid = tokenizer_id or (served if HF_NAME.match(served) and folder else None)
     return ServedBase(
         name=served,
         context=ctx,
         tokenizer_dir=tok_dir,
-        tokenizer_id=tid or str(Path(tok_dir).resolve()),
+        tokenizer_id=tokenizer_id or served,  # a name, never this machine's path (#41)
         eos_ids=_eos_ids(tok_dir, folder),
         hf_folder=folder,
     )

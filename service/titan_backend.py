@@ -186,6 +186,7 @@ def build_lora_model(
         vocab_size=int(vocab),
         arch=f"{recipe.model.family}-{recipe.model.flavor}",
         tokenizer_id=served.tokenizer_id if served else None,
+        tokenizer_dir=served.tokenizer_dir if served else None,
     )
     return model, info
 

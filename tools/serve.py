@@ -115,8 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--tokenizer-id",
         default=None,
-        help="what get_info tells clients to load with AutoTokenizer (default: the Hugging "
-        "Face name, else the tokenizer folder's path)",
+        help="what get_info tells clients to load with AutoTokenizer (default: the served "
+        "name; clients fetch its files with python -m tools.tokenizer)",
     )
     p.add_argument(
         "--limit",

@@ -113,6 +113,18 @@ def start_server(
     raise RuntimeError(f"server did not start:\n{log.read_text()[-3000:]}")
 
 
+def fetch_tokenizer(url: str, into: Path, key: str = KEY) -> Path:
+    """`python -m tools.tokenizer` as a client runs it: the served tokenizer written to
+    `into/<tokenizer_id>/` (where the SDK's get_tokenizer() loads it when run in `into`)."""
+    env = dict(os.environ, TINKER_API_KEY=key)
+    p = subprocess.run(
+        [sys.executable, "-m", "tools.tokenizer", "--url", url, "--dir", str(into)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    return into
+
+
 # A 12-token sequence of the debug vocabulary, and its next-token datum (weights 1).
 SEQ = [7, 300, 41, 1200, 55, 9, 801, 23, 64, 1999, 5, 77]
 

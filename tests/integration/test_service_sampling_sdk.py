@@ -15,7 +15,7 @@ import pytest
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-from tests.helpers.service_server import BASE_MODEL, KEY, start_server  # noqa: E402
+from tests.helpers.service_server import BASE_MODEL, KEY, fetch_tokenizer, start_server  # noqa: E402
 
 PROMPT = [5, 17, 33, 2]
 CONTEXT = 64  # the helper's training.seq_len
@@ -29,9 +29,14 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sc(server):
+def sc(server, tmp_path_factory):
+    """The SDK client, run where `tools.tokenizer` put the served tokenizer (the one client
+    setting a titanscale base needs for get_tokenizer(): docs/from_tinker.md)."""
+    where = fetch_tokenizer(server.url, tmp_path_factory.mktemp("client"))
     c = tinker.ServiceClient(base_url=server.url, api_key=KEY)
-    yield c
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(where)
+        yield c
     c.close("success").result()
 
 
@@ -70,17 +75,27 @@ def _greedy(sampler, stop, max_tokens):
 
 
 def test_get_tokenizer_offline_is_the_servers(sc, server):
-    """get_info names the served tokenizer's folder; the SDK loads it with no network
-    (HF_HUB_OFFLINE in the test environment) and encodes as the server's tokenizer does."""
+    """get_info names the tokenizer by the served name, never a path of the server's machine
+    (#41); tools.tokenizer wrote that name's folder where the client runs, and the SDK loads
+    it with no network (HF_HUB_OFFLINE in the test environment) and encodes as the server's
+    own tokenizer does."""
     from pathlib import Path
 
     from tokenizers import Tokenizer
 
+    from data.tokenizer import resolve_tokenizer
+    from recipe.loader import effective_shape, load_recipe
+    from tests.helpers.service_server import ROOT, TINY
+
     tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=1).result()
-    folder = Path(tc.get_info().model_data.tokenizer_id)
-    assert (folder / "tokenizer.json").is_file()  # a path the client can read
+    tid = tc.get_info().model_data.tokenizer_id
+    assert tid == BASE_MODEL and str(server.storage) not in tid and not Path(tid).is_absolute()
     tok = tc.get_tokenizer()
-    ref = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    # The server's folder, found as the server found it (the same recipe and cache).
+    vocab = effective_shape(load_recipe(ROOT / "recipes/debug.toml", TINY)).vocab_size
+    ref = Tokenizer.from_file(
+        str(Path(resolve_tokenizer("embedded", vocab_size=vocab)) / "tokenizer.json")
+    )
     text = "def f(x):\n    return x + 1  # ok"
     assert tok.encode(text, add_special_tokens=False) == ref.encode(text).ids
     assert tok.eos_token_id == ref.token_to_id("<|end_of_text|>")

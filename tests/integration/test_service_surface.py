@@ -33,6 +33,7 @@ from tests.helpers.service_server import (  # noqa: E402
     ROOT,
     SEQ,
     TWO_TENANTS,
+    fetch_tokenizer,
     start_server,
 )
 from tests.helpers.service_server import sft_datum as datum  # noqa: E402
@@ -96,12 +97,10 @@ def test_every_sdk_method(server, tmp_path, monkeypatch):  # noqa: PLR0915
     run_id = tc.model_id
     session_id = sc.holder.get_session_id()
     sampler = tc.save_weights_and_get_sampling_client().result()
-    # SamplingClient.get_tokenizer loads AutoTokenizer.from_pretrained(<base name>); for a
-    # titanscale base the documented client setting: a folder of that name where the client
-    # runs, linking the tokenizer get_info names (docs/from_tinker.md).
-    (tmp_path / "titanscale").mkdir()
-    (tmp_path / BASE_MODEL).symlink_to(tc.get_info().model_data.tokenizer_id)
-    monkeypatch.chdir(tmp_path)
+    # get_tokenizer loads AutoTokenizer.from_pretrained(<base name>); for a titanscale base
+    # the documented client setting: tools.tokenizer writes that name's folder where the
+    # client runs (docs/from_tinker.md).
+    monkeypatch.chdir(fetch_tokenizer(server.url, tmp_path))
     prompt = types.ModelInput.from_ints(SEQ[:5])
     params = types.SamplingParams(max_tokens=3, temperature=1.0, seed=1)
     now = dt.datetime.now(dt.UTC)

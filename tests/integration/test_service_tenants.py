@@ -279,6 +279,7 @@ NO_OBJECT = {
     ("GET", "/api/v1/get_server_capabilities"),
     ("POST", "/api/v1/create_session"),
     ("POST", "/api/v1/telemetry"),
+    ("GET", "/api/v1/tokenizer"),  # the base's tokenizer, the same for every tenant
     # the caller's own, by query or body (tests/integration/test_service_surface.py)
     ("GET", "/api/v1/billing/usage/events"),
     ("POST", "/api/v1/sessions/search"),

@@ -265,15 +265,26 @@ def test_round_robin_across_sessions_and_accounting(sched, monkeypatch):
     assert sched.session_usage("x").device_seconds == 1.0 * 2
 
 
-def test_failing_op_fails_only_its_future(sched):
+def test_failing_op_fails_only_its_future(sched, monkeypatch):
+    """...and bills by fault: the service's own failure bills nothing (its time recorded as
+    `unbilled_s`), a failure on the tenant's input bills what ran, as success does (#41)."""
+    import service.scheduler
+
+    monkeypatch.setattr(service.scheduler, "time", _StepClock())  # every op: exactly 1 s
+    records: list[dict] = []
+    sched.record = records.append
     bad = sched.submit(Op("a", "op", lambda: 1 / 0))
     user = sched.submit(
-        Op("a", "op", lambda: (_ for _ in ()).throw(ServiceError(400, "no", field="f")))
+        Op("u", "op", lambda: (_ for _ in ()).throw(ServiceError(400, "no", field="f")))
     )
     good = sched.submit(Op("b", "op", lambda: Outcome(json={"ok": 1})))
     assert _wait(bad).category == "server" and "ZeroDivisionError" in _wait(bad).error
     assert _wait(user).category == "user" and _wait(user).error == "f: no"
     assert _wait(good).json == {"ok": 1}
+    billed = {s: sched.session_usage(s).device_seconds for s in "aub"}
+    assert billed == {"a": 0.0, "u": 2.0, "b": 2.0}  # 1 s x 2 devices, but not the fault's
+    by = {r["session"]: (r["device_s"], r["unbilled_s"]) for r in records}
+    assert by == {"a": (0.0, 2.0), "u": (2.0, 0.0), "b": (2.0, 0.0)}
 
 
 def test_drain_finishes_queued_work_and_refuses_new(sched):
