@@ -57,6 +57,30 @@ def hand_over(line: str) -> bool:
     return True
 
 
+def reported_elsewhere(wait_s: float = 1.0) -> bool:
+    """Under tools.torchrun: True when another rank of the job has handed over its one-line
+    message (a bad input or a failed user hook found mid-run). This rank's own failure is
+    then that rank's consequence (a collective whose peer exited: gloo's "Connection closed
+    by peer"), and its traceback would bury the one line. Polls up to `wait_s` (the peer
+    writes its message before it exits, so it is normally there at once)."""
+    import time
+
+    folder = os.environ.get(HANDOVER_DIR_ENV)
+    if not folder or os.environ.get(HANDOVER_PID_ENV) != str(os.getppid()):
+        return False
+    mine = f"-{os.getpid()}.txt"
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            if any(n.startswith("rank-") and not n.endswith(mine) for n in os.listdir(folder)):
+                return True
+        except OSError:
+            return False
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.05)
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """A ' (did you mean 'x'?)' hint, or '' when nothing is close."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
@@ -81,7 +105,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def exit_on_config_error(fn: F) -> F:
-    """Decorate a CLI `main`: a ConfigError becomes one line on stderr and exit code 2."""
+    """Decorate a CLI `main`: a ConfigError becomes one line on stderr and exit code 2.
+    Under tools.torchrun, any other exception on a rank after another rank handed over its
+    one line (`reported_elsewhere`) exits 2 quietly too: the job ends in that one line
+    (tools.torchrun prints it once), not in this rank's traceback of the broken collective."""
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -92,6 +119,10 @@ def exit_on_config_error(fn: F) -> F:
             if not hand_over(line):
                 print(line, file=sys.stderr)
             raise SystemExit(EXIT_BAD_INPUT) from None
+        except Exception:
+            if reported_elsewhere():
+                raise SystemExit(EXIT_BAD_INPUT) from None
+            raise
 
     return wrapper  # type: ignore[return-value]
 

@@ -386,6 +386,26 @@ def _balanced_expert_dispatch(p: Any) -> None:
     p.set(cls, "_sync_token_count_exchange", sync_counts)
 
 
+def _cpu_grouped_mm(p: Any) -> None:
+    """A CPU recipe's MoE experts: torch._grouped_mm runs float32 on CPU (post-training keeps
+    experts float32 there), but its meta kernel, which fake tensors use, applies CUDA's rule
+    (bf16/fp16 only). For a CPU target, unscaled float32 operands get the output the CPU
+    kernel gives (same shape rule, float32); everything else keeps torch's checks."""
+    import torch
+    from torch import _meta_registrations as meta
+
+    common = meta._meta_grouped_mm_common
+
+    def grouped_mm_common(mat_a, mat_b, scale_a=None, scale_b=None, offs=None, *a, **k):
+        if scale_a is None and mat_a.dtype == torch.float32 == mat_b.dtype:
+            torch._check(mat_a.size(-1) == mat_b.size(-2 if mat_b.dim() == 3 else 0),
+                         lambda: "contraction dimension of mat_a and mat_b must match")  # fmt: skip
+            return meta._create_grouped_mm_output_tensor(mat_a, mat_b, offs, torch.float32)
+        return common(mat_a, mat_b, scale_a, scale_b, offs, *a, **k)
+
+    p.set(meta, "_meta_grouped_mm_common", grouped_mm_common)
+
+
 @contextlib.contextmanager
 def fake_world(world: int, rank: int, caps, boundary: _Boundary) -> Iterator[Any]:
     """torch's fake process group at `world` ranks as `rank`, and the few patches a whole
@@ -462,6 +482,8 @@ def fake_world(world: int, rank: int, caps, boundary: _Boundary) -> Iterator[Any
         # the fp32 rstd) but decomposes on CPU (saving fp32 copies of the input and of the
         # normalized input, ~10 bytes per element more): the GPU's path, as on the GPU.
         p.set(torch.nn.functional, "rms_norm", _cuda_rms_norm())
+    else:
+        _cpu_grouped_mm(p)
     if caps.capability is not None:  # FP8 / MXFP8 converters check the GPU they run on
         cc = caps.capability
         for mod in (tt_float8, tt_mx):

@@ -13,9 +13,13 @@ _calls = 0
 
 
 def _after() -> bool:
-    """True once RL_HOOK_BAD_AFTER calls have passed (default: from the first call)."""
+    """True once RL_HOOK_BAD_AFTER calls have passed (default: from the first call), and
+    only on rank RL_HOOK_BAD_RANK when that is set (the other ranks stay good)."""
     global _calls
     _calls += 1
+    only = os.environ.get("RL_HOOK_BAD_RANK")
+    if only is not None and os.environ.get("RANK", "0") != only:
+        return False
     return _calls > int(os.environ.get("RL_HOOK_BAD_AFTER", "0"))
 
 

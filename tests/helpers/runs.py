@@ -60,8 +60,10 @@ def run_train(
     extra_args: list[str] | None = None,
     timeout: int = 600,
     check: bool = True,
+    launcher: str = "torch.distributed.run",
 ) -> subprocess.CompletedProcess:
-    """Run train.py (torchrun when nproc > 1) with job.output_dir=out."""
+    """Run train.py (torchrun when nproc > 1: `launcher`, plain torchrun or the README's
+    `tools.torchrun` wrapper) with job.output_dir=out."""
     args = ["--set", f"job.output_dir={out}"]
     for o in overrides:
         args += ["--set", o]
@@ -71,7 +73,7 @@ def run_train(
         cmd = [sys.executable, str(ROOT / "train.py"), *args]
     else:
         cmd = [
-            sys.executable, "-m", "torch.distributed.run",
+            sys.executable, "-m", launcher,
             f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
             f"--rdzv_endpoint=127.0.0.1:{free_port()}",
             *(extra_args or []),

@@ -4,9 +4,10 @@ Before: a NaN reward trained (loss nan) and saved a checkpoint whose optimizer s
 NaN, exit 0; a reward calling sys.exit(3) ended the run with exit 3 and no line. Now, with
 rl.on_error = "fail", the first bad reward stops the run: the last stderr line names the
 reward and the task, the exit code is 2, and the checkpoint of the last good update holds
-only finite tensors (read back with the safe DCP reader). One tiny run (1 layer, 3 prompts x
-2 samples, ~40 s); sys.exit, other returns and "skip" are shown through the same loop code
-in-process (tests/unit/test_reliability_rl_hooks.py).
+only finite tensors (read back with the safe DCP reader); on two ranks (tools.torchrun) where
+only one rank's reward fails, the job still ends in that one line. Tiny runs (1 layer, 3
+prompts x 2 samples per rank, ~40-60 s); sys.exit, other returns and "skip" are shown
+through the same loop code in-process (tests/unit/test_reliability_rl_hooks.py).
 """
 
 from __future__ import annotations
@@ -42,20 +43,24 @@ def _tensors(path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def _run(tmp_path, reward: str, on_error: str):
-    os.environ["RL_HOOK_BAD_AFTER"] = AFTER_ONE_UPDATE
+@pytest.mark.multiproc
+def test_nan_reward_on_one_rank_stops_the_run_in_one_line_with_finite_state(tmp_path):
+    """Two ranks under the README's launcher (tools.torchrun); each rank scores its own
+    prompts, and only rank 0's reward turns NaN (at update 2) while rank 1 goes on into the
+    update's collectives. The job ends with rank 0's one line, once, and exit 2: no
+    traceback from either rank or from torchrun (it printed rank 0's traceback first)."""
+    reward, needle = "nan_reward", "returned nan"
+    os.environ.update(RL_HOOK_BAD_AFTER=AFTER_ONE_UPDATE, RL_HOOK_BAD_RANK="0")
     try:
-        return run_train(tmp_path, TINY + [f"rl.reward={H}:{reward}", f"rl.on_error={on_error}"],
-                         recipe=RECIPE, check=False)  # fmt: skip
+        p = run_train(tmp_path, TINY + [f"rl.reward={H}:{reward}", "rl.on_error=fail"],
+                      recipe=RECIPE, check=False, nproc=2, launcher="tools.torchrun")  # fmt: skip
     finally:
         os.environ.pop("RL_HOOK_BAD_AFTER")
-
-
-def test_nan_reward_stops_the_run_in_one_line_with_finite_state(tmp_path):
-    reward, needle = "nan_reward", "returned nan"
-    p = _run(tmp_path, reward, "fail")
-    last = p.stderr.strip().splitlines()[-1]
-    assert p.returncode == 2, p.stderr[-2000:]
+        os.environ.pop("RL_HOOK_BAD_RANK")
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert len([ln for ln in lines if ln.startswith(("error:", "torchrun:"))]) == 1, lines[-10:]
+    last = lines[-1]
     assert last.startswith("error: recipes/rl_debug.toml: rl.reward: reward ") and needle in last
     assert "Traceback" not in p.stderr and "on task '" in last
     ckpt = tmp_path / "checkpoint"
@@ -63,7 +68,7 @@ def test_nan_reward_stops_the_run_in_one_line_with_finite_state(tmp_path):
     sd = _tensors(ckpt / "step-1")
     assert any("exp_avg" in k for k in sd)  # the optimizer state is in it
     assert all(torch.isfinite(v).all() for v in sd.values() if v.is_floating_point())
-    record_case("RL hooks", f"train.py run, {reward} (on_error = fail)")
+    record_case("RL hooks", f"train.py run on 2 ranks, {reward} on rank 0 (on_error = fail)")
 
 
 def test_every_rollout_failing_under_skip_exits_non_zero_without_nan(tmp_path):

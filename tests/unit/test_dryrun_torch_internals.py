@@ -67,6 +67,9 @@ TORCH_PRIVATE: list[tuple[str, str, str]] = [
     ("torch.distributed._tools.fake_collectives", "sync_ops", "imported"),
     ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup.post_backward",
      "patched (gradients tagged)"),
+    # a CPU recipe's float32 grouped GEMM (MoE experts) past CUDA's meta rule
+    ("torch._meta_registrations", "_meta_grouped_mm_common", "patched (wrapped: float32 on CPU)"),
+    ("torch._meta_registrations", "_create_grouped_mm_output_tensor", "called"),
     # torchtitan, patched by the same fake world
     ("torchtitan.tools.utils", "get_local_device", "patched"),
     ("torchtitan.distributed.utils", "set_determinism", "patched"),

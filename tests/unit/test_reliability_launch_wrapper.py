@@ -77,6 +77,30 @@ def test_rank_hands_its_line_over_only_to_its_own_wrapper(tmp_path, monkeypatch,
     record_case("torchrun", "message hand-over")
 
 
+@exit_on_config_error
+def _broken_collective() -> None:
+    raise RuntimeError("[gloo/transport/tcp/pair.cc:561] Connection closed by peer")
+
+
+def test_a_rank_failing_after_another_reported_stays_quiet(tmp_path, monkeypatch, capsys):
+    """A rank whose collective broke because a peer exited with its one line (an RL reward
+    failing on one rank only) exits 2 without a traceback; with no such line it raises."""
+    monkeypatch.setenv(HANDOVER_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(HANDOVER_PID_ENV, str(os.getppid()))
+    monkeypatch.setattr("core.errors.reported_elsewhere.__defaults__", (0.0,))
+    with pytest.raises(RuntimeError):  # nobody reported: this rank's own error, as it is
+        _broken_collective()
+    (tmp_path / "rank-0-999999.txt").write_text("error: r.toml: rl.reward: returned nan\n")
+    with pytest.raises(SystemExit) as e:
+        _broken_collective()
+    assert e.value.code == 2 and capsys.readouterr().err == ""
+    assert read_messages(tmp_path) == ["error: r.toml: rl.reward: returned nan"]
+    monkeypatch.setenv(HANDOVER_PID_ENV, "1")  # not under our wrapper: the traceback stands
+    with pytest.raises(RuntimeError):
+        _broken_collective()
+    record_case("torchrun", "a rank failing after another rank's one line")
+
+
 TORCHRUN_BAD = [
     (["--nproc_per_node=x"], "--nproc-per-node"),  # was ValueError from torch
     (["--nproc_per_node=0"], "--nproc-per-node"),  # was a bare AssertionError
