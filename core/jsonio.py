@@ -1,6 +1,8 @@
 """JSON read from files the project does not control (checkpoint metadata, manifests, run
 records): `loads` bounds the nesting depth, so a damaged or hostile file is a ValueError
-naming the depth, never a RecursionError from deep inside the parser (issue #41).
+naming the depth, never a RecursionError from deep inside the parser (issue #41);
+`loads_line` does the same for line-oriented readers (datasets, logs, refused bodies) at
+no cost to the lines that parse.
 
 The depth is counted before parsing by one pass over the brackets outside strings
 (`nesting_depth`, C-speed through `re`), then `json.loads` parses a document known to be
@@ -39,3 +41,14 @@ def loads(data: str | bytes, max_depth: int = MAX_DEPTH) -> Any:
     if depth > max_depth:
         raise ValueError(f"JSON nested {depth} levels deep (at most {max_depth} are read)")
     return json.loads(raw)
+
+
+def loads_line(data: str | bytes) -> Any:
+    """`json.loads` for one record of a line-oriented file or a body already refused (a
+    dataset's JSONL line, a log line): a line nested past the interpreter's recursion limit
+    is a ValueError, a bad line like any other malformed one, never a RecursionError. No
+    pre-scan: nothing is spent on the lines that parse (readers of whole datasets)."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to read") from None

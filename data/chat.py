@@ -38,6 +38,9 @@ from typing import Any
 
 import numpy as np
 
+from core import jsonio
+from core.jsonio import loads_line
+
 ROLES = ("system", "user", "assistant")
 # Bad-record reasons specific to SFT records (data.sources.BAD_REASONS are the generic ones).
 CHAT_BAD_REASONS = ("not_chat", "unknown_role", "no_assistant", "too_long", "template", "weight")
@@ -225,7 +228,7 @@ class ChatRenderer:
         no trained token is bad too.
         """
         try:
-            ex = parse_record(json.loads(line))
+            ex = parse_record(loads_line(line))
             segs = self.segments(ex.messages)
             cap = self.max_token_chars
             # Each segment is tokenized on its own: at least ceil(chars / cap) tokens each.
@@ -290,7 +293,7 @@ def has_chat_template(folder: str | Path) -> bool:
     if not cfg.exists():
         return False
     try:
-        return bool(json.loads(cfg.read_text()).get("chat_template"))
+        return bool(jsonio.loads(cfg.read_bytes()).get("chat_template"))
     except ValueError:
         return False
 
@@ -323,7 +326,7 @@ def make_renderer(tokenizer_folder: str | Path, template: str = "auto") -> ChatR
         cap = max_token_chars(backend) if backend is not None else None
         return ChatRenderer(hf_encode, template="hf", hf_render=hf_render, max_token_chars=cap)
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg = jsonio.loads((folder / "tokenizer_config.json").read_bytes())
 
     def special(name: str) -> str:
         v = cfg.get(name)

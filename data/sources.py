@@ -22,7 +22,6 @@ hub is not offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE); nothing is downloaded
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import ConfigError
+from core.jsonio import loads_line
 
 BAD_REASONS = ("undecodable", "invalid_json", "missing_field", "not_text", "empty")
 KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "text"}
@@ -56,7 +56,7 @@ def classify_jsonl_line(line: str, text_field: str) -> tuple[str | None, str | N
     if "\ufffd" in line:
         return None, "undecodable"
     try:
-        obj = json.loads(line)
+        obj = loads_line(line)
     except ValueError:
         return None, "invalid_json"
     if not isinstance(obj, dict):
@@ -356,7 +356,7 @@ def check_records(
 
             def classify_chat(line: str) -> str | None:
                 try:
-                    ex = parse_record(json.loads(line))
+                    ex = parse_record(loads_line(line))
                 except BadChat as e:
                     return e.reason
                 except ValueError:

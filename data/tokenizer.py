@@ -16,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+from core import jsonio
 from core.atomic import publish_folder
 from core.errors import ConfigError
 
@@ -116,7 +117,7 @@ def _vocab_json_id_count(folder: Path) -> int | None:
     """vocab.json's largest id + 1 (what torchtitan's HuggingFaceTokenizer builds from a
     vocab.json + merges.txt folder), or None when it is unreadable (torchtitan reports it)."""
     try:
-        ids = [int(v) for v in json.loads((folder / "vocab.json").read_text()).values()]
+        ids = [int(v) for v in jsonio.loads((folder / "vocab.json").read_bytes()).values()]
     except (OSError, ValueError, TypeError, AttributeError):
         return None
     return max(ids) + 1 if ids else None

@@ -10,13 +10,13 @@ checked on every assistant turn with the true history.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from core.jsonio import loads_line
 from data.chat import BadChat, ChatRenderer, Example, decode_masked, parse_record
 from runtime.steps import forward_logits, logprobs_of
 
@@ -28,7 +28,7 @@ def load_examples(path: str | Path) -> list[Example]:
         if not line.strip():
             continue
         try:
-            out.append(parse_record(json.loads(line)))
+            out.append(parse_record(loads_line(line)))
         except (BadChat, ValueError):
             continue
     return out

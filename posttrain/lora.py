@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from core import jsonio
+
 PEFT_WEIGHTS = "adapter_model.safetensors"
 # LoRA on MoE routed experts (runtime.moe_experts): PEFT cannot hold one pair per expert of a
 # fused expert tensor as transformers 5 lays Qwen3-MoE out, so these pairs go beside the PEFT
@@ -283,8 +285,8 @@ def read_peft(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     from safetensors.torch import load_file
 
     try:
-        with open(os.path.join(folder, PEFT_CONFIG)) as f:
-            cfg = json.load(f)
+        with open(os.path.join(folder, PEFT_CONFIG), "rb") as f:
+            cfg = jsonio.loads(f.read())
     except (OSError, ValueError) as e:
         raise ValueError(f"{PEFT_CONFIG} is unreadable ({type(e).__name__})") from None
     if not isinstance(cfg, dict):

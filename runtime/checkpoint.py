@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import re
 import shutil
@@ -65,6 +64,7 @@ from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
 
+from core import jsonio
 from core.atomic import (
     crc32_file,
     folder_crcs,
@@ -600,8 +600,8 @@ class AtomicCheckpointManager(CheckpointManager):
         shutil.rmtree(os.path.join(tmp, "sharded"), ignore_errors=True)
         base = None
         if cfg.export_base_config:
-            with open(os.path.join(cfg.export_base_config, "config.json")) as f:
-                base = json.load(f)
+            with open(os.path.join(cfg.export_base_config, "config.json"), "rb") as f:
+                base = jsonio.loads(f.read())
         dtype = str(self.export_dtype).removeprefix("torch.")
         config = hf_config(
             self.sd_adapter.model_config,

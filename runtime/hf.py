@@ -441,8 +441,8 @@ def special_token_ids(tokenizer_dir: str | None) -> dict[str, int]:
         return {}
     from tokenizers import Tokenizer
 
-    with open(cfg_path) as f:
-        cfg = json.load(f)
+    with open(cfg_path, "rb") as f:
+        cfg = jsonio.loads(f.read())
     tok = Tokenizer.from_file(tok_path)
     out = {}
     for name in ("bos", "eos", "pad"):

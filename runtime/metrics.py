@@ -33,6 +33,7 @@ from torchtitan.tools.logging import logger
 
 from core.atomic import write_text_atomic
 from core.hardware import peak_flops
+from core.jsonio import loads_line
 from core.launch_env import launch_env
 from core.models import model_shape
 from data.accounting import doc_masked_flops
@@ -515,7 +516,7 @@ def read_trajectory(path: str | os.PathLike) -> list[dict[str, Any]]:
             if not line:
                 continue
             try:
-                rec = json.loads(line)
+                rec = loads_line(line)
             except ValueError:
                 continue
             if not isinstance(rec, dict):
@@ -535,7 +536,7 @@ def read_starts(path: str | os.PathLike) -> list[dict[str, Any]]:
     with open(path) as f:
         for line in f:
             try:
-                rec = json.loads(line)
+                rec = loads_line(line)
             except ValueError:
                 continue
             if isinstance(rec, dict) and rec.get("event") == "start":

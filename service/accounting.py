@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.jsonio import loads_line
+
 log = logging.getLogger("service")
 FILE_NAME = "usage.jsonl"
 VERSION = 1
@@ -139,7 +141,7 @@ def read_records(path: str | Path, since: float | None = None) -> tuple[list[dic
     with open(path, "rb") as f:
         for raw in f:
             try:
-                r = json.loads(raw)
+                r = loads_line(raw)
                 ts, dev = float(r["ts"]), float(r["device_s"])
                 if not (isinstance(r["tenant"], str) and math.isfinite(ts + dev)):
                     raise ValueError

@@ -24,13 +24,13 @@ base) its weights, all settled before the model is built.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core import jsonio
 from core.errors import ConfigError
 
 HF_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+\Z")
@@ -67,7 +67,7 @@ def _eos_ids(tokenizer_dir: str, hf_folder: str | None) -> tuple[int, ...]:
         path = Path(hf_folder or "", name)
         if hf_folder and path.is_file():
             try:
-                value = json.loads(path.read_text()).get("eos_token_id")
+                value = jsonio.loads(path.read_bytes()).get("eos_token_id")
             except (OSError, ValueError):
                 continue
             values = value if isinstance(value, list) else [value]

@@ -39,6 +39,7 @@ from typing import Any
 
 from pydantic import Field
 
+from core.jsonio import loads_line
 from data.store import write_json_atomic
 from service import wire
 from service.accounting import AccountingLog
@@ -140,7 +141,7 @@ class AuditLog:
             with open(path, "rb") as f:
                 for raw in f:
                     with contextlib.suppress(ValueError, KeyError, TypeError):
-                        r = json.loads(raw)
+                        r = loads_line(raw)
                         self._by_tenant[str(r["tenant"])].append(r)
         self._log = AccountingLog(root, AUDIT_FILE)
         self._keys_seen: set[tuple[str, str]] = set()

@@ -10,13 +10,13 @@ client sends can overflow a conversion further down (decoding never ends in a 50
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Annotated, Any, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from core.jsonio import loads_line
 from service.errors import ServiceError, bad_request
 from service.types import LOSS_INPUTS, LOSSES, OPTIONAL_INPUTS, AdamParams, Datum, LoraSpec
 
@@ -206,7 +206,7 @@ def sequence_key(raw: bytes) -> tuple[str, int] | None:
     """(model_id, seq_id) of a JSON training request whose body failed validation, when both
     are readable: the refused request still takes its place in the model's order."""
     try:
-        obj = json.loads(raw)
+        obj = loads_line(raw)
     except (ValueError, UnicodeDecodeError):
         return None
     if not isinstance(obj, dict):

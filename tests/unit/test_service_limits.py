@@ -370,6 +370,34 @@ def test_json_readers_bound_nesting_depth(tmp_path):
     assert e.value.status == 422 and "nested" in e.value.message
 
 
+def test_line_readers_take_a_deep_line_as_a_bad_line(tmp_path):
+    """Each line-oriented reader of input it does not control: a line nested 100,000 deep
+    is one bad line (skipped, counted or refused as invalid), never a RecursionError (a
+    dataset scan, the usage index, a refused body's seq_id, a metrics resume)."""
+    from data.sources import classify_jsonl_line
+    from posttrain.evaluate import load_examples
+    from runtime.metrics import read_starts, read_trajectory
+    from service.accounting import read_records
+    from service.wire import sequence_key
+
+    deep = "[" * 100_000 + "]" * 100_000
+    assert classify_jsonl_line(deep, "text") == (None, "invalid_json")
+    good = '{"ts": 1.0, "device_s": 2.0, "tenant": "a"}'
+    (tmp_path / "usage.jsonl").write_text(f"{deep}\n{good}\n")
+    records, damaged = read_records(tmp_path / "usage.jsonl")
+    assert damaged == 1 and [r["tenant"] for r in records] == ["a"]
+    body = b'{"model_id": "m", "seq_id": 3, "x": ' + deep.encode() + b"}"
+    assert sequence_key(body) is None and sequence_key(b'{"model_id": "m", "seq_id": 3}')
+    chat = (
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}'
+    )
+    (tmp_path / "eval.jsonl").write_text(f"{deep}\n{chat}\n")
+    assert len(load_examples(tmp_path / "eval.jsonl")) == 1
+    (tmp_path / "metrics.jsonl").write_text(f'{deep}\n{{"step": 1, "loss": 2.0}}\n')
+    assert [r["step"] for r in read_trajectory(tmp_path / "metrics.jsonl")] == [1]
+    assert read_starts(tmp_path / "metrics.jsonl") == []
+
+
 def test_an_adapter_export_refuses_another_runs_folder(tmp_path):
     """Round III: two runs given one finetune.export_dir silently replaced the first export."""
     from types import SimpleNamespace

@@ -5,7 +5,6 @@ checks (no model, no HTTP)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -112,8 +111,9 @@ def test_served_base_name_context_and_memory(tmp_path):
     big = 1 << 40
     base = resolve_served_base(r, device_bytes=big)
     assert base.name == "titanscale/debug" and base.context == 64 and base.hf_folder is None
-    # no Hugging Face name: clients are told the tokenizer folder's path
-    assert base.tokenizer_id == str(Path(base.tokenizer_dir).resolve())
+    # no Hugging Face name: clients are told the served name, never this machine's path
+    # (they fetch the files with tools.tokenizer)
+    assert base.tokenizer_id == "titanscale/debug" and base.tokenizer_dir not in base.tokenizer_id
     tok = Tokenizer.from_file(f"{base.tokenizer_dir}/tokenizer.json")
     assert base.eos_ids == (tok.token_to_id("<|end_of_text|>"),)  # the embedded tokenizer's
     assert resolve_served_base(r, context=4096, device_bytes=big).context == 4096
