@@ -134,7 +134,11 @@ PRETRAIN_MAX = [
     "job.collective_timeout_s=1", "validation.enable=true",
     "validation.every=1", "validation.steps=1", "training.local_batch_size=1",
     "profiling.every=1", "data.mix_window=1", "data.window=1", "metrics.log_every=1",
-
+    # straggler detection at its extremes; [fault_tolerance] values are read only when
+    # enabled (train.py refuses enabled = true: docs/fault_tolerance.md), inert here
+    "metrics.straggler_ratio=0.0", "metrics.straggler_steps=1",
+    "fault_tolerance.replica_groups=1", "fault_tolerance.quorum_timeout_s=1",
+    "fault_tolerance.sync_steps=1",
 ]  # fmt: skip
 RL_COMMON = [
     "rl.enabled=true", "training.steps=1", "rl.prompts_per_step=1", "rl.group_size=2",
