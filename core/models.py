@@ -1,4 +1,5 @@
-"""Model families and shapes read from torchtitan's own registries (never copied by hand).
+"""Model families and shapes read from torchtitan's own registries (never copied by hand;
+titanscale's few own flavors are built from them by core.small_flavors).
 
 The planner, the memory and performance models and recipe validation need a model's
 dimensions without building it. `model_shape(flavor, family)` builds torchtitan's model
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from core.errors import did_you_mean
+from core.small_flavors import SMALL_FLAVORS
 
 # torchtitan's llama3 registry keys; the recipe contract names these four (1B/3B also work).
 LLAMA3_FLAVORS = ("debugmodel", "1B", "3B", "8B", "70B", "405B")
@@ -27,13 +29,14 @@ GPT_OSS_FLAVORS = ("debugmodel", "20b", "120b")
 KIMI_FLAVORS = ("debugmodel", "moonlight-16B-A3B")
 KIMI_VISION_FLAVORS = ("Kimi-VL-A3B", "Kimi-K2.5")
 
-# family -> the flavors titanscale trains.
+# family -> the flavors titanscale trains: torchtitan's, plus titanscale's own small
+# sigmoid-routed DeepSeek-V3 / Kimi shapes (core.small_flavors).
 FAMILIES: dict[str, tuple[str, ...]] = {
     "llama3": LLAMA3_FLAVORS,
     "qwen3": QWEN3_FLAVORS + QWEN3_MOE_FLAVORS,
-    "deepseek_v3": DEEPSEEK_V3_FLAVORS,
+    "deepseek_v3": DEEPSEEK_V3_FLAVORS + SMALL_FLAVORS["deepseek_v3"],
     "gpt_oss": GPT_OSS_FLAVORS,
-    "kimi_k2_7": KIMI_FLAVORS,
+    "kimi_k2_7": KIMI_FLAVORS + SMALL_FLAVORS["kimi_k2_7"],
 }
 MOE_FAMILIES = ("deepseek_v3", "gpt_oss", "kimi_k2_7")  # every flavor MoE (qwen3: some)
 # Hugging Face model_type per family (a `checkpoint.load_hf` folder's config.json is checked
@@ -247,12 +250,49 @@ class ModelShape:
         return 6 * matmul + 6 * self.n_layers * self.n_heads * self.attention_head_dims * seq_len
 
 
+# RMSNorm epsilons of the DeepSeek-V3 architecture (deepseek_v3, kimi_k2_7). torchtitan 0.3.0
+# leaves every norm of these configs at RMSNorm's default 1e-5; the released models differ:
+# MLA's latent norms (q_a_layernorm, kv_a_layernorm) are 1e-6 in transformers' DeepseekV3
+# and DeepSeek's own code whatever config.json says, and the layer and final norms are
+# config.json's rms_norm_eps: 1e-6 for DeepSeek-V3 (V2 alike), 1e-5 for Moonlight and
+# Kimi-K2.5. With torchtitan's 1e-5 the small sigmoid flavor's logits were 0.18 off
+# transformers' on the same weights (tests/integration/test_hf_interop.py).
+MLA_LATENT_NORM_EPS = 1e-6
+MLA_LAYER_NORM_EPS = {"deepseek_v3": 1e-6, "kimi_k2_7": 1e-5}
+
+
+def _set_mla_norm_eps(cfg, family: str) -> None:  # noqa: ANN001 (torchtitan config)
+    """Every RMSNorm of a DeepSeek-V3/Kimi text model at the released models' epsilon."""
+    import dataclasses
+
+    from torchtitan.models.common import RMSNorm
+
+    def walk(c, layer_eps: float) -> None:  # noqa: ANN001
+        for f in dataclasses.fields(c):
+            v = getattr(c, f.name)
+            if isinstance(v, RMSNorm.Config):
+                v.eps = MLA_LATENT_NORM_EPS if f.name in ("q_norm", "kv_norm") else layer_eps
+            elif dataclasses.is_dataclass(v) and f.name != "vision_encoder":
+                walk(v, layer_eps)
+
+    eps = MLA_LAYER_NORM_EPS[family]
+    for layer in [*cfg.layers, *(getattr(cfg, "mtp_layers", None) or ())]:
+        walk(layer, eps)
+    cfg.norm.eps = eps
+
+
 def model_config(flavor: str, family: str = "llama3"):  # noqa: ANN201 (torchtitan type)
     """torchtitan's model config for `family`/`flavor` (KeyError for unknown flavors).
 
     MoE families are built with torchtitan's "standard" token dispatch (all-to-all under
     expert parallelism, local otherwise); Kimi's vision tower is dropped (text model).
+    titanscale's own flavors (core.small_flavors) are built there. DeepSeek-V3 and Kimi norms
+    take the released models' epsilons (MLA_LAYER_NORM_EPS).
     """
+    if family in MLA_LAYER_NORM_EPS:
+        cfg = _mla_model_config(flavor, family)
+        _set_mla_norm_eps(cfg, family)
+        return cfg
     if family == "qwen3":
         from torchtitan.models.qwen3 import qwen3_configs
 
@@ -261,22 +301,29 @@ def model_config(flavor: str, family: str = "llama3"):  # noqa: ANN201 (torchtit
         from torchtitan.models.llama3 import llama3_configs
 
         return llama3_configs[flavor](attn_backend="flex")
-    if family == "deepseek_v3":
-        from torchtitan.models.deepseek_v3 import deepseekv3_configs
-
-        return deepseekv3_configs[flavor](attn_backend="flex", moe_comm_backend="standard")
     if family == "gpt_oss":
         from torchtitan.models.gpt_oss import gptoss_configs
 
         return gptoss_configs[flavor](attn_backend="flex", moe_comm_backend="standard")
-    if family == "kimi_k2_7":
-        import dataclasses
-
-        from torchtitan.models.kimi_k2_7 import kimi_k2_5_configs
-
-        cfg = kimi_k2_5_configs[flavor](attn_backend="flex", moe_comm_backend="standard")
-        return dataclasses.replace(cfg, vision_encoder=None)
     raise KeyError(family)
+
+
+def _mla_model_config(flavor: str, family: str):  # noqa: ANN202 (torchtitan type)
+    """torchtitan's DeepSeek-V3 / Kimi text config of `flavor`, or ours (core.small_flavors)."""
+    if flavor in SMALL_FLAVORS.get(family, ()):
+        from core.small_flavors import small_model_config
+
+        return small_model_config(family, flavor)
+    if family == "deepseek_v3":
+        from torchtitan.models.deepseek_v3 import deepseekv3_configs
+
+        return deepseekv3_configs[flavor](attn_backend="flex", moe_comm_backend="standard")
+    import dataclasses
+
+    from torchtitan.models.kimi_k2_7 import kimi_k2_5_configs
+
+    cfg = kimi_k2_5_configs[flavor](attn_backend="flex", moe_comm_backend="standard")
+    return dataclasses.replace(cfg, vision_encoder=None)
 
 
 @cache

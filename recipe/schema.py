@@ -81,7 +81,9 @@ class ModelSection:
             "torchtitan flavor of the family. llama3: debugmodel, 1B, 3B, 8B, 70B, 405B; "
             "qwen3: debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B, debugmodel_moe, 30B-A3B, "
             "235B-A22B; deepseek_v3: debugmodel, 16B, 236B, 671B; gpt_oss: debugmodel, 20b, "
-            "120b; kimi_k2_7: debugmodel (text tower), moonlight-16B-A3B."
+            "120b; kimi_k2_7: debugmodel (text tower), moonlight-16B-A3B. deepseek_v3 and "
+            "kimi_k2_7 also have titanscale's debugmodel_sigmoid (671B's / Moonlight's "
+            "sigmoid routing and RoPE at debug size; core/small_flavors.py)."
         ),
     )
     tokenizer: str = field(

@@ -202,10 +202,14 @@ def model_spec(family: str, flavor: str) -> ModelSpec:
     import importlib
 
     from core.models import model_config
+    from core.small_flavors import SMALL_FLAVORS
     from runtime.hf_adapters import HF_ADAPTERS
 
     registry = importlib.import_module(f"torchtitan.models.{family}").model_registry
-    spec = registry(flavor)
+    # titanscale's own flavors are not in torchtitan's registry: its debugmodel's spec
+    # (parallelize fn, adapter, hooks) carries them, with their config below.
+    spec = registry("debugmodel" if flavor in SMALL_FLAVORS.get(family, ()) else flavor)
+    spec.flavor = flavor
     spec.model = model_config(flavor, family)
     spec.state_dict_adapter = HF_ADAPTERS.get(family, spec.state_dict_adapter)
     return spec

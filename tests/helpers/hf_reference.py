@@ -95,6 +95,67 @@ GPT_OSS_DEBUG: dict[str, Any] = {
     "attention_bias": True,
 }
 
+# DeepseekV3Config kwargs for titanscale's deepseek_v3 "debugmodel_sigmoid" (core.small_flavors:
+# DeepSeek-V3 671B's routing and RoPE at debug size): 3 layers (first_k_dense_replace 1),
+# MLA with a query LoRA, 32 experts of width 64 in 8 groups (4 kept), top-8 sigmoid scores
+# renormalised and scaled by 2.5, one shared expert, YaRN (factor 40, mscale 1) as in 671B's
+# config.json; norms at DeepSeek's 1e-6.
+DEEPSEEK_V3_SIGMOID_DEBUG: dict[str, Any] = {
+    "vocab_size": 2048,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "n_routed_experts": 32,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "n_group": 8,
+    "topk_group": 4,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 1,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 163840,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+    },
+    "rope_interleave": True,
+    "num_mtp_layers": 0,
+    "tie_word_embeddings": False,
+}
+
+# The same for kimi_k2_7 "debugmodel_sigmoid" (Moonlight-16B-A3B's routing and RoPE, whose
+# config.json is a DeepseekV3Config): queries projected directly (q_lora_rank null), 16
+# experts in one group, top-6 scaled by 2.446, two shared experts, plain RoPE theta 5e4,
+# norms at Moonlight's 1e-5 (transformers keeps MLA's latent norms at 1e-6).
+KIMI_SIGMOID_DEBUG: dict[str, Any] = {
+    **DEEPSEEK_V3_SIGMOID_DEBUG,
+    "q_lora_rank": None,
+    "n_routed_experts": 16,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.446,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 8192,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
+}
+
 TOL = 1e-4
 
 

@@ -2,7 +2,9 @@
 
     python tests/integration/_hf_interop_worker.py FAMILY WORKDIR [scratch]
 
-FAMILY: llama3, qwen3, or a mixture-of-experts case of MOE_CASES (qwen3_moe, gpt_oss).
+FAMILY: llama3, qwen3, or a mixture-of-experts case of MOE_CASES (qwen3_moe, gpt_oss,
+deepseek_v3, kimi_k2_7: the last two titanscale's `debugmodel_sigmoid` flavors, each a
+transformers `DeepseekV3ForCausalLM`).
 
 1. Builds a small model of FAMILY with `transformers` (random weights), save_pretrained.
 2. Loads it through titanscale (`checkpoint.load_hf`, torchtitan's adapter) and compares
@@ -30,15 +32,33 @@ import torch  # noqa: E402
 MOE_CASES = {
     "qwen3_moe": ("qwen3", "debugmodel_moe", 2),
     "gpt_oss": ("gpt_oss", "debugmodel", 2),
+    "deepseek_v3": ("deepseek_v3", "debugmodel_sigmoid", 0),
+    "kimi_k2_7": ("kimi_k2_7", "debugmodel_sigmoid", 0),
 }
+# Formats without a routing bias (the others carry it as e_score_correction_bias).
+NO_ROUTING_BIAS = ("qwen3_moe", "gpt_oss")
 
 
 def hf_model(family: str):
     """transformers' model with the debug flavor's shape (the independent reference)."""
     import transformers
 
-    from tests.helpers.hf_reference import GPT_OSS_DEBUG, QWEN3_MOE_DEBUG
+    from tests.helpers.hf_reference import (
+        DEEPSEEK_V3_SIGMOID_DEBUG,
+        GPT_OSS_DEBUG,
+        KIMI_SIGMOID_DEBUG,
+        QWEN3_MOE_DEBUG,
+    )
 
+    if family in ("deepseek_v3", "kimi_k2_7"):
+        kw = DEEPSEEK_V3_SIGMOID_DEBUG if family == "deepseek_v3" else KIMI_SIGMOID_DEBUG
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kw))
+        # transformers initialises the routing bias to zero: a random one makes the load
+        # check that it is read, and that it only chooses experts (never weights them).
+        with torch.no_grad():
+            for layer in model.model.layers[kw["first_k_dense_replace"] :]:
+                layer.mlp.gate.e_score_correction_bias.uniform_(-0.05, 0.05)
+        return model
     if family == "qwen3_moe":
         return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**QWEN3_MOE_DEBUG))
     if family == "gpt_oss":
@@ -76,7 +96,8 @@ def our_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        out = model(tokens, positions, masks)
+        # by keyword: Kimi's forward takes both keyword-only (images may come first)
+        out = model(tokens, positions=positions, attention_masks=masks)
         if getattr(model, "_skip_lm_head", False):  # the chunked loss applies lm_head itself
             out = model.lm_head(out)  # type: ignore[operator]
     model.train(was_training)
@@ -109,7 +130,7 @@ def main() -> None:
         f"model.flavor={flavor}",
         f"model.layers={layers}",
         # The Qwen3-MoE / GPT-OSS formats have no routing bias to export (runtime.hf).
-        *(["moe.load_balance=none"] if family in MOE_CASES else []),
+        *(["moe.load_balance=none"] if family in NO_ROUTING_BIAS else []),
         *([] if scratch else [f"checkpoint.load_hf={src}"]),
         "checkpoint.export_hf=true",
         "checkpoint.export_dtype=float32",

@@ -1,11 +1,13 @@
 """Hugging Face weights in and out against transformers as the external reference.
 
-For a small Llama 3 (torchtitan's debug shape), a small Qwen3, Qwen3-MoE and GPT-OSS built
-with `transformers`
-(random weights, save_pretrained): `checkpoint.load_hf` gives float32 logits equal to
-transformers' within 1e-4 on the same tokens; after 3 training steps with `export_hf`, the
-exported folder loads in transformers and matches our trained model's logits again.
-Each case runs in its own process (it starts a one-process gloo group): ~20-30 s each.
+For a small Llama 3 (torchtitan's debug shape), a small Qwen3, Qwen3-MoE, GPT-OSS and two
+DeepSeek-V3 models (deepseek_v3 and kimi_k2_7 `debugmodel_sigmoid`: DeepSeek-V3 671B's and
+Moonlight's sigmoid routing with a random `e_score_correction_bias`, MLA with and without a
+query LoRA, YaRN and plain RoPE) built with `transformers` (random weights, save_pretrained):
+`checkpoint.load_hf` gives float32 logits equal to transformers' within 1e-4 on the same
+tokens; after 3 training steps with `export_hf`, the exported folder loads in transformers
+and matches our trained model's logits again.
+Each case runs in its own process (it starts a one-process gloo group): ~20-40 s each.
 """
 
 from __future__ import annotations
@@ -41,10 +43,14 @@ def _run(family: str, tmp: Path, *extra: str) -> dict:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize(
+    "family", ["llama3", "qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3", "kimi_k2_7"]
+)
 def test_load_hf_and_export_match_transformers(family, tmp_path):
     """Mixture of experts (docs/moe.md): Qwen3MoeConfig and GptOssConfig models (torchtitan's
-    qwen3 debugmodel_moe and gpt_oss debugmodel shapes, 2 layers) in and out the same way."""
+    qwen3 debugmodel_moe and gpt_oss debugmodel shapes, 2 layers) and DeepseekV3Config models
+    (titanscale's deepseek_v3 / kimi_k2_7 debugmodel_sigmoid, 3 layers: one dense, two MoE)
+    in and out the same way."""
     r = _run(family, tmp_path)
     # The comparison can fail: before loading, our randomly initialised model is far off.
     assert r["init_gap"] > 100 * TOL

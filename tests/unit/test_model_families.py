@@ -6,6 +6,8 @@ and config.json files written by `transformers`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -14,6 +16,8 @@ from core.models import (
     FAMILIES,
     KIMI_VISION_FLAVORS,
     LLAMA3_FLAVORS,
+    MLA_LATENT_NORM_EPS,
+    MLA_LAYER_NORM_EPS,
     MOE_FAMILIES,
     QWEN3_FLAVORS,
     QWEN3_MOE_FLAVORS,
@@ -21,6 +25,7 @@ from core.models import (
     model_shape,
     shape_of_config,
 )
+from core.small_flavors import SIGMOID_SOURCE, SMALL_FLAVORS
 from parallel.perf import model_flops_per_token
 from recipe.loader import load_recipe
 from runtime.hf import hf_config, shape_mismatch
@@ -81,9 +86,13 @@ def test_flavor_lists_are_torchtitans_moe_registries():
     from torchtitan.models.gpt_oss import gptoss_configs
     from torchtitan.models.kimi_k2_7 import kimi_k2_5_configs
 
-    assert set(FAMILIES["deepseek_v3"]) == set(deepseekv3_configs)
+    # titanscale's own flavors (core.small_flavors) are the only ones not in torchtitan's.
+    ours = SMALL_FLAVORS["deepseek_v3"]
+    assert set(FAMILIES["deepseek_v3"]) == set(deepseekv3_configs) | set(ours)
     assert set(FAMILIES["gpt_oss"]) == set(gptoss_configs)
-    assert set(FAMILIES["kimi_k2_7"]) | set(KIMI_VISION_FLAVORS) == set(kimi_k2_5_configs)
+    kimi = set(kimi_k2_5_configs) | set(SMALL_FLAVORS["kimi_k2_7"])
+    assert set(FAMILIES["kimi_k2_7"]) | set(KIMI_VISION_FLAVORS) == kimi
+    assert not set(ours) & (set(deepseekv3_configs) | set(kimi_k2_5_configs))
     assert {fam for fam, _ in _EVERY_MOE_FLAVOR} == {"qwen3", *MOE_FAMILIES}
 
 
@@ -105,6 +114,28 @@ def test_moe_shape_counts_equal_torchtitans(family, flavor):
     )
     _, flops = cfg.get_nparams_and_flops(model, 4096)
     assert shape.flops_per_token(4096) == flops
+
+
+@pytest.mark.parametrize("family", sorted(SIGMOID_SOURCE))
+def test_small_sigmoid_flavor_routes_as_its_source(family):
+    """debugmodel_sigmoid: the big sigmoid flavor's router and RoPE (torchtitan's config),
+    one dense layer then MoE; every norm at the released models' epsilon."""
+    big, small = (
+        model_config(SIGMOID_SOURCE[family][0], family),
+        model_config("debugmodel_sigmoid", family),
+    )
+    r_big, r_small = big.layers[-1].moe.router, small.layers[-1].moe.router
+    for f in ("score_func", "top_k", "num_expert_groups", "num_limited_groups", "route_norm",
+              "route_scale"):  # fmt: skip
+        assert getattr(r_small, f) == getattr(r_big, f), f
+    assert r_small.score_func == "sigmoid"
+    rope_big, rope_small = big.layers[0].attention.rope, small.layers[0].attention.rope
+    assert dataclasses.replace(rope_small, dim=rope_big.dim) == rope_big
+    assert small.layers[0].moe is None and all(x.moe is not None for x in small.layers[1:])
+    for cfg in (big, small):
+        attn = cfg.layers[0].attention
+        assert attn.kv_norm.eps == MLA_LATENT_NORM_EPS
+        assert cfg.norm.eps == cfg.layers[1].ffn_norm.eps == MLA_LAYER_NORM_EPS[family]
 
 
 def test_mtp_shape_counts_equal_torchtitans():
