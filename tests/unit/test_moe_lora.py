@@ -163,8 +163,21 @@ def test_routed_expert_file_loads_in_the_service(tmp_path):
     served.load_state("a", folder, optimizer=False)
     params = served.adapters["a"].params
     assert float((served_logits(params) - ref).abs().max()) < 1e-5
-    trained = [n for n, p in params.items() if p.requires_grad and ".lora_a1" in n]
-    assert trained  # the client trains the routed-expert pairs it loaded
+    # The client trains the routed-expert pairs it loaded: one step moves them.
+    import numpy as np
+
+    from service.types import AdamParams, Datum
+
+    key_b1 = next(n for n in params if n.endswith(".lora_b1"))
+    b1 = params[key_b1].detach().clone()
+    seq = x[0].numpy()
+    datum = Datum(seq[:-1], {"target_tokens": seq[1:], "weights": np.ones(len(seq) - 1, "f4")})
+    served.forward_backward("a", [datum], "cross_entropy", {}, forward_only=False)
+    served.optim_step("a", AdamParams(learning_rate=1e-3))
+    params = served.adapters["a"].params
+    assert params[key_b1].requires_grad and not torch.equal(params[key_b1], b1)
+    served.load_state("a", folder, optimizer=False)  # back to the export's pairs
+    params = served.adapters["a"].params
     served.save_sampler_weights("a", tmp_path / "saved")
     again = load_file(tmp_path / "saved" / ROUTED_EXPERTS_WEIGHTS)
     for k, v in expert_adapter_state(exporter).items():
