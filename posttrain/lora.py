@@ -101,6 +101,50 @@ def fold_expert_adapters(
     return out
 
 
+def is_expert_key(name: str) -> bool:
+    """Whether an adapter tensor name is a routed-expert pair's (`...lora_a1`), not a
+    LoRA Linear's (`...lora_a.weight`)."""
+    return re.search(r"\.lora_[ab][123]$", name) is not None
+
+
+def write_expert_adapter(folder: str, experts: dict[str, torch.Tensor]) -> None:
+    """The routed-expert pairs as ROUTED_EXPERTS_WEIGHTS in `folder` (torchtitan names)."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().cpu().contiguous() for k, v in experts.items()},
+              os.path.join(folder, ROUTED_EXPERTS_WEIGHTS))  # fmt: skip
+
+
+def read_expert_adapter(folder: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """ROUTED_EXPERTS_WEIGHTS of an adapter folder, checked against `shapes` (every pair the
+    model's routed experts hold at the folder's rank: runtime.moe_experts
+    .expert_adapter_shapes): ValueError naming the file (and the tensor) when it is
+    unreadable, lacks a pair, holds one the model has no slot for, or has a shape that does
+    not fit or a non-finite value. safetensors holds no code."""
+    from safetensors.torch import load_file
+
+    f = ROUTED_EXPERTS_WEIGHTS
+    if not shapes:
+        raise ValueError(f"{f}: this model has no routed experts to adapt")
+    try:
+        tensors = load_file(os.path.join(folder, f))
+    except Exception as e:  # safetensors raises its own error types for damaged files
+        raise ValueError(f"{f} is unreadable ({type(e).__name__})") from None
+    extra = sorted(set(tensors) - set(shapes))
+    if extra:
+        raise ValueError(f"{f}: no routed-expert slot for {extra[0]}")
+    for name, shape in shapes.items():
+        t = tensors.get(name)
+        if t is None:
+            raise ValueError(f"{f}: {name} is missing")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{f}: {name} has shape {tuple(t.shape)}, this model's adapter "
+                             f"needs {shape}")  # fmt: skip
+        if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{f}: {name} is not finite floating point")
+    return tensors
+
+
 class AdapterWeights(nn.Module):
     """One adapter's tensors, parameters named as the model's LoRA weights
     (`layers.0.attention.wo.lora_a.weight`): torchtitan's optimizer container, DCP
@@ -440,10 +484,7 @@ def export_adapter(
         export_peft(tmp, rank=r.lora.rank, alpha=r.lora.alpha, **kw)
         scale = r.lora.alpha / r.lora.rank
         if experts:
-            from safetensors.torch import save_file
-
-            save_file({k: v.detach().cpu().contiguous() for k, v in experts.items()},
-                      os.path.join(tmp, ROUTED_EXPERTS_WEIGHTS))  # fmt: skip
+            write_expert_adapter(tmp, experts)
             if base is not None:  # new tensors for the experts: the model's stay untouched
                 base = fold_expert_adapters(base, experts, scale)
         if base is not None:

@@ -23,6 +23,10 @@ every expert in one `torch._grouped_mm` per projection over the tokens sorted by
 `torch._grouped_mm` needs every row stride a multiple of 16 bytes, so the rank must be a
 multiple of 8 (bfloat16) -- checked when the config is built.
 
+`bind_adapter` points a module at another adapter's pairs (by reference, at its own scale):
+the service holds one frozen base whose experts have no pairs of their own and binds each
+client's (a folder with `routed_experts_lora.safetensors`, posttrain.lora) per operation.
+
 `convert_experts` swaps every `GroupedExperts.Config` in a model config tree for this one
 (after torchtitan's LoRA converter, which freezes every non-Linear module, so it is the
 last converter).
@@ -78,6 +82,8 @@ class LoRAGroupedExperts(GroupedExperts):
         self.rank = config.rank
         self.scaling = config.alpha / config.rank if config.rank else 0.0
         self.compute_dtype = config.compute_dtype
+        self._bound: dict[str, torch.Tensor] | None = None  # bind_adapter's pairs
+        self._bound_scaling = 0.0
         if config.freeze_base or config.rank:
             for p in (self.w1_EFD, self.w2_EDF, self.w3_EFD):
                 p.requires_grad_(False)
@@ -89,6 +95,13 @@ class LoRAGroupedExperts(GroupedExperts):
                 ("lora_a2", (E, r, Fh)), ("lora_b2", (E, D, r)),
             ):  # fmt: skip
                 self.register_parameter(name, nn.Parameter(torch.empty(shape)))
+
+    def bind_adapter(self, pairs: dict[str, torch.Tensor] | None, scaling: float) -> None:
+        """Compute with `pairs` (lora_{a,b}{1,2,3} -> tensor, the shapes of this module's
+        own; used by reference) at `scaling` in place of the module's own pairs; None: the
+        module's own again (none at rank 0: the base experts)."""
+        self._bound = dict(pairs) if pairs else None
+        self._bound_scaling = scaling
 
     def _distribute_states(self, parallel_dims: Any) -> None:
         """torchtitan places the base weights (its sharding config names w1/w2/w3 only);
@@ -121,11 +134,16 @@ class LoRAGroupedExperts(GroupedExperts):
     def _proj(self, x: torch.Tensor, which: str, offs: torch.Tensor, dt: torch.dtype):
         w = _local(getattr(self, {"1": "w1_EFD", "2": "w2_EDF", "3": "w3_EFD"}[which]))
         y = self._mm(x, w.to(dt), offs)
-        if self.rank:
-            a = _local(getattr(self, f"lora_a{which}")).to(dt)
-            b = _local(getattr(self, f"lora_b{which}")).to(dt)
-            y = y + self.scaling * self._mm(self._mm(x, a, offs), b, offs)
-        return y
+        if self._bound is not None:
+            a, b = self._bound[f"lora_a{which}"], self._bound[f"lora_b{which}"]
+            scaling = self._bound_scaling
+        elif self.rank:
+            a, b = getattr(self, f"lora_a{which}"), getattr(self, f"lora_b{which}")
+            scaling = self.scaling
+        else:
+            return y
+        a, b = _local(a).to(dt), _local(b).to(dt)
+        return y + scaling * self._mm(self._mm(x, a, offs), b, offs)
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         dt = torch.bfloat16 if self.compute_dtype == "bfloat16" else _local(self.w1_EFD).dtype
@@ -170,10 +188,39 @@ def convert_experts(
     return model_config
 
 
-def expert_lora_modules(model: nn.Module) -> list[tuple[str, LoRAGroupedExperts]]:
-    """(name, module) of every routed-experts module carrying an adapter, in model order."""
+def expert_modules(model: nn.Module) -> list[tuple[str, LoRAGroupedExperts]]:
+    """(name, module) of every routed-experts module, in model order, named as the state
+    dict names it (an activation-checkpointing wrapper's name left out)."""
     return [
         (n.replace("._checkpoint_wrapped_module", ""), m)
         for n, m in model.named_modules()
-        if isinstance(m, LoRAGroupedExperts) and m.rank
+        if isinstance(m, LoRAGroupedExperts)
     ]
+
+
+def expert_lora_modules(model: nn.Module) -> list[tuple[str, LoRAGroupedExperts]]:
+    """(name, module) of every routed-experts module carrying an adapter, in model order."""
+    return [(n, m) for n, m in expert_modules(model) if m.rank]
+
+
+def expert_adapter_shapes(model: nn.Module, rank: int) -> dict[str, tuple[int, ...]]:
+    """The routed-expert pairs a rank-`rank` adapter of `model` holds: name
+    (`<module>.lora_{a,b}{1,2,3}`) -> shape (A1, A3: (E, r, D); B1, B3: (E, F, r); A2:
+    (E, r, F); B2: (E, D, r)), from each module's base weights (whole shapes)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, m in expert_modules(model):
+        E, Fh, D = m.w1_EFD.shape
+        for key, shape in (("a1", (E, rank, D)), ("b1", (E, Fh, rank)), ("a3", (E, rank, D)),
+                           ("b3", (E, Fh, rank)), ("a2", (E, rank, Fh)), ("b2", (E, D, rank))):  # fmt: skip
+            out[f"{name}.lora_{key}"] = shape
+    return out
+
+
+def bind_expert_adapter(model: nn.Module, params: Any, scaling: float) -> None:
+    """Point every routed-experts module at the pairs `params` holds for it (name ->
+    tensor, `expert_adapter_shapes` names; by reference), computed at `scaling`; a module
+    with none in `params` computes its base experts (or its own pairs)."""
+    for name, m in expert_modules(model):
+        pairs = {k: params[f"{name}.{k}"] for k in (f"lora_{ab}{p}" for p in _PROJ for ab in "ab")
+                 if f"{name}.{k}" in params}  # fmt: skip
+        m.bind_adapter(pairs or None, scaling)

@@ -44,7 +44,7 @@ from core.atomic import (
     write_json_atomic,
     write_manifest,
 )
-from posttrain.lora import PEFT_CONFIG, PEFT_WEIGHTS
+from posttrain.lora import PEFT_CONFIG, PEFT_WEIGHTS, ROUTED_EXPERTS_WEIGHTS
 from service.errors import ServiceError, bad_request, not_found
 
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
@@ -256,6 +256,8 @@ class CheckpointStore:
         def write(tmp: Path) -> None:
             for n in (PEFT_WEIGHTS, PEFT_CONFIG):
                 shutil.copyfile(src / n, tmp / n)
+            if (src / ROUTED_EXPERTS_WEIGHTS).is_file():  # an MoE export's routed-expert pairs
+                shutil.copyfile(src / ROUTED_EXPERTS_WEIGHTS, tmp / ROUTED_EXPERTS_WEIGHTS)
 
         meta = {"base_model": base_model, "lora": lora, "imported": True}
         return self.save(ref, write, meta)

@@ -15,7 +15,10 @@ copy; `generators = 0`: none). `save_state` writes the adapter as a PEFT LoRA fo
 (posttrain.lora: adapter_model.safetensors + adapter_config.json with HF module names, the one
 adapter format) and its optimizer state (DCP) beside it; the storage's manifest covers the
 folder and is verified on every load. Any plain-LoRA PEFT folder of the architecture loads
-(`_read_adapter`).
+(`_read_adapter`). On an MoE base the service's own adapters leave the routed experts frozen;
+a folder that also holds routed-expert pairs (`routed_experts_lora.safetensors`, a LoRA SFT
+export with target "experts") loads for sampling and into a training client, whose adapter
+then trains and saves those pairs too (runtime.moe_experts.bind_adapter).
 
 Several processes (a model resource, service/distributed.py): the base is FSDP2-sharded over
 `group` (`shard_base`; a `checkpoint.load_from` base is built on the meta device, sharded,
@@ -41,17 +44,22 @@ from torch import nn
 
 from parallel.serve import GENERATOR_MAX_ROWS
 from posttrain.lora import (
+    ROUTED_EXPERTS_WEIGHTS,
     AdapterWeights,
     adapter_from_peft,
     bind_adapter,
     export_peft,
     init_adapter,
+    is_expert_key,
     lora_modules,
+    read_expert_adapter,
     read_peft,
+    write_expert_adapter,
 )
 from rl.generator import Generator
 from rl.generator import SamplingParams as GenParams
 from rl.losses import BUILTIN_LOSSES, LossBatch, LossConfig
+from runtime.moe_experts import bind_expert_adapter, expert_adapter_shapes
 from runtime.steps import IGNORE_INDEX, NonFiniteError, Rows, StepEngine
 from service import deadline, proto
 from service.backend import NO_GENERATOR, BaseModelInfo, check_generator_capacity
@@ -371,15 +379,18 @@ class TitanLoraBackend:
         return total
 
     def create_adapter(self, adapter: str, spec: LoraSpec) -> None:
-        from torchtitan.components.optimizer import default_adamw
-
         seed = spec.seed if spec.seed is not None else int(torch.randint(0, 2**62, ()).item())
         weights = self._weights(spec, seed)
         if not any(p.requires_grad for p in weights.parameters()):
             raise bad_request("lora_config", "an adapter must train mlp, attn or unembed")
+        self.adapters[adapter] = _Adapter(spec, weights, self._engine(adapter, weights))
+
+    def _engine(self, adapter: str, weights: AdapterWeights) -> StepEngine:
+        from torchtitan.components.optimizer import default_adamw
+
         # Hyper-parameters are the client's, set at each optim_step (Tinker's AdamParams).
         opt = default_adamw(lr=1e-4, eps=1e-12, weight_decay=0.0).build(model_parts=[weights])
-        engine = StepEngine(
+        return StepEngine(
             self.model,
             opt,
             microbatch_tokens=self.microbatch_tokens,
@@ -391,7 +402,6 @@ class TitanLoraBackend:
             label=f"adapter {adapter}",
             guard_weights=True,  # a step that makes the adapter non-finite is undone (400)
         )
-        self.adapters[adapter] = _Adapter(spec, weights, engine)
 
     def drop_adapter(self, adapter: str) -> None:
         self.adapters.pop(adapter, None)
@@ -408,6 +418,8 @@ class TitanLoraBackend:
         bind_adapter(model, params)
         for _, m in lora_modules(model):
             m._lora_scaling = self.alpha / rank if rank else 0.0
+        # MoE: the adapter's routed-expert pairs, if it has any (else the base experts)
+        bind_expert_adapter(model, params, self.alpha / rank if rank else 0.0)
 
     # --- training -----------------------------------------------------------------------------
 
@@ -510,8 +522,12 @@ class TitanLoraBackend:
         q/k/v split from the fused wqkv), loadable by peft and by `_read_adapter`."""
         cfg, sda = self._peft_layout()
         state = {k: p.detach().cpu() for k, p in ad.params.items() if p.requires_grad}
-        export_peft(str(folder), model_config=cfg, adapter=state, state_dict_adapter=sda,
+        linear = {k: v for k, v in state.items() if not is_expert_key(k)}
+        export_peft(str(folder), model_config=cfg, adapter=linear, state_dict_adapter=sda,
                     rank=ad.spec.rank, alpha=self.alpha, base_model=self.info.name)  # fmt: skip
+        experts = {k: v for k, v in state.items() if is_expert_key(k)}
+        if experts:  # beside the PEFT files, as a LoRA SFT export writes them
+            write_expert_adapter(str(folder), experts)
 
     def save_state(self, adapter: str, folder: Path) -> None:
         from runtime.checkpoint import save_states
@@ -522,19 +538,28 @@ class TitanLoraBackend:
         # the storage renames the folder into place.
         save_states(str(folder), {"optimizer": ad.engine.optimizers}, in_place=True)
 
-    def _read_adapter(self, folder: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _read_adapter(
+        self, folder: Path, like: dict[str, torch.Tensor], rank: int
+    ) -> dict[str, torch.Tensor]:
         """A PEFT LoRA folder (ours, an [[adapters]] job's export, any plain-LoRA PEFT folder
         of this architecture) in our names, shaped like `like`; its lora_alpha is honoured
-        by scaling B to this service's alpha (the same alpha/r * B A). 422 if it does not fit."""
+        by scaling B to this service's alpha (the same alpha/r * B A). With
+        `routed_experts_lora.safetensors` beside it (an MoE base), the routed-expert pairs too
+        (`<module>.lora_{a,b}{1,2,3}`, at `rank`). 422 naming the file if it does not fit."""
         cfg, sda = self._peft_layout()
         try:
             tensors, peft_cfg = read_peft(str(folder))
-            state = adapter_from_peft(cfg, tensors, sda, like)
+            linear = {k: v for k, v in like.items() if not is_expert_key(k)}
+            state = adapter_from_peft(cfg, tensors, sda, linear)
+            if (folder / ROUTED_EXPERTS_WEIGHTS).exists():
+                shapes = expert_adapter_shapes(self.model, rank)
+                state |= read_expert_adapter(str(folder), shapes)
         except ValueError as e:
             raise ServiceError(422, f"the adapter does not load: {e}") from None
         ratio = float(peft_cfg["lora_alpha"]) / self.alpha
         if ratio != 1.0:
-            state = {k: v * ratio if ".lora_b." in k else v for k, v in state.items()}
+            # B of a Linear (".lora_b.weight") and of the routed experts (".lora_b1")
+            state = {k: v * ratio if ".lora_b" in k else v for k, v in state.items()}
         return {k: v.to(self.device) for k, v in state.items()}
 
     def load_state(self, adapter: str, folder: Path, *, optimizer: bool) -> None:
@@ -548,7 +573,16 @@ class TitanLoraBackend:
         problems = verify_checkpoint(str(folder), checksums=False) if dcp_state else []
         if problems:  # names files inside the checkpoint only, never the server's path
             raise bad_request("path", f"the checkpoint is damaged: {'; '.join(problems)}")
-        state = self._read_adapter(folder, {k: p.detach() for k, p in ad.params.items()})
+        like = {k: p.detach() for k, p in ad.params.items()}
+        state = self._read_adapter(folder, like, ad.spec.rank)
+        experts = {k: v for k, v in state.items() if is_expert_key(k)}
+        if experts.keys() != {k for k in ad.params if is_expert_key(k)}:
+            # The folder brings routed-expert pairs (or this adapter's had some and it does
+            # not): the adapter takes the folder's set, trained from here, with a new
+            # optimizer over its tensors (the state's moments load below).
+            own = {k: p.detach() for k, p in ad.params.items() if not is_expert_key(k)}
+            ad.weights = AdapterWeights({**own, **{k: v.clone() for k, v in experts.items()}})
+            ad.engine = self._engine(adapter, ad.weights)
         with torch.no_grad():
             for k, p in ad.params.items():
                 if p.requires_grad:
@@ -586,7 +620,7 @@ class TitanLoraBackend:
         # storage verified the files against their manifest before this (a damaged one is
         # a 422 there, never the base model).
         shape = {k: p.detach() for k, p in self._weights(spec, 0).params.items()}
-        return self._store_sampler(spec.rank, self._read_adapter(folder, shape))
+        return self._store_sampler(spec.rank, self._read_adapter(folder, shape, spec.rank))
 
     def drop_sampler(self, handle: str) -> None:
         self._samplers.pop(handle, None)

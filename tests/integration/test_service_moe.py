@@ -1,5 +1,9 @@
 """The unmodified `tinker` SDK against `python -m tools.serve --recipe recipes/sft_moe_debug.toml`
-(a one-layer qwen3 debug MoE, CPU): the capabilities list it, and a LoRA training client's
+(a one-layer qwen3 debug MoE, CPU) on a Hugging Face MoE base: a Qwen3-MoE of that shape built
+with `transformers` (random weights, the independent reference) and saved the way
+`huggingface-cli download` leaves it, in a hub cache (`models--Qwen--Qwen3-30B-A3B/snapshots/
+<rev>/`), served through `checkpoint.load_hf`. The capabilities list it under the hub name;
+its prompt logprobs equal transformers' on the folder; a LoRA training client's
 cross-entropy loss falls over 10 forward_backward + optim_step steps, the RL loss
 (importance_sampling) runs on its own samples with the trainer's logprobs equal to the
 sampler's, and sampling from the trained adapter works."""
@@ -14,22 +18,58 @@ from tinker import types  # noqa: E402
 
 from tests.helpers.service_server import KEY, importance_sampling_datums, start_server  # noqa: E402
 
-NAME = "titanscale/sft_moe_debug"
+NAME = "Qwen/Qwen3-30B-A3B"
+REV = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _hub_folder(hub):
+    """transformers' Qwen3MoeForCausalLM of sft_moe_debug's shape (torchtitan's qwen3
+    debugmodel_moe, one layer) in a hub-cache layout."""
+    import torch
+    import transformers
+
+    from tests.helpers.hf_reference import QWEN3_MOE_DEBUG
+
+    repo = hub / ("models--" + NAME.replace("/", "--"))
+    snap = repo / "snapshots" / REV
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REV)
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(**{**QWEN3_MOE_DEBUG, "num_hidden_layers": 1})
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(snap)
+    return snap
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("svc_moe"), recipe="recipes/sft_moe_debug.toml",
-                       sets=["training.seq_len=64"])  # fmt: skip
-    yield srv
+    tmp = tmp_path_factory.mktemp("svc_moe")
+    snap = _hub_folder(tmp / "hub")
+    srv = start_server(tmp / "svc", recipe="recipes/sft_moe_debug.toml",
+                       sets=["training.seq_len=64", f"checkpoint.load_hf={snap}"])  # fmt: skip
+    yield srv, snap
     assert srv.stop() == 0, srv.log_text()[-3000:]
 
 
 def test_moe_base_sft_rl_and_sampling(server):
+    import torch
+    import transformers
+
+    server, snap = server
     rest = tinker.RestClient(base_url=server.url, api_key=KEY)
     caps = rest.get_server_capabilities().result()
-    assert NAME in [m.model_name for m in caps.supported_models]
+    assert [m.model_name for m in caps.supported_models] == [NAME]  # the hub name
     sc = tinker.ServiceClient(base_url=server.url, api_key=KEY)
+    # The served weights are the folder's: prompt logprobs equal transformers' on it.
+    ids = [7, 300, 41, 1200, 55, 9, 801, 23]
+    base = sc.create_sampling_client(base_model=NAME).result()
+    got = base.compute_logprobs(types.ModelInput.from_ints(ids)).result()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(snap), dtype=torch.float32)
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    ref = lp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
+    assert got[0] is None
+    np.testing.assert_allclose(np.asarray(got[1:], dtype=np.float64), ref, atol=1e-4)
     tc = sc.create_lora_training_client(base_model=NAME, rank=8, seed=0).result()
     seq = [7, 300, 41, 1200, 55, 9, 801, 23, 64, 1999, 5, 77]
     n = len(seq) - 1
