@@ -54,11 +54,15 @@ class _Pending:
 
 
 class EngineSampler:
-    def __init__(self, engine: VllmEngine, view: HFView, *, window_s: float = 0.005) -> None:
+    def __init__(
+        self, engine: VllmEngine, view: HFView, *, window_s: float = 0.005, first_id: int = 1
+    ) -> None:
+        """`first_id`: the first LoRA id it gives (vLLM caches adapters by id: an engine
+        shared with another user of ids, as in the tests' session engine, needs its own)."""
         self.engine, self.view, self.window_s = engine, view, window_s
         self.kv_tokens = int(engine.info.get("kv_cache_tokens", 0))
         self._adapters: dict[str, tuple[str, int, str]] = {}
-        self._next_id = 1
+        self._next_id = first_id
         self._lock = threading.Lock()
         self._queue: list[_Pending] = []
         self._cv = threading.Condition()
