@@ -137,12 +137,12 @@ def test_two_tenants_share_an_engine_batch_and_get_their_own_tokens(tmp_path):
         assert "sampler: one vLLM engine over the served base" in server.log_text()
         clients = {t: tinker.ServiceClient(base_url=server.url, api_key=k)
                    for t, k in (("a", KEY), ("b", KEY_B))}  # fmt: skip
-        paths, samplers = {}, {}
+        paths, samplers, trained = {}, {}, {}
         for t, sc in clients.items():
-            tc = _train(sc, SEQS[t], seed=ord(t))
+            tc = trained[t] = _train(sc, SEQS[t], seed=ord(t))
             paths[t] = tc.save_weights_for_sampler(f"samp-{t}").result().path
             samplers[t] = sc.create_sampling_client(model_path=paths[t]).result()
-        base = clients["a"].create_sampling_client(base_model=BASE_MODEL)
+        base = clients["a"].create_sampling_client(base_model=BASE_MODEL).result()
 
         # Alone: one tenant's request per engine call (the log records each call).
         alone = {t: [_tokens([samplers[t].sample(types.ModelInput.from_ints(p), 1, GREEDY)])[0]
@@ -171,6 +171,11 @@ def test_two_tenants_share_an_engine_batch_and_get_their_own_tokens(tmp_path):
         assert sorted(together[0][2]) == sorted([handle["a"]] * 2 + [handle["b"]] * 2)
         for t in samplers:
             assert [got[t, i] for i in range(len(PROMPTS[t]))] == alone[t]
+
+        # A snapshot (save_weights_and_get_sampling_client): exported and loaded the same way.
+        snap = trained["a"].save_weights_and_get_sampling_client().result()
+        assert _tokens([snap.sample(types.ModelInput.from_ints(p), 1, GREEDY)
+                        for p in PROMPTS["a"]]) == alone["a"]  # fmt: skip
 
         # Another tenant's sampler weights: not found, as if they did not exist.
         with pytest.raises(tinker.NotFoundError):
