@@ -16,6 +16,8 @@ Requests ({"op": ...}) and what they do:
 - load_weights: a safetensors file of HF-named tensors (full weights or a subset) loaded into
   the running model by the model's own `load_weights`; the prefix cache is reset (its keys
   and values came from the old weights).
+- add_lora: load a PEFT adapter folder into the engine's LoRA cache now (its rank and
+  modules checked by vLLM), rather than at its first request.
 - remove_lora: drop an adapter from the engine's LoRA cache.
 - score: teacher-forced logprobs of completions after prompts (prompt_logprobs).
 - stats: the engine's KV-cache size in tokens.
@@ -98,6 +100,8 @@ class Engine:
                     top_k=r.get("top_k", -1),
                     seed=r.get("seed"),
                     stop_token_ids=list(r.get("stop_token_ids", [])),
+                    # the caller's stop tokens only (the service's stop=[] never stops early)
+                    ignore_eos=bool(r.get("ignore_eos", False)),
                     logprobs=0,
                     detokenize=False,
                 )
@@ -134,6 +138,11 @@ class Engine:
         self.llm.reset_prefix_cache()
         return int(n)
 
+    def add_lora(self, name: str, lora_id: int, path: str) -> bool:
+        from vllm.lora.request import LoRARequest
+
+        return bool(self.llm.llm_engine.add_lora(LoRARequest(name, int(lora_id), path)))
+
     def remove_lora(self, lora_id: int) -> bool:
         return bool(self.llm.llm_engine.remove_lora(int(lora_id)))
 
@@ -147,6 +156,8 @@ class Engine:
             return self.score(msg["seqs"], msg["starts"])
         if op == "load_weights":
             return self.load_weights(msg["path"])
+        if op == "add_lora":
+            return self.add_lora(msg["name"], msg["id"], msg["path"])
         if op == "remove_lora":
             return self.remove_lora(msg["id"])
         if op == "stats":

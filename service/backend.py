@@ -14,7 +14,10 @@ keeps serving.
 Optional attributes the service reads when present: `microbatch_tokens` (admission prices a
 microbatch), `generators` (0: the backend samples nothing; sampling requests are refused
 with NO_GENERATOR before anything is queued) and `generator_tokens` (the KV-cache positions
-its generator holds: a longer prompt + max_tokens is a 413, `check_generator_capacity`).
+its generator holds: a longer prompt + max_tokens is a 413, `check_generator_capacity`),
+`check_sample(params, *, prompt_logprobs, topk_prompt_logprobs)` (raises a 400 naming the
+field for what its sampler cannot give, before the request is queued) and
+`detached_sampling` (True: `sample` may run off the worker thread, beside other ops).
 """
 
 from __future__ import annotations

@@ -802,6 +802,13 @@ class Service:
         capacity = getattr(self.backend, "generator_tokens", None)
         if capacity is not None:
             check_generator_capacity(int(req.prompt.size) + req.params.max_tokens, capacity)
+        check = getattr(self.backend, "check_sample", None)
+        if check is not None:  # what this backend's sampler cannot give: 400 before queuing
+            check(
+                req.params,
+                prompt_logprobs=req.prompt_logprobs,
+                topk_prompt_logprobs=req.topk_prompt_logprobs,
+            )
         price = self._admit_sample(
             int(req.prompt.size),
             req.params.max_tokens,
@@ -840,6 +847,9 @@ class Service:
             )
 
         op = Op(s.session_id, "sample", run, tenant=tenant, price=price)
+        # A backend sampling through an engine (tools.serve --sampler vllm) samples off the
+        # worker: concurrent requests meet in one engine batch (service/vllm_sampler.py).
+        op.detached = bool(getattr(self.backend, "detached_sampling", False))
         op.rate_tokens = (len(tokens) + req.params.max_tokens) * body.num_samples
         fut = self.scheduler.submit(op)
         return fut, ids

@@ -25,6 +25,12 @@ microbatch boundary: gradients accumulate over pieces exactly as over microbatch
 between two pieces the worker serves the other tenants. The op keeps its place at the head
 of its session's FIFO, so the model's order is unchanged.
 
+Detached ops (`Op.detached`: samples when the backend samples through a vLLM engine,
+`tools.serve --sampler vllm`): taken in the same fair order, then run on a thread of their
+own while the worker goes on, so concurrent samples of several tenants meet in one engine
+batch (service/vllm_sampler.py); each is billed its own wall time, and `drain` waits for
+them as for the running op.
+
 Token rate: with `token_rate` set, each tenant has a bucket of `token_burst` tokens refilled
 at `token_rate` tokens/s (clock injectable for tests). A request is admitted while the
 bucket is not negative and then takes its tokens (it may go into debt: a request larger than
@@ -88,6 +94,10 @@ class Op:
     started: float | None = None  # unix time its first piece started
     wall_s: float = 0.0  # over all its pieces
     pieces: int = 0
+    # Runs on a thread of its own, the worker going on at once: an op whose backend call
+    # does not use the worker's model (a sample through a vLLM engine, which batches the
+    # concurrent ones itself; service/vllm_sampler.py). Never split into pieces.
+    detached: bool = False
 
 
 @dataclass
@@ -164,6 +174,7 @@ class Scheduler:
         self._refusal = "the service is shutting down; this request was not run"
         self._stop = False
         self._running: Op | None = None
+        self._detached: set[threading.Thread] = set()  # detached ops' threads still running
         self._thread = threading.Thread(target=self._work, name="service-worker", daemon=True)
         self._thread.start()
 
@@ -379,99 +390,121 @@ class Scheduler:
 
     def _work(self) -> None:
         while (op := self._next()) is not None:
-            t0 = time.perf_counter()
-            limit = None if self.deadline_s is None else self.deadline_s(op.est_s)
-            if op.started is None:
-                op.started = time.time()
-            outcome: Outcome | None
-            try:
-                with deadline.running(None if limit is None else Deadline(limit, op.est_s)):
-                    outcome = op.run()
-            except ServiceError as e:
-                if e.status >= 500 and not getattr(e, "logged", False):
-                    log.exception("service.op failed: session=%s kind=%s", op.session_id, op.kind)
-                outcome = Outcome(error=e.message, category="user" if e.status < 500 else "server")
-            except Exception as e:  # a failing step fails its future; the service goes on
-                log.exception("service.op failed: session=%s kind=%s", op.session_id, op.kind)
-                # the client gets the error's type and text, never a server path
-                outcome = Outcome(
-                    error=scrub_paths(f"{type(e).__name__}: {e}", self.roots), category="server"
-                )
-            op.wall_s += time.perf_counter() - t0
-            op.pieces += 1
-            if outcome is None:  # more pieces: the other tenants' ops go first
+            if op.detached:
+                th = threading.Thread(target=self._run_op, args=(op,), daemon=True,
+                                      name=f"service-{op.kind}")  # fmt: skip
                 with self._cond:
-                    self._enqueue(op, front=True)
+                    self._detached.add(th)
                     if self._running is op:
                         self._running = None
+                th.start()
                 continue
-            wall = op.wall_s
-            # Billed: ops that succeeded or failed on the tenant's input ("user"). A failure
-            # of the service itself ("server": a bug, a device fault, shutdown) is the
-            # operator's cost: recorded as `unbilled_s`, never charged to the tenant (#41).
-            spent_s = wall * self.devices
-            server_fault = outcome.error is not None and outcome.category == "server"
-            device_s = 0.0 if server_fault else spent_s
+            self._run_op(op)
+
+    def _run_op(self, op: Op) -> None:
+        """One piece of `op` (the worker's thread, or its own when detached); once the op is
+        done, its accounting and its future."""
+        try:
+            self._run_piece(op)
+        finally:
             with self._cond:
+                self._detached.discard(threading.current_thread())
+                self._cond.notify_all()
+
+    def _run_piece(self, op: Op) -> None:
+        t0 = time.perf_counter()
+        limit = None if self.deadline_s is None else self.deadline_s(op.est_s)
+        if op.started is None:
+            op.started = time.time()
+        outcome: Outcome | None
+        try:
+            with deadline.running(None if limit is None else Deadline(limit, op.est_s)):
+                outcome = op.run()
+        except ServiceError as e:
+            if e.status >= 500 and not getattr(e, "logged", False):
+                log.exception("service.op failed: session=%s kind=%s", op.session_id, op.kind)
+            outcome = Outcome(error=e.message, category="user" if e.status < 500 else "server")
+        except Exception as e:  # a failing step fails its future; the service goes on
+            log.exception("service.op failed: session=%s kind=%s", op.session_id, op.kind)
+            # the client gets the error's type and text, never a server path
+            outcome = Outcome(
+                error=scrub_paths(f"{type(e).__name__}: {e}", self.roots), category="server"
+            )
+        op.wall_s += time.perf_counter() - t0
+        op.pieces += 1
+        if outcome is None:  # more pieces: the other tenants' ops go first
+            with self._cond:
+                self._enqueue(op, front=True)
                 if self._running is op:
                     self._running = None
-                u = self.usage.setdefault(op.session_id, Usage(tenant=op.tenant))
-                u.device_seconds += device_s
-                u.ops[op.kind] += 1
-                if outcome.error is not None:
-                    u.failed[op.kind] += 1
-                u.trace.append(
-                    {
-                        "kind": op.kind,
-                        "ok": outcome.error is None,
-                        "start": op.started,
-                        "wait_s": op.started - op.submitted,
-                        "wall_s": wall,
-                        "pieces": op.pieces,
-                        "seq_id": op.seq_id,
-                        "model": op.lane,
-                    }
-                )
-                total = u.device_seconds
-                prev = self._kind_s.get(op.kind, wall)
-                self._kind_s[op.kind] = 0.8 * prev + 0.2 * wall
-                self._cond.notify_all()
-            if op.price is not None and outcome.error is None:
-                self.throughput.observe(op.price.flops, wall)
-            if outcome.error is not None and op.on_error is not None:
-                op.on_error()
-            if self.record is not None:
-                self.record(
-                    {
-                        "ts": time.time(),
-                        "tenant": op.tenant,
-                        "session": op.session_id,
-                        "model": op.lane,
-                        "kind": op.kind,
-                        "ok": outcome.error is None,
-                        "wall_s": wall,
-                        "devices": self.devices,
-                        "device_s": device_s,
-                        "unbilled_s": spent_s - device_s,
-                        "pieces": op.pieces,
-                        "tokens": dict(op.tokens) if outcome.error is None else {},
-                    }
-                )
-            log.info(
-                "service.op tenant=%s session=%s lane=%s kind=%s seq=%s wall_s=%.4f "
-                "device_s=%.4f session_device_s=%.3f%s",
-                log_safe(op.tenant),
-                op.session_id,
-                op.lane,
-                op.kind,
-                op.seq_id,
-                wall,
-                device_s,
-                total,
-                f" error={log_safe(outcome.error)!r}" if outcome.error else "",
+            return
+        wall = op.wall_s
+        # Billed: ops that succeeded or failed on the tenant's input ("user"). A failure
+        # of the service itself ("server": a bug, a device fault, shutdown) is the
+        # operator's cost: recorded as `unbilled_s`, never charged to the tenant (#41).
+        spent_s = wall * self.devices
+        server_fault = outcome.error is not None and outcome.category == "server"
+        device_s = 0.0 if server_fault else spent_s
+        with self._cond:
+            if self._running is op:
+                self._running = None
+            u = self.usage.setdefault(op.session_id, Usage(tenant=op.tenant))
+            u.device_seconds += device_s
+            u.ops[op.kind] += 1
+            if outcome.error is not None:
+                u.failed[op.kind] += 1
+            u.trace.append(
+                {
+                    "kind": op.kind,
+                    "ok": outcome.error is None,
+                    "start": op.started,
+                    "wait_s": op.started - op.submitted,
+                    "wall_s": wall,
+                    "pieces": op.pieces,
+                    "seq_id": op.seq_id,
+                    "model": op.lane,
+                }
             )
-            assert op.future is not None
-            self.futures.complete(op.future, outcome)
+            total = u.device_seconds
+            prev = self._kind_s.get(op.kind, wall)
+            self._kind_s[op.kind] = 0.8 * prev + 0.2 * wall
+            self._cond.notify_all()
+        if op.price is not None and outcome.error is None:
+            self.throughput.observe(op.price.flops, wall)
+        if outcome.error is not None and op.on_error is not None:
+            op.on_error()
+        if self.record is not None:
+            self.record(
+                {
+                    "ts": time.time(),
+                    "tenant": op.tenant,
+                    "session": op.session_id,
+                    "model": op.lane,
+                    "kind": op.kind,
+                    "ok": outcome.error is None,
+                    "wall_s": wall,
+                    "devices": self.devices,
+                    "device_s": device_s,
+                    "unbilled_s": spent_s - device_s,
+                    "pieces": op.pieces,
+                    "tokens": dict(op.tokens) if outcome.error is None else {},
+                }
+            )
+        log.info(
+            "service.op tenant=%s session=%s lane=%s kind=%s seq=%s wall_s=%.4f "
+            "device_s=%.4f session_device_s=%.3f%s",
+            log_safe(op.tenant),
+            op.session_id,
+            op.lane,
+            op.kind,
+            op.seq_id,
+            wall,
+            device_s,
+            total,
+            f" error={log_safe(outcome.error)!r}" if outcome.error else "",
+        )
+        assert op.future is not None
+        self.futures.complete(op.future, outcome)
 
     # --- shutdown ----------------------------------------------------------------------------
 
@@ -492,7 +525,7 @@ class Scheduler:
         end = time.monotonic() + deadline_s
         with self._cond:
             start_count = sum(sum(u.ops.values()) for u in self.usage.values())
-            while (self._ready or self._running) and time.monotonic() < end:
+            while (self._ready or self._running or self._detached) and time.monotonic() < end:
                 self._cond.wait(timeout=max(0.0, min(0.5, end - time.monotonic())))
             refused = self._ready_ops()
             refused += [op for lane in self._lanes.values() for op in lane.held.values()]
@@ -504,6 +537,7 @@ class Scheduler:
                     self._unpend(op)
             finished = sum(sum(u.ops.values()) for u in self.usage.values()) - start_count
             running = self._running
+            detached = list(self._detached)
             self._stop = True
             self._cond.notify_all()
         for op in refused:
@@ -511,6 +545,8 @@ class Scheduler:
             self.futures.complete(
                 op.future, op.refusal or Outcome(error=SHUTDOWN_ERROR, category="server")
             )
+        for th in detached:  # detached ops (samples) get the same grace
+            th.join(timeout=running_grace_s)
         if running is not None:
             self._thread.join(timeout=running_grace_s)
             if self._thread.is_alive():

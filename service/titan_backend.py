@@ -26,6 +26,15 @@ then loaded sharded), adapters are replicated; each rank trains on its share of 
 datums (the losses are sums, so the gradients summed over ranks are the request's) and every
 rank decodes every sample (the generator gathers one layer at a time). Not done: tensor
 parallelism.
+
+With an engine (`tools.serve --sampler vllm`, one process only): `engine` is a
+`service.vllm_sampler.EngineSampler` and every sampling client samples through it instead of
+the generator: sampler weights (a `save_weights_for_sampler` folder, or a snapshot exported
+as one) load into the engine as LoRA adapters, the base model's sampling client samples the
+engine's base, and `sample` runs on its caller's thread (the scheduler detaches it,
+`detached_sampling`) so concurrent requests of several tenants meet in one engine batch.
+What the engine cannot give as the generator does is refused with a 400 naming the field:
+stop strings, prompt logprobs (docs/vllm.md "The service").
 """
 
 from __future__ import annotations
@@ -304,6 +313,8 @@ class TitanLoraBackend:
         self._ids = itertools.count()
         self._generator: Generator | None = None
         self.eos_ids = eos_ids  # what stop=None stops at
+        # `tools.serve --sampler vllm`: a service.vllm_sampler.EngineSampler (start_engine)
+        self.engine: Any = None
         self._tokenizer = None
         if tokenizer_dir:  # server-side decoding of stop strings
             from tokenizers import Tokenizer
@@ -611,6 +622,12 @@ class TitanLoraBackend:
 
     def snapshot(self, adapter: str) -> str:
         ad = self._adapter(adapter)
+        if self.engine is not None:  # exported as a PEFT folder, loaded into the engine
+            import tempfile
+
+            with tempfile.TemporaryDirectory(prefix="titanscale-snapshot-") as tmp:
+                self._write_adapter(ad, Path(tmp))
+                return self._engine_adapter(Path(tmp))
         return self._store_sampler(
             ad.spec.rank, {k: v.detach().clone() for k, v in ad.params.items()}
         )
@@ -620,10 +637,90 @@ class TitanLoraBackend:
         # storage verified the files against their manifest before this (a damaged one is
         # a 422 there, never the base model).
         shape = {k: p.detach() for k, p in self._weights(spec, 0).params.items()}
-        return self._store_sampler(spec.rank, self._read_adapter(folder, shape, spec.rank))
+        state = self._read_adapter(folder, shape, spec.rank)  # 422 if it does not fit
+        if self.engine is not None:
+            if (folder / ROUTED_EXPERTS_WEIGHTS).exists():  # vLLM's LoRA has no expert pairs
+                raise ServiceError(
+                    422, "routed-expert adapters are not served by the vLLM engine (--sampler)"
+                )
+            return self._engine_adapter(folder)
+        return self._store_sampler(spec.rank, state)
+
+    def _engine_adapter(self, folder: Path) -> str:
+        handle = f"sampler-{next(self._ids)}"
+        self.engine.add_adapter(handle, str(folder))
+        return handle
 
     def drop_sampler(self, handle: str) -> None:
+        if self.engine is not None:
+            self.engine.drop_adapter(handle)
         self._samplers.pop(handle, None)
+
+    @property
+    def detached_sampling(self) -> bool:
+        """Whether `sample` may run off the scheduler's worker (it does not touch the model)."""
+        return self.engine is not None
+
+    def check_sample(
+        self, params: SamplingParams, *, prompt_logprobs: bool, topk_prompt_logprobs: int
+    ) -> None:
+        """What this backend cannot sample as asked: a 400 naming the field (the service
+        calls it before queuing). With the engine: stop strings and prompt logprobs."""
+        if self.engine is None:
+            return
+        if params.stop_strings:
+            raise bad_request(
+                "sampling_params.stop",
+                "stop strings are not served by the vLLM sampler (token ids are; "
+                "tools.serve --sampler titanscale serves both)",
+            )
+        for name, on in (
+            ("prompt_logprobs", prompt_logprobs),
+            ("topk_prompt_logprobs", topk_prompt_logprobs > 0),
+        ):
+            if on:
+                raise bad_request(
+                    name, "not served by the vLLM sampler (tools.serve --sampler titanscale)"
+                )
+
+    def _engine_sample(
+        self,
+        handle: str | None,
+        prompt: list[int],
+        num_samples: int,
+        params: SamplingParams,
+        *,
+        prompt_logprobs: bool,
+        topk_prompt_logprobs: int,
+    ) -> SampleResult:
+        """`sample` through the vLLM engine: the same semantics as the generator or a 400."""
+        self.check_sample(params, prompt_logprobs=prompt_logprobs,
+                          topk_prompt_logprobs=topk_prompt_logprobs)  # fmt: skip
+        # Greedy below vLLM's 1e-5: the engine's argmax; its logprobs would be of the
+        # temperature-1 distribution, the generator's (temperature 1e-6) are 0 (a point
+        # mass): returned as 0 so both samplers give the same numbers.
+        greedy = params.temperature < 1e-5
+        gp = GenParams(
+            max_tokens=params.max_tokens,
+            temperature=max(params.temperature, 1e-6),  # GenParams needs > 0
+            top_p=params.top_p,
+            top_k=params.top_k,
+            n=num_samples,
+            stop_tokens=(*(params.stop_tokens or ()), *(self.eos_ids if params.stop_eos else ())),
+            seed=params.seed,
+        )
+        out = self.engine.sample(handle, prompt, gp, ignore_eos=True)
+        seqs = [
+            SampledSeq(
+                np.asarray(s["tokens"], dtype=np.int32),
+                np.zeros(len(s["tokens"]), np.float32)
+                if greedy
+                else np.asarray(s["logprobs"], dtype=np.float32),
+                "stop" if s["finish"] == "stop" else "length",
+            )
+            for s in out
+        ]
+        return SampleResult(seqs)
 
     def _gen(self) -> Generator:
         if not self.generators:
@@ -674,6 +771,10 @@ class TitanLoraBackend:
         topk_prompt_logprobs: int = 0,
         prompt_logprobs_last_n: int | None = None,
     ) -> SampleResult:
+        if self.engine is not None:
+            return self._engine_sample(handle, prompt, num_samples, params,
+                                       prompt_logprobs=prompt_logprobs,
+                                       topk_prompt_logprobs=topk_prompt_logprobs)  # fmt: skip
         if params.stop_strings and self._tokenizer is None:
             raise bad_request("sampling_params.stop", "stop strings need the served tokenizer")
         gen = self._gen()

@@ -7,6 +7,7 @@
                           [--max-queued-per-tenant N] [--base-name NAME] [--context N]
                           [--tokenizer-id ID] [--generators 0|1] [--generator-tokens T]
                           [--adapters N] [--op-timeout S] [--limit NAME=VALUE ...]
+                          [--sampler titanscale|vllm] [--sampler-window-ms MS]
                           [--set k=v ...]
 
 A model resource over several devices (every rank holds a shard of the base; rank 0 serves):
@@ -29,6 +30,15 @@ checkpoints. Without it the service accepts any client as one tenant and refuses
 anything but loopback. SIGTERM drains, SIGHUP re-reads the key file (see service/server.py).
 Usage: `<storage>/usage.jsonl`, summed by `python -m tools.usage --storage DIR`. Bad
 arguments: one line, exit 2, before the model is built and before anything is served.
+
+Sampling: `--sampler titanscale` (default) decodes with our KV-cache generator on the
+served base; `--sampler vllm` starts one vLLM engine over the same base weights (its Hugging
+Face view, rl/vllm_engine.py; `.venv-vllm`, `bash scripts/setup.sh --vllm`) and every sampling
+client samples there: sampler weights load into it as LoRA adapters, concurrent requests of
+several tenants meet in one engine batch (multi-LoRA), admission prices the engine's KV
+cache; stop strings and prompt logprobs are then refused (400 naming the field). One process
+only (a model resource refuses it); without the engine environment it is refused in one line
+before the port is bound (exit 2). See service/vllm_sampler.py and docs/vllm.md.
 Details: docs/service.md.
 """
 
@@ -161,6 +171,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_resource_args(p)
     p.add_argument(
+        "--sampler",
+        choices=("titanscale", "vllm"),
+        default="titanscale",
+        help="what sampling clients sample with: titanscale (our KV-cache generator on the "
+        "served base) or vllm (one vLLM engine over the same base, adapters as LoRA, several "
+        "tenants per engine batch; needs `bash scripts/setup.sh --vllm`; one process only)",
+    )
+    p.add_argument(
+        "--sampler-window-ms",
+        type=float,
+        default=20.0,
+        help="--sampler vllm: how long a sample request waits for others to join its engine batch",
+    )
+    p.add_argument(
         "--op-timeout",
         type=float,
         default=900.0,
@@ -194,6 +218,8 @@ def check_args(args: argparse.Namespace) -> None:
         positive_arg(args.storage_quota_gib, "--storage-quota-gib", bound=1 << 30)
     check_resource_args(args)
     positive_arg(args.op_timeout, "--op-timeout", bound=7 * 86400)
+    if args.sampler_window_ms != 0:
+        positive_arg(args.sampler_window_ms, "--sampler-window-ms", bound=60_000)
     from service.limits import parse_limit
 
     for text in args.limit:
@@ -220,6 +246,8 @@ def _prepare(args: argparse.Namespace):
     from core.launch_env import launch_env
 
     env = launch_env()
+    if args.sampler == "vllm":
+        check_engine_sampler(args, env.world_size)
     from recipe.loader import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
@@ -301,6 +329,22 @@ def _prepare(args: argparse.Namespace):
     # The port before the model: "in use" is one line now, not after a minute of loading.
     sock = bind(opts.host, opts.port) if env.rank == 0 else None
     return recipe, opts, keys, served, sock, plan
+
+
+def check_engine_sampler(args: argparse.Namespace, world: int) -> None:
+    """`--sampler vllm`: one process, and the engine environment installed (the check
+    rl.generator = "vllm" runs), or one line (exit 2) before the port is bound."""
+    if world > 1:
+        raise ConfigError(
+            f"--sampler vllm serves from one process; this model resource has {world} "
+            "(run tools.serve without torchrun, or use --sampler titanscale)",
+            key="--sampler",
+        )
+    if args.generators == 0:
+        raise ConfigError("--generators 0 samples nothing: no engine to start", key="--sampler")
+    from rl.vllm_engine import require_engine
+
+    require_engine(file=None, key="--sampler")
 
 
 def add_resource_args(p: argparse.ArgumentParser) -> None:
@@ -399,7 +443,21 @@ def _serve(args: argparse.Namespace, recipe, opts, keys, served, sock, plan) -> 
         from service.titan_backend import TitanLoraBackend
 
         backend = TitanLoraBackend.from_recipe(recipe, served, plan=plan)
-        return _run_service(args, recipe, opts, keys, sock, backend, None)
+        if args.sampler != "vllm":
+            return _run_service(args, recipe, opts, keys, sock, backend, None)
+        from service.vllm_sampler import start_engine
+
+        engine = start_engine(backend, recipe, window_s=args.sampler_window_ms / 1000)
+        logging.getLogger("service").info(
+            "sampler: one vLLM engine over the served base, %d LoRA slots, KV cache of %d tokens",
+            engine.engine.cfg.max_loras,
+            engine.kv_tokens,
+        )
+        try:
+            return _run_service(args, recipe, opts, keys, sock, backend, None)
+        finally:
+            engine.close()
+            engine.engine.close()
     return _serve_resource(args, recipe, opts, keys, served, sock, plan)
 
 

@@ -64,9 +64,11 @@ def start_server(
     keys: str | None = None,
     procs: int = 1,
     recipe: str = "recipes/debug.toml",
+    start_timeout: float = 180.0,
 ) -> Server:
     """`procs` > 1: a model resource, `python -m tools.torchrun --standalone
-    --nproc-per-node procs -m tools.serve ...` (rank 0 serves)."""
+    --nproc-per-node procs -m tools.serve ...` (rank 0 serves). `start_timeout`: seconds
+    until the health check answers (a vLLM engine takes a minute more)."""
     tmp.mkdir(parents=True, exist_ok=True)
     keyfile = tmp / "keys.txt"
     keyfile.write_text(keys or f"# test keys\n{KEY}\n")
@@ -99,7 +101,7 @@ def start_server(
         cmd += ["--set", s]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + 180
+    end = time.monotonic() + start_timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited {proc.returncode}:\n{log.read_text()[-3000:]}")

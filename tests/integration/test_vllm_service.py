@@ -1,65 +1,227 @@
-"""The service's vLLM sampling seam (service/vllm_sampler.py): two tenants' sampler weights
-(PEFT folders, as save_weights_for_sampler writes them) sampled in one engine batch, each
-getting exactly the greedy tokens its adapter gives alone; unknown weights 404, oversize 413.
-Uses the session engine (tests/conftest.py `vllm_engine`)."""
+"""`tools.serve --sampler vllm`: two tenants' LoRA sampling clients (tinker SDK) sample in one
+vLLM engine batch, each getting exactly the greedy tokens its adapter gives alone (the engine
+sampling it alone, and our own KV-cache generator on the same sampler weights: a second
+server, `--sampler titanscale`, over the same storage); another tenant's weights are a 404,
+damaged weights a 422 (never the base), what the engine cannot give a 400 naming the field.
+
+The server starts its own engine (~15-60 s); the file replaces the seam-level test of
+service/vllm_sampler.py, whose assertions it keeps (one batch, own tokens, unknown weights
+404, oversize 413: the last two on the session engine, tests/conftest.py `vllm_engine`, with
+more adapters than its 2 LoRA slots in one engine call).
+"""
 
 from __future__ import annotations
 
-import threading
+import re
+import time
 
 import pytest
 
-from posttrain.lora import export_peft
-from rl.generator import SamplingParams
-from service.errors import ServiceError
-from service.vllm_sampler import EngineSampler
-from tests.helpers.vllm_models import ALPHA, RANK, random_adapter
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+from tests.helpers.service_server import (  # noqa: E402
+    BASE_MODEL,
+    KEY,
+    KEY_B,
+    SEQ,
+    TWO_TENANTS,
+    sft_datum,
+    start_server,
+)
 
 pytestmark = [pytest.mark.vllm]
+SEAM_PROMPT = [1, 5, 7, 9]
 
-PROMPTS = [[1, 5, 7, 9], [1, 100, 200, 300, 400]]
-GREEDY = SamplingParams(max_tokens=6, top_p=1e-9)
+# Each tenant's adapter memorises its own 12-token sequence (disjoint tokens): greedy from a
+# prefix then continues it with a wide margin, so batching cannot flip a near-tie.
+SEQS = {"a": SEQ, "b": [11, 450, 90, 1500, 33, 600, 1800, 72, 250, 1300, 8, 999]}
+PROMPTS = {t: [s[:4], s[:6]] for t, s in SEQS.items()}
+GREEDY = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
+BATCH = re.compile(r"service\.engine_batch requests=(\d+) adapters=(\d+) handles=(\S+)")
 
 
-def test_two_tenants_share_an_engine_batch_and_get_their_own_tokens(vllm_engine, tmp_path):
+def test_more_adapters_than_engine_slots_in_one_call(vllm_engine, tmp_path):
+    """EngineSampler on the session engine (2 LoRA slots, 2 cached): 3 adapters sampled in one
+    engine call each give their own greedy tokens (vLLM runs them in turns and reloads the
+    evicted one from its folder); a dropped adapter is a 404, a request beyond the KV cache
+    a 413."""
+    import threading
+
+    from posttrain.lora import export_peft
+    from rl.generator import SamplingParams
+    from service.errors import ServiceError
+    from service.vllm_sampler import EngineSampler
+    from tests.helpers.vllm_models import ALPHA, RANK, random_adapter
+
     engine, model, view = vllm_engine
-    sampler = EngineSampler(engine, view, window_s=0.5)
+    greedy = SamplingParams(max_tokens=6, top_p=1e-9)
+    sampler = EngineSampler(engine, view, window_s=0.5, first_id=10_000)  # ids of its own
     try:
-        for tenant, seed in (("tenant-a", 21), ("tenant-b", 22)):
-            folder = tmp_path / tenant
+        alone = {}
+        for i in range(3):
+            folder = tmp_path / f"a{i}"
             export_peft(str(folder), model_config=view.model_config,
-                        adapter=random_adapter(model, seed), state_dict_adapter=view.state_dict_adapter,
-                        rank=RANK, alpha=ALPHA)  # fmt: skip
-            sampler.add_adapter(tenant, str(folder))
-        # alone: one tenant's requests per engine call
-        alone = {t: [sampler.sample(t, p, GREEDY)[0]["tokens"] for p in PROMPTS]
-                 for t in ("tenant-a", "tenant-b")}  # fmt: skip
-        assert alone["tenant-a"] != alone["tenant-b"]
-        calls_before = len(sampler.batch_sizes)
-        got: dict[tuple[str, int], list[int]] = {}
-        start = threading.Barrier(2 * len(PROMPTS))
+                        adapter=random_adapter(model, 40 + i),
+                        state_dict_adapter=view.state_dict_adapter, rank=RANK, alpha=ALPHA)  # fmt: skip
+            sampler.add_adapter(f"h{i}", str(folder))
+            alone[f"h{i}"] = sampler.sample(f"h{i}", SEAM_PROMPT, greedy)[0]["tokens"]
+        assert len({tuple(v) for v in alone.values()}) == 3, alone
+        got: dict[str, list[int]] = {}
+        start = threading.Barrier(3)
 
-        def client(tenant: str, i: int) -> None:
+        def client(h: str) -> None:
             start.wait()
-            got[tenant, i] = sampler.sample(tenant, PROMPTS[i], GREEDY)[0]["tokens"]
+            got[h] = sampler.sample(h, SEAM_PROMPT, greedy)[0]["tokens"]
 
-        threads = [threading.Thread(target=client, args=(t, i))
-                   for t in ("tenant-a", "tenant-b") for i in range(len(PROMPTS))]  # fmt: skip
+        threads = [threading.Thread(target=client, args=(h,)) for h in alone]
         for th in threads:
             th.start()
         for th in threads:
-            th.join(60)
-        # all four requests went to the engine in one call (one batch, two adapters)
-        assert sampler.batch_sizes[calls_before:] == [2 * len(PROMPTS)]
-        for t in ("tenant-a", "tenant-b"):
-            assert [got[t, i] for i in range(len(PROMPTS))] == alone[t]
+            th.join(120)
+        assert sampler.batch_sizes[-1] == 3 and sorted(sampler.batches[-1]) == sorted(alone)
+        assert got == alone
+        sampler.drop_adapter("h0")
         with pytest.raises(ServiceError) as e:
-            sampler.sample("tenant-c", PROMPTS[0], GREEDY)
+            sampler.sample("h0", SEAM_PROMPT, greedy)
         assert e.value.status == 404
         with pytest.raises(ServiceError) as e:
-            sampler.sample(None, PROMPTS[0], SamplingParams(max_tokens=10**7))
+            sampler.sample(None, SEAM_PROMPT, SamplingParams(max_tokens=10**7))
         assert e.value.status == 413
-        for t in ("tenant-a", "tenant-b"):
-            sampler.drop_adapter(t)
+        for h in ("h1", "h2"):
+            sampler.drop_adapter(h)
     finally:
         sampler.close()
+
+
+def _engine_env() -> None:
+    import os
+
+    from rl.vllm_engine import SETUP, engine_python
+
+    if engine_python() is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"the vLLM engine environment is missing: run `{SETUP}`")
+        pytest.skip(f"the vLLM engine environment is not installed: `{SETUP}`")
+
+
+def _train(sc, seq: list[int], seed: int):
+    """A rank-8 LoRA (vLLM's LoRA kernels take ranks 8, 16, ...) trained 16 steps on `seq`:
+    it memorises it (the summed loss falls from ~90 to ~0.2)."""
+    tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=seed).result()
+    for _ in range(16):
+        loss = tc.forward_backward([sft_datum(seq)], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+    assert loss.metrics["loss:sum"] < 2.0, loss.metrics
+    return tc
+
+
+def _tokens(futures) -> list[list[int]]:
+    return [list(f.result().sequences[0].tokens) for f in futures]
+
+
+def _batches(server) -> list[tuple[int, int, tuple[str, ...]]]:
+    return [(int(n), int(k), tuple(h.split(",")))
+            for n, k, h in BATCH.findall(server.log_text())]  # fmt: skip
+
+
+def test_two_tenants_share_an_engine_batch_and_get_their_own_tokens(tmp_path):
+    _engine_env()
+    t0 = time.monotonic()
+    server = start_server(
+        tmp_path / "vllm",
+        "--sampler", "vllm", "--sampler-window-ms", "1500",
+        keys=TWO_TENANTS, start_timeout=600,
+    )  # fmt: skip
+    try:
+        assert "sampler: one vLLM engine over the served base" in server.log_text()
+        clients = {t: tinker.ServiceClient(base_url=server.url, api_key=k)
+                   for t, k in (("a", KEY), ("b", KEY_B))}  # fmt: skip
+        paths, samplers, trained = {}, {}, {}
+        for t, sc in clients.items():
+            tc = trained[t] = _train(sc, SEQS[t], seed=ord(t))
+            paths[t] = tc.save_weights_for_sampler(f"samp-{t}").result().path
+            samplers[t] = sc.create_sampling_client(model_path=paths[t]).result()
+        base = clients["a"].create_sampling_client(base_model=BASE_MODEL).result()
+
+        # Alone: one tenant's request per engine call (the log records each call).
+        alone = {t: [_tokens([samplers[t].sample(types.ModelInput.from_ints(p), 1, GREEDY)])[0]
+                     for p in PROMPTS[t]] for t in samplers}  # fmt: skip
+        base_tokens = [
+            _tokens([base.sample(types.ModelInput.from_ints(p), 1, GREEDY)])[0]
+            for p in PROMPTS["a"]
+        ]
+        calls = _batches(server)
+        assert [n for n, _, _ in calls] == [1] * 6, calls
+        handle = {"a": calls[0][2][0], "b": calls[2][2][0]}
+        assert calls[1][2] == (handle["a"],) and calls[3][2] == (handle["b"],)
+        assert calls[4][2] == calls[5][2] == ("base",)
+        # each adapter continues its own sequence (the other's tokens are disjoint), the base
+        # does not: no adapter is the base or the other tenant's
+        for t in samplers:
+            assert alone[t] == [SEQS[t][len(p) : len(p) + 6] for p in PROMPTS[t]], (t, alone)
+        assert alone["a"] != base_tokens, base_tokens
+
+        # Together: both tenants' requests sent at once meet in one engine call.
+        futs = {(t, i): samplers[t].sample(types.ModelInput.from_ints(p), 1, GREEDY)
+                for t in samplers for i, p in enumerate(PROMPTS[t])}  # fmt: skip
+        got = {k: _tokens([f])[0] for k, f in futs.items()}
+        together = _batches(server)[len(calls) :]
+        assert [(n, k) for n, k, _ in together] == [(4, 2)], together
+        assert sorted(together[0][2]) == sorted([handle["a"]] * 2 + [handle["b"]] * 2)
+        for t in samplers:
+            assert [got[t, i] for i in range(len(PROMPTS[t]))] == alone[t]
+
+        # A snapshot (save_weights_and_get_sampling_client): exported and loaded the same way.
+        snap = trained["a"].save_weights_and_get_sampling_client().result()
+        assert _tokens([snap.sample(types.ModelInput.from_ints(p), 1, GREEDY)
+                        for p in PROMPTS["a"]]) == alone["a"]  # fmt: skip
+
+        # Another tenant's sampler weights: not found, as if they did not exist.
+        with pytest.raises(tinker.NotFoundError):
+            clients["b"].create_sampling_client(model_path=paths["a"]).result()
+        # Damaged sampler weights: refused (the manifest's check), never sampled as the base.
+        tc = _train(clients["a"], SEQ, seed=3)
+        bad = tc.save_weights_for_sampler("damaged").result().path
+        f = server.tenant_dir() / tc.model_id / "sampler_weights" / "damaged"
+        w = f / "adapter_model.safetensors"
+        raw = bytearray(w.read_bytes())
+        raw[-1] ^= 0x40
+        w.write_bytes(bytes(raw))
+        with pytest.raises(tinker.APIStatusError) as e:
+            clients["a"].create_sampling_client(model_path=bad).result()
+        assert e.value.status_code == 422, str(e.value)
+        # What the engine cannot give as our generator does: a 400 naming the field.
+        prompt = types.ModelInput.from_ints(PROMPTS["a"][0])
+        for params, field in (
+            (types.SamplingParams(max_tokens=2, stop=["ab"]), "sampling_params.stop"),
+        ):
+            with pytest.raises(tinker.APIStatusError) as e:
+                samplers["a"].sample(prompt, 1, params).result()
+            assert e.value.status_code == 400 and field in str(e.value), str(e.value)
+        with pytest.raises(tinker.APIStatusError) as e:
+            samplers["a"].compute_logprobs(prompt).result()
+        assert e.value.status_code == 400 and "prompt_logprobs" in str(e.value), str(e.value)
+        # Longer than the served context: refused before it is queued.
+        with pytest.raises(tinker.APIStatusError) as e:
+            samplers["a"].sample(prompt, 1, types.SamplingParams(max_tokens=10**6)).result()
+        assert e.value.status_code == 400, str(e.value)
+        for sc in clients.values():
+            sc.close("success").result()
+    finally:
+        rc = server.stop()
+    assert rc == 0, server.log_text()[-3000:]
+    print(f"vllm server phase {time.monotonic() - t0:.0f} s")
+
+    # The reference: our own generator on the same sampler weights (the same storage).
+    ref = start_server(tmp_path / "native", storage=server.storage, keys=TWO_TENANTS)
+    try:
+        for t, key in (("a", KEY), ("b", KEY_B)):
+            sc = tinker.ServiceClient(base_url=ref.url, api_key=key)
+            smp = sc.create_sampling_client(model_path=paths[t]).result()
+            ours = [_tokens([smp.sample(types.ModelInput.from_ints(p), 1, GREEDY)])[0]
+                    for p in PROMPTS[t]]  # fmt: skip
+            assert ours == alone[t], (t, ours, alone[t])
+            sc.close("success").result()
+    finally:
+        assert ref.stop() == 0, ref.log_text()[-3000:]

@@ -230,3 +230,25 @@ def test_storage_quota_refuses_a_save_once_full(tmp_path):
     with pytest.raises(ServiceError) as e:
         Service.check_quota(svc, "t")  # type: ignore[arg-type]
     assert e.value.status == 413 and "100 bytes of its 100-byte storage quota" in e.value.message
+
+
+def test_detached_ops_run_beside_the_worker_and_are_billed(make_sched):
+    """A detached op (a sample through the vLLM engine) runs on its own thread: two of them,
+    from two tenants, run at the same time, and each is billed and recorded as one op."""
+    sched = make_sched()
+    records: list[dict] = []
+    sched.record = records.append
+    both = threading.Barrier(2, timeout=5)  # passes only if both run at once
+
+    def run() -> Outcome:
+        both.wait()
+        return Outcome(json={"ok": True})
+
+    futs = []
+    for t in ("A", "B"):
+        op = Op(f"s{t}", "sample", run, tenant=t)
+        op.detached = True
+        futs.append(sched.submit(op))
+    assert all(_wait(f).json == {"ok": True} for f in futs)
+    assert sorted(r["tenant"] for r in records if r["kind"] == "sample") == ["A", "B"]
+    assert sched.drain(5) == (0, 0)
