@@ -5,7 +5,7 @@ FT_OUT set. A 16 x 16 linear model learns a fixed target map; the group's ranks 
 their gradients over the group's gloo process group, and torchft's Manager averages them
 across the live groups and commits the step only if every participant succeeded. Sample
 `(step, group, rank)` is the one batch that position of the global stream holds. Each step
-appends {step, participants, loss} to FT_OUT/g{group}_r{rank}.jsonl; the run stops at the
+appends {step, participants, participating, committed, loss} to FT_OUT/g{group}_r{rank}.jsonl; the run stops at the
 step written in FT_OUT/stop (the test writes it once both groups train together again) and
 saves the weights to FT_OUT/final_g{group}_r{rank}.pt.
 """
@@ -90,7 +90,10 @@ def main() -> None:
         committed = mgr.should_commit()
         if committed:
             opt.step()
+        # `participating`: False while this group heals (its gradients are zeroed: the step
+        # is the other group's), which the test's replay needs to know who trained a step.
         log.write(json.dumps({"step": step, "participants": mgr.num_participants(),
+                              "participating": mgr.is_participating(),
                               "committed": committed, "loss": float(loss)}) + "\n")  # fmt: skip
         time.sleep(0.2)  # keep the run long enough to kill and restart a group
     torch.save(model.state_dict(), out / f"final_g{group}_r{rank}.pt")
