@@ -159,6 +159,18 @@ KIMI_SIGMOID_DEBUG: dict[str, Any] = {
 TOL = 1e-4
 
 
+def hub_snapshot(hub: Path, name: str, rev: str) -> Path:
+    """An empty snapshot folder of `name` (`org/model`) at revision `rev` in Hugging Face's
+    hub-cache layout (`models--org--model/snapshots/<rev>`, refs/main naming it): where a
+    client's cache, and titanscale's name detection (service/served_base.hf_name), find it."""
+    repo = hub / ("models--" + name.replace("/", "--"))
+    snap = repo / "snapshots" / rev
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    return snap
+
+
 def check_peft_and_merged(
     tmp: Path, *, model: Any, cfg: Any, sda: Any, hf: Any, x: torch.Tensor,
     ours: torch.Tensor, rank: int, alpha: float, family: str,

@@ -51,13 +51,9 @@ def _hf_folder(hub: Path) -> Path:
     import transformers
 
     from data.tokenizer import resolve_tokenizer
-    from tests.helpers.hf_reference import QWEN3_DEBUG
+    from tests.helpers.hf_reference import QWEN3_DEBUG, hub_snapshot
 
-    repo = hub / ("models--" + NAME.replace("/", "--"))
-    snap = repo / "snapshots" / REV
-    snap.mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(REV)
+    snap = hub_snapshot(hub, NAME, REV)
     torch.manual_seed(0)
     cfg = transformers.Qwen3Config(**{**QWEN3_DEBUG, "num_hidden_layers": 2})
     transformers.Qwen3ForCausalLM(cfg).save_pretrained(snap)

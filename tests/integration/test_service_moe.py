@@ -28,13 +28,9 @@ def _hub_folder(hub):
     import torch
     import transformers
 
-    from tests.helpers.hf_reference import QWEN3_MOE_DEBUG
+    from tests.helpers.hf_reference import QWEN3_MOE_DEBUG, hub_snapshot
 
-    repo = hub / ("models--" + NAME.replace("/", "--"))
-    snap = repo / "snapshots" / REV
-    snap.mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(REV)
+    snap = hub_snapshot(hub, NAME, REV)
     torch.manual_seed(0)
     cfg = transformers.Qwen3MoeConfig(**{**QWEN3_MOE_DEBUG, "num_hidden_layers": 1})
     transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(snap)
