@@ -159,6 +159,22 @@ KIMI_SIGMOID_DEBUG: dict[str, Any] = {
 TOL = 1e-4
 
 
+def assert_served_logprobs_are_the_folders(sampler: Any, folder: Path, ids: list[int]) -> None:
+    """A tinker sampling client's prompt logprobs of `ids` equal transformers' on the HF
+    `folder` (float32, within TOL): the service serves that folder's weights."""
+    import numpy as np
+    import transformers
+    from tinker import types
+
+    got = sampler.compute_logprobs(types.ModelInput.from_ints(ids)).result()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    ref = lp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
+    assert got[0] is None
+    np.testing.assert_allclose(np.asarray(got[1:], dtype=np.float64), ref, atol=TOL)
+
+
 def hub_snapshot(hub: Path, name: str, rev: str) -> Path:
     """An empty snapshot folder of `name` (`org/model`) at revision `rev` in Hugging Face's
     hub-cache layout (`models--org--model/snapshots/<rev>`, refs/main naming it): where a

@@ -168,11 +168,9 @@ def test_hf_base_is_served_under_its_hub_name(env):
     """Listed under the cache layout's name with the chosen context; the SDK's
     get_tokenizer() loads that name's tokenizer from the client's cache (no network); and
     the served weights are the folder's: prompt logprobs equal transformers' on it."""
-    import numpy as np
-    import torch
-    import transformers
-    from tinker import types
     from tokenizers import Tokenizer
+
+    from tests.helpers.hf_reference import assert_served_logprobs_are_the_folders
 
     srv, snap, work, client_env = env
     rest = tinker.RestClient(base_url=srv.url, api_key=KEY)
@@ -192,13 +190,7 @@ def test_hf_base_is_served_under_its_hub_name(env):
     assert ids == Tokenizer.from_file(str(snap / "tokenizer.json")).encode(text).ids
     sc = tinker.ServiceClient(base_url=srv.url, api_key=KEY)
     sampler = sc.create_sampling_client(base_model=NAME).result()
-    got = sampler.compute_logprobs(types.ModelInput.from_ints(ids)).result()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(snap), dtype=torch.float32)
-    with torch.no_grad():
-        lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), -1)
-    ref = lp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
-    assert got[0] is None
-    np.testing.assert_allclose(np.asarray(got[1:], dtype=np.float64), ref, atol=1e-4)
+    assert_served_logprobs_are_the_folders(sampler, snap, ids)
     sc.close("success").result()
 
 

@@ -48,8 +48,7 @@ def server(tmp_path_factory):
 
 
 def test_moe_base_sft_rl_and_sampling(server):
-    import torch
-    import transformers
+    from tests.helpers.hf_reference import assert_served_logprobs_are_the_folders
 
     server, snap = server
     rest = tinker.RestClient(base_url=server.url, api_key=KEY)
@@ -59,13 +58,7 @@ def test_moe_base_sft_rl_and_sampling(server):
     # The served weights are the folder's: prompt logprobs equal transformers' on it.
     ids = [7, 300, 41, 1200, 55, 9, 801, 23]
     base = sc.create_sampling_client(base_model=NAME).result()
-    got = base.compute_logprobs(types.ModelInput.from_ints(ids)).result()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(snap), dtype=torch.float32)
-    with torch.no_grad():
-        lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), -1)
-    ref = lp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
-    assert got[0] is None
-    np.testing.assert_allclose(np.asarray(got[1:], dtype=np.float64), ref, atol=1e-4)
+    assert_served_logprobs_are_the_folders(base, snap, ids)
     tc = sc.create_lora_training_client(base_model=NAME, rank=8, seed=0).result()
     seq = [7, 300, 41, 1200, 55, 9, 801, 23, 64, 1999, 5, 77]
     n = len(seq) - 1
