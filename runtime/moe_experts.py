@@ -57,6 +57,17 @@ def _a_init(t: torch.Tensor) -> None:
         t.uniform_(-bound, bound)
 
 
+def pair_shapes(experts: int, rank: int, dim: int, hidden: int) -> dict[str, tuple[int, ...]]:
+    """The per-expert LoRA pairs of one routed-experts module: name -> shape (A1, A3:
+    (E, r, D); B1, B3: (E, F, r); A2: (E, r, F); B2: (E, D, r); 1 = gate, 3 = up, 2 = down)."""
+    E, r, D, Fh = experts, rank, dim, hidden
+    return {
+        "lora_a1": (E, r, D), "lora_b1": (E, Fh, r),
+        "lora_a3": (E, r, D), "lora_b3": (E, Fh, r),
+        "lora_a2": (E, r, Fh), "lora_b2": (E, D, r),
+    }  # fmt: skip
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -88,12 +99,8 @@ class LoRAGroupedExperts(GroupedExperts):
             for p in (self.w1_EFD, self.w2_EDF, self.w3_EFD):
                 p.requires_grad_(False)
         if config.rank:
-            E, r, D, Fh = config.num_experts, config.rank, config.dim, config.hidden_dim
-            for name, shape in (
-                ("lora_a1", (E, r, D)), ("lora_b1", (E, Fh, r)),
-                ("lora_a3", (E, r, D)), ("lora_b3", (E, Fh, r)),
-                ("lora_a2", (E, r, Fh)), ("lora_b2", (E, D, r)),
-            ):  # fmt: skip
+            shapes = pair_shapes(config.num_experts, config.rank, config.dim, config.hidden_dim)
+            for name, shape in shapes.items():
                 self.register_parameter(name, nn.Parameter(torch.empty(shape)))
 
     def bind_adapter(self, pairs: dict[str, torch.Tensor] | None, scaling: float) -> None:
@@ -205,14 +212,12 @@ def expert_lora_modules(model: nn.Module) -> list[tuple[str, LoRAGroupedExperts]
 
 def expert_adapter_shapes(model: nn.Module, rank: int) -> dict[str, tuple[int, ...]]:
     """The routed-expert pairs a rank-`rank` adapter of `model` holds: name
-    (`<module>.lora_{a,b}{1,2,3}`) -> shape (A1, A3: (E, r, D); B1, B3: (E, F, r); A2:
-    (E, r, F); B2: (E, D, r)), from each module's base weights (whole shapes)."""
+    (`<module>.lora_{a,b}{1,2,3}`) -> shape (`pair_shapes`), from each module's base
+    weights (whole shapes)."""
     out: dict[str, tuple[int, ...]] = {}
     for name, m in expert_modules(model):
         E, Fh, D = m.w1_EFD.shape
-        for key, shape in (("a1", (E, rank, D)), ("b1", (E, Fh, rank)), ("a3", (E, rank, D)),
-                           ("b3", (E, Fh, rank)), ("a2", (E, rank, Fh)), ("b2", (E, D, rank))):  # fmt: skip
-            out[f"{name}.lora_{key}"] = shape
+        out |= {f"{name}.{k}": v for k, v in pair_shapes(E, rank, D, Fh).items()}
     return out
 
 
