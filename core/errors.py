@@ -42,11 +42,20 @@ class ConfigError(ValueError):
         super().__init__(one_line(where + message))
 
 
+def _handover_dir() -> str | None:
+    """The hand-over folder when this process's parent is the tools.torchrun that set it
+    (a grandchild inherits the variables but is not the wrapper's rank), else None."""
+    folder = os.environ.get(HANDOVER_DIR_ENV)
+    if not folder or os.environ.get(HANDOVER_PID_ENV) != str(os.getppid()):
+        return None
+    return folder
+
+
 def hand_over(line: str) -> bool:
     """Under tools.torchrun (this process's parent set HANDOVER_DIR_ENV): write the message
     for the wrapper to print once; False (print it yourself) anywhere else or if that fails."""
-    folder = os.environ.get(HANDOVER_DIR_ENV)
-    if not folder or os.environ.get(HANDOVER_PID_ENV) != str(os.getppid()):
+    folder = _handover_dir()
+    if folder is None:
         return False
     rank = os.environ.get("RANK", "")
     rank = rank if rank.isdigit() else "x"
@@ -65,8 +74,8 @@ def reported_elsewhere(wait_s: float = 1.0) -> bool:
     writes its message before it exits, so it is normally there at once)."""
     import time
 
-    folder = os.environ.get(HANDOVER_DIR_ENV)
-    if not folder or os.environ.get(HANDOVER_PID_ENV) != str(os.getppid()):
+    folder = _handover_dir()
+    if folder is None:
         return False
     mine = f"-{os.getpid()}.txt"
     end = time.monotonic() + wait_s
