@@ -39,7 +39,6 @@ from typing import Any
 import numpy as np
 
 from core import jsonio
-from core.jsonio import loads_line
 
 ROLES = ("system", "user", "assistant")
 # Bad-record reasons specific to SFT records (data.sources.BAD_REASONS are the generic ones).
@@ -228,7 +227,7 @@ class ChatRenderer:
         no trained token is bad too.
         """
         try:
-            ex = parse_record(loads_line(line))
+            ex = parse_record(jsonio.loads_line(line))
             segs = self.segments(ex.messages)
             cap = self.max_token_chars
             # Each segment is tokenized on its own: at least ceil(chars / cap) tokens each.

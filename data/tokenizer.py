@@ -20,6 +20,9 @@ from core import jsonio
 from core.atomic import publish_folder
 from core.errors import ConfigError
 
+# The text files of a Hugging Face tokenizer folder that AutoTokenizer reads (what the
+# service hands a client, GET /api/v1/tokenizer, and tools.tokenizer writes).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
 PAD = "<|pad|>"

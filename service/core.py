@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from data.tokenizer import TOKENIZER_FILES
 from service import proto, sampling, surface, wire
 from service.accounting import AccountingLog, Prices, UsageIndex, billing_events, summarize
 from service.admission import (
@@ -57,8 +58,6 @@ from service.types import LoraSpec
 log = logging.getLogger("service")
 INTERNAL_OPS = ("free", "load_sampler")  # ops the service queues itself: no client polls them
 GIB = 1 << 30
-# The files of a Hugging Face tokenizer folder GET /api/v1/tokenizer hands out (text only).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def _consumes_seq(e: ServiceError) -> bool:
@@ -193,7 +192,7 @@ class Service:
     def tokenizer_files(self, tenant: str, base_model: str | None) -> dict[str, Any]:
         """The served tokenizer for a client's `AutoTokenizer.from_pretrained(tokenizer_id)`:
         `tokenizer_id` (a name, never a server path) and the text of the folder's tokenizer
-        files (TOKENIZER_FILES; what a Hugging Face tokenizer folder holds besides weights).
+        files (TOKENIZER_FILES: what AutoTokenizer reads of a Hugging Face folder).
         The tokenizer is the base's, the same for every tenant; 404 when none is served."""
         if base_model is not None:
             self.check_base_model(base_model)

@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import ConfigError
+from data.tokenizer import TOKENIZER_FILES
 from tools.cli import ArgumentParser, out_dir_arg, run
 
 # What the service may name: `org/name` or `name` with Hugging Face's characters (no `..`,
 # no absolute path: the id becomes a folder under --dir).
 SAFE_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?\Z")
-FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 MAX_BYTES = 256 << 20  # a tokenizer.json is at most tens of MiB; a larger answer is refused
 
 
@@ -70,7 +70,7 @@ def fetch(url: str, key: str, base_model: str | None, timeout_s: float = 60.0) -
         raise ConfigError("the answer carries no tokenizer.json", key="--url")
     return {
         "tokenizer_id": tid,
-        "files": {n: files[n] for n in FILES if isinstance(files.get(n), str)},
+        "files": {n: files[n] for n in TOKENIZER_FILES if isinstance(files.get(n), str)},
     }
 
 
