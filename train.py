@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from core.errors import exit_on_config_error, held_stderr
-from tools.cli import add_override_arg, add_recipe_arg
+from tools.cli import add_override_arg, add_recipe_arg, run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,4 +61,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -12,6 +12,7 @@ No torch import here.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -212,6 +213,48 @@ def load(args: argparse.Namespace):
 
 def run(main: Callable[..., Any]) -> NoReturn:
     """`if __name__ == "__main__": run(main)`: exit with main's return code (an int; anything
-    else is success), bad input as one line and exit 2."""
-    rc = exit_on_config_error(main)()
-    raise SystemExit(rc if isinstance(rc, int) else 0)
+    else is success), bad input as one line and exit 2; a process that imported torch ends
+    through `exit_process`."""
+    try:
+        rc = exit_on_config_error(main)()
+        code = rc if isinstance(rc, int) else 0
+    except SystemExit as e:  # sys.exit(...) inside main: same codes as the interpreter's
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+    if "torch" in sys.modules:
+        exit_process(code)
+    raise SystemExit(code)
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this process without the interpreter's finalization, after what a normal exit does
+    that matters: non-daemon threads joined, atexit handlers run, logging and streams flushed.
+
+    Why: a finished gloo collective's work object is freed by gloo's worker thread
+    (`pt_gloo_runloop`) just after the caller's wait() returns; when it holds the last
+    reference to a tensor with a Python object (gather_object's, FSDP's), freeing it takes the
+    GIL. If the main thread is already finalizing the interpreter by then, taking the GIL ends
+    the worker thread with pthread_exit inside a noexcept C++ frame: std::terminate ("terminate
+    called without an active exception"), SIGABRT, exit 134 after a run that succeeded. Seen in
+    CI on the second rank of a two-rank service and of a two-rank train.py, and in about one
+    run in four of a bare two-rank gloo script ending in gather_object + destroy_process_group
+    (torch 2.14.1, gdb backtrace in docs/reliability.md). Skipped: module teardown and C++ static
+    destructors, which free only memory the kernel reclaims anyway.
+    """
+    import atexit
+    import contextlib
+    import logging
+    import os
+    import threading
+
+    me = threading.current_thread()
+    for t in threading.enumerate():
+        if t is not me and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing to say to it
+            stream.flush()
+    os._exit(code)

@@ -59,3 +59,7 @@ dist.barrier()  # rank 0's file is written before any rank looks for it
 jobs.adapter_job(j, mesh).train(export=False)
 dist.barrier()
 dist.destroy_process_group()
+
+from tools.cli import exit_process  # noqa: E402
+
+exit_process(0)  # past gloo's worker threads (its docstring says why)

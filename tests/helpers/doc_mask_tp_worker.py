@@ -58,4 +58,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from tools.cli import run  # exits past gloo's worker threads (tools.cli.exit_process)
+
+    run(main)
