@@ -213,8 +213,8 @@ def load(args: argparse.Namespace):
 
 def run(main: Callable[..., Any]) -> NoReturn:
     """`if __name__ == "__main__": run(main)`: exit with main's return code (an int; anything
-    else is success), bad input as one line and exit 2; a process that imported torch ends
-    through `exit_process`."""
+    else is success), bad input as one line and exit 2; as the entry of a process that imported
+    torch (main defined in `__main__`), it ends through `exit_process`."""
     try:
         rc = exit_on_config_error(main)()
         code = rc if isinstance(rc, int) else 0
@@ -222,7 +222,9 @@ def run(main: Callable[..., Any]) -> NoReturn:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if e.code is not None and not isinstance(e.code, int):
             print(e.code, file=sys.stderr)
-    if "torch" in sys.modules:
+    # Only as the program's entry (`python -m tools.x`, `python train.py`): a test calling run()
+    # in-process must get its SystemExit, not lose the pytest process to os._exit.
+    if getattr(main, "__module__", None) == "__main__" and "torch" in sys.modules:
         exit_process(code)
     raise SystemExit(code)
 

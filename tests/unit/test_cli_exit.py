@@ -7,8 +7,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import types
 
-from tools.cli import ROOT
+import pytest
+
+from tools.cli import ROOT, run
 
 SCRIPT = textwrap.dedent(
     """
@@ -50,3 +53,12 @@ def test_sys_exit_inside_main_keeps_its_code_and_message():
     assert p.stderr.strip() == "one line"
     p = _run("sys.exit(0)")
     assert p.returncode == 0, p.stderr
+
+
+def test_run_called_in_process_raises_instead_of_ending_the_process(monkeypatch):
+    """A test calling run() (main not defined in __main__) gets SystemExit, even with torch
+    imported: os._exit here would end pytest itself with main's code and no summary."""
+    monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch") or types.ModuleType("t"))
+    with pytest.raises(SystemExit) as e:
+        run(lambda: 3)
+    assert e.value.code == 3
