@@ -444,7 +444,8 @@ class Service:
             store.write_run(m.model_id, self._run_info(m))
             return Outcome(json={"model_id": m.model_id, "type": "create_model"})
 
-        return self._submit_create(m, Op(session.session_id, "create_model", run, tenant=tenant))
+        op = Op(session.session_id, "create_model", run, tenant=tenant, base=base.name)
+        return self._submit_create(m, op)
 
     def _submit_create(self, m: Model, op: Op, first_seq: int = 1) -> Future:
         """Queue a model's creating op; refused (429 queue cap, 410 ...), nothing stays
@@ -471,6 +472,7 @@ class Service:
         m = self.registry.model(model_id, tenant)
         try:
             op = build(m)
+            op.base = m.base_model  # usage records bill by base
             return self.scheduler.submit(op)
         except Exception as exc:  # whatever it is, the seq_id place is resolved (#41)
             e = _as_service_error(exc)
@@ -787,6 +789,7 @@ class Service:
                 )
 
             op = Op(session.session_id, "load_state", run, m.model_id, 0, tenant=tenant)
+            op.base = base.name
             return self._submit_create(m, op, first_seq=0)
         if body.model_id is None or body.seq_id is None:
             raise bad_request("model_id", "either model_id+seq_id or session_id+model_seq_id")
@@ -863,7 +866,14 @@ class Service:
         # Loading is device work, so it queues like any other op; the sampler is usable once
         # registered, and its samples queue behind the load in the same session FIFO.
         self.scheduler.submit(
-            Op(session.session_id, "load_sampler", run, tenant=tenant, internal=True)
+            Op(
+                session.session_id,
+                "load_sampler",
+                run,
+                tenant=tenant,
+                internal=True,
+                base=base.name,
+            )
         )
         return sampler_id
 
@@ -939,7 +949,7 @@ class Service:
                 proto=proto.encode_sample_response(seqs, r.prompt_logprobs, r.topk_prompt)
             )
 
-        op = Op(s.session_id, "sample", run, tenant=tenant, price=price)
+        op = Op(s.session_id, "sample", run, tenant=tenant, price=price, base=base.name)
         # A backend sampling through an engine (tools.serve --sampler vllm) samples off the
         # worker: concurrent requests meet in one engine batch (service/vllm_sampler.py).
         op.detached = bool(getattr(base.backend, "detached_sampling", False))

@@ -66,23 +66,20 @@ from core.errors import ConfigError, held_stderr
 from tools.cli import (
     ArgumentParser,
     add_override_arg,
+    add_recipe_arg,
     out_dir_arg,
     positive_arg,
-    recipe_arg,
     run,
 )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument(
-        "--recipe",
-        action="append",
-        default=None,
-        type=recipe_arg,
-        metavar="RECIPE",
-        help="recipe TOML or a name in recipes/ (default: recipes/debug.toml); repeat it to "
-        "serve several bases from one process (one device; not with torchrun or --sampler vllm)",
+    add_recipe_arg(
+        p,
+        repeat=True,
+        help="recipe TOML or a name in recipes/; repeat it to serve several bases from one "
+        "process (one device; not with torchrun or --sampler vllm)",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (logged)")

@@ -1,8 +1,8 @@
 """Several bases in one `Service` (tools.serve --recipe A --recipe B), in-process over fake
 backends: requests are routed by base name, a model's requests reach its own base's backend
 and are checked against its own context, an unknown base is a 400 naming every served base,
-the tokenizer route needs the base's name, and one base's checkpoint never loads onto the
-other (the HTTP path through the SDK: tests/integration/test_service_moe.py)."""
+the tokenizer route needs the base's name, usage is billed by base, and one base's checkpoint
+never loads onto the other (the HTTP path through the SDK: tests/integration/test_service_moe.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ import pytest
 
 from service import tinker_proto as pb
 from service import wire
+from service.accounting import AccountingLog
 from service.backend import BaseModelInfo
 from service.core import Service
 from service.errors import ServiceError
 from service.storage import Storage
+from service.types import FwdBwdResult
 from tests.unit.test_service_units import _wait
 
 
@@ -45,6 +47,11 @@ class NamedBackend:
     def load_state(self, adapter, folder, *, optimizer) -> None:
         self.ran.append(f"load {adapter}")
 
+    def forward_backward(self, adapter, data, loss_fn, loss_config, *, forward_only):
+        self.ran.append(f"fwdbwd {adapter}")
+        out = [{"logprobs": np.zeros(d.tokens.size, np.float32)} for d in data]
+        return FwdBwdResult(out, {"loss:sum": 0.0})
+
 
 @pytest.fixture
 def two(tmp_path):
@@ -52,9 +59,11 @@ def two(tmp_path):
     t = threading.Thread(target=loop.run_forever, daemon=True)
     t.start()
     a, b = NamedBackend("org/long", 64), NamedBackend("org/short", 16)
-    s = Service([a, b], Storage(str(tmp_path / "st")), loop)
+    storage = Storage(str(tmp_path / "st"))
+    s = Service([a, b], storage, loop, accounting=AccountingLog(storage.root))
     yield s, a, b
     s.scheduler.drain(5)
+    s.accounting.close()
     loop.call_soon_threadsafe(loop.stop)
 
 
@@ -133,3 +142,16 @@ def test_a_checkpoint_loads_only_onto_its_own_base(two):
     )
     assert _wait(s.load_weights("t", own)).error is None
     assert a.ran[-1] == f"load {sid}:train:1"
+
+
+def test_usage_is_billed_by_base(two):
+    """Each base's trained tokens are its own billing events (the usage log records the base
+    each op ran on)."""
+    s, a, b = two
+    ma, mb = _model(s, "org/long"), _model(s, "org/short")
+    assert _wait(s.forward_backward("t", _fwdbwd(ma, 40))).error is None
+    assert _wait(s.forward_backward("t", _fwdbwd(mb, 10))).error is None
+    assert a.ran[-1] == f"fwdbwd {ma}" and b.ran[-1] == f"fwdbwd {mb}"
+    events = s.billing_usage("t", 0.0, 4e9)["data"]
+    trained = {e["base_model"]: e["event_info"]["token_count"] for e in events}
+    assert trained == {"org/long": 40, "org/short": 10}
