@@ -10,6 +10,12 @@ changes. Training requests carry a `seq_id`; one refused before it is queued sti
 place in its model's order (`Scheduler.refuse`), so the client's next request runs.
 Admission: forward_backward and sample are priced (service/admission.py) before they are
 queued, and refused with 413 naming the limit when they can never fit.
+
+Several bases (tools.serve --recipe A --recipe B): one `Base` (backend, what clients see of
+it, its cost model) per served base, picked by the request's `base_model`; a model or
+sampler keeps the base it was created on, and every op runs on that base's backend. The
+scheduler, store, usage log, resident ledger and limits are shared: one worker runs every
+base's ops, one at a time.
 """
 
 from __future__ import annotations

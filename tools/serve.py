@@ -551,6 +551,7 @@ def _serve(args: argparse.Namespace, recipes, opts, keys, served, sock, plans) -
     env = launch_env()
     world = env.world_size
     if env.rank == 0:
+        # With several bases each plan's device is the device less the others' resident parts.
         for s, plan in zip(served, plans, strict=True):
             logging.getLogger("service").info("resource: %s: %s", s.name, describe_plan(plan))
         if len(plans) > 1:
