@@ -1,7 +1,7 @@
 """Serve a recipe's base model over the Tinker HTTP API (the `tinker` SDK drives it unchanged).
 
-    python -m tools.serve --recipe R [--recipe R2 ...] [--host 127.0.0.1 --port 8000] [--api-key-file F]
-                          [--storage DIR] [--session-ttl S] [--drain S] [--max-body-mb M]
+    python -m tools.serve --recipe R [--recipe R2 ...] [--host 127.0.0.1 --port 8000]
+                          [--api-key-file F] [--storage DIR] [--session-ttl S] [--drain S] [--max-body-mb M]
                           [--max-request-gib G] [--max-resident-gib G]
                           [--max-queued-per-session N]
                           [--max-queued-per-tenant N] [--base-name NAME] [--context N]
