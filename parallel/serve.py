@@ -406,3 +406,72 @@ def plan_on_cluster(m: ServedModel, r: Resource, cluster: Any) -> ClusterPlan:
     plan = plan_resource(m, r, cluster.hbm_bytes, cluster.gpu)
     speed = resource_speed(m, plan, cluster.with_nodes(nodes)) if plan.fits else None
     return ClusterPlan(r.devices, nodes, plan, speed)
+
+
+# ------------------------------------------------------------------------ several bases
+
+
+def plan_together(
+    models: list[ServedModel],
+    resources: list[Resource],
+    device_bytes: float,
+    kind: str,
+    *,
+    max_samples: int = DEFAULT_MAX_SAMPLES,
+) -> list[ResourcePlan]:
+    """Several bases served by one process on the same device(s) (`tools.serve --recipe A
+    --recipe B`): each base's resident part (its base shard, adapters and snapshots) is held
+    for the life of the service, so they add up; operations run one at a time on the one
+    worker over every base, so only one base's transient part (a training microbatch or a
+    generator's KV cache and work) exists at once. Each base is planned as alone on a device
+    of `device_bytes` less the others' resident parts (with fragmentation): every plan that
+    fits keeps the whole set within the device, since the peak is the residents' sum plus
+    the largest transient part. Pure."""
+    if len(models) != len(resources):
+        raise ValueError("one Resource per base")
+    resident = [
+        resource_memory(m, replace(r, generators=0), m.context, 0).resident
+        for m, r in zip(models, resources, strict=True)
+    ]
+    total = sum(resident)
+    return [
+        plan_resource(
+            m,
+            r,
+            device_bytes - (total - own) * (1 + ALLOCATOR_FRAGMENTATION),
+            kind,
+            max_samples=max_samples,
+        )
+        for m, r, own in zip(models, resources, resident, strict=True)
+    ]
+
+
+def together_gib(plans: list[ResourcePlan]) -> float:
+    """GiB per device of several bases planned by `plan_together`: every resident part, the
+    largest transient part, fragmentation, the runtime once."""
+    resident = sum(p.memory.resident for p in plans)
+    transient = max(p.memory.allocated - p.memory.resident for p in plans)
+    kind = plans[0].kind
+    return (resident + transient) * (1 + ALLOCATOR_FRAGMENTATION) / GIB + runtime_overhead_gib(kind)
+
+
+def together_problem(
+    names: list[str], plans: list[ResourcePlan], device_bytes: float
+) -> str | None:
+    """One sentence naming the bases and the numbers when the set does not fit (None: it
+    fits): each base's resident and transient GiB, the total and the device's."""
+    bad = [(n, p) for n, p in zip(names, plans, strict=True) if p.problems]
+    if not bad:
+        return None
+    parts = ", ".join(
+        f"{n} {p.memory.resident / GIB:.2f} GiB resident + "
+        f"{(p.memory.allocated - p.memory.resident) / GIB:.2f} transient"
+        for n, p in zip(names, plans, strict=True)
+    )
+    return (
+        f"the {len(plans)} bases do not fit together on one device of "
+        f"{device_bytes / GIB:.1f} GiB ({plans[0].kind}): {parts} (residents add up, one "
+        f"operation runs at a time): at least {together_gib(plans):.2f} GiB with "
+        f"fragmentation and runtime, {', '.join(n for n, _ in bad)} left without room; serve "
+        "fewer bases per process, or lower --context / --adapters / --generator-tokens"
+    )

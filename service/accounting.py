@@ -3,7 +3,7 @@
 Each record is what billing needs and nothing a client could forge:
 
     {"v": 1, "ts": <unix end time>, "tenant": "alice", "session": "s-...", "model": "..."|null,
-     "kind": "forward_backward", "ok": true, "wall_s": 0.21, "devices": 1, "device_s": 0.21,
+     "base": "org/name"|null, "kind": "forward_backward", "ok": true, "wall_s": 0.21, "devices": 1, "device_s": 0.21,
      "unbilled_s": 0.0, "pieces": 1, "tokens": {"trained": 1024}}
 
 `device_s` = billed wall seconds x devices held (GPU-seconds). `tokens`: what a successful op
@@ -296,12 +296,12 @@ def billing_events(
     import datetime as dt
 
     kinds = {"trained": "training", "prefill": "sampling_prefill", "sampled": "sampling_sample"}
-    buckets: defaultdict[tuple[str, str], Totals] = defaultdict(Totals)
-    for r in records:
+    buckets: defaultdict[tuple[str, str, str], Totals] = defaultdict(Totals)
+    for r in records:  # records before bases were recorded ("base" absent): `base_model`
         day = dt.datetime.fromtimestamp(float(r["ts"]), dt.UTC).date().isoformat()
-        buckets[(day, str(r.get("session")))].add(r)
+        buckets[(day, str(r.get("session")), str(r.get("base") or base_model))].add(r)
     data, gpu = [], Totals()
-    for (day, session), t in sorted(buckets.items()):
+    for (day, session, base), t in sorted(buckets.items()):
         gpu.device_seconds += t.device_seconds
         start = dt.datetime.fromisoformat(day).replace(tzinfo=dt.UTC)
         for k, n in t.tokens.items():
@@ -313,7 +313,7 @@ def billing_events(
                 {
                     "bucket_start": start.isoformat(),
                     "bucket_end": (start + dt.timedelta(days=1)).isoformat(),
-                    "base_model": base_model,
+                    "base_model": base,
                     "session_id": session,
                     "estimated_cost_usd": rate * n / 1e6 if rate is not None else None,
                     "effective_rate_usd_per_million_tokens": rate,

@@ -267,7 +267,7 @@ def create_app(service: Service, keys: KeyFile | None) -> FastAPI:
         ctype = request.headers.get("content-type", "")
         if PROTO not in ctype:
             raise ServiceError(415, f"content-type: expected {PROTO}")
-        decoded = await off_loop(service.decode_forward_backward, await body(request))
+        decoded = await off_loop(service.decode_forward_backward, await body(request), tenant)
         return future_json(service.forward_backward(tenant, decoded))
 
     @route("POST", "/api/v1/optim_step")

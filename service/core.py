@@ -10,6 +10,12 @@ changes. Training requests carry a `seq_id`; one refused before it is queued sti
 place in its model's order (`Scheduler.refuse`), so the client's next request runs.
 Admission: forward_backward and sample are priced (service/admission.py) before they are
 queued, and refused with 413 naming the limit when they can never fit.
+
+Several bases (tools.serve --recipe A --recipe B): one `Base` (backend, what clients see of
+it, its cost model) per served base, picked by the request's `base_model`; a model or
+sampler keeps the base it was created on, and every op runs on that base's backend. The
+scheduler, store, usage log, resident ledger and limits are shared: one worker runs every
+base's ops, one at a time.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -35,7 +41,7 @@ from service.admission import (
     price_forward_backward,
     price_sample,
 )
-from service.backend import NO_GENERATOR, Backend, check_generator_capacity
+from service.backend import NO_GENERATOR, Backend, BaseModelInfo, check_generator_capacity
 from service.deadline import op_deadline
 from service.errors import ServiceError, bad_request, log_safe, not_found, scrub_paths
 from service.futures import Future, FutureStore, Outcome
@@ -85,32 +91,67 @@ class DecodedFwdBwd:
     req: proto.FwdBwdRequest
     data: list[Any]
     error: ServiceError | None = None
+    base: str | None = None  # the base whose vocabulary and context checked the tokens
 
 
 def _str_dict(d: dict[str, Any] | None) -> dict[str, str] | None:
     return None if d is None else {str(k): str(v) for k, v in d.items()}
 
 
+@dataclass(frozen=True)
+class Base:
+    """One served base: its backend, what clients see of it, and its admission price."""
+
+    backend: Backend
+    info: BaseModelInfo
+    cost: CostModel | None
+
+    @classmethod
+    def of(cls, backend: Backend, cost: CostModel | None) -> Base:
+        # A backend that runs forward_backward in microbatches declares its token budget;
+        # the same price function then charges one microbatch's memory (and admits more).
+        mb = getattr(backend, "microbatch_tokens", None)
+        priced = replace(cost, microbatch_tokens=mb) if cost is not None and mb else cost
+        return cls(backend, backend.base_model(), priced)
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+
 class Service:
     def __init__(
         self,
-        backend: Backend,
+        backend: Backend | Sequence[Backend],
         storage: Storage,
         loop: asyncio.AbstractEventLoop,
         *,
         limits: Limits = Limits(),
         session_ttl_s: float = 1800.0,
-        cost: CostModel | None = None,
+        cost: CostModel | Sequence[CostModel | None] | None = None,
         accounting: AccountingLog | None = None,
     ):
-        self.backend = backend
+        """`backend`: one, or one per served base (`cost`: one per backend, in order).
+        Requests pick their base by name (`base_model`); models and samplers keep theirs."""
+        backends = list(backend) if isinstance(backend, Sequence) else [backend]
+        costs = list(cost) if isinstance(cost, Sequence) else [cost] * len(backends)
+        if not backends or len(costs) != len(backends):
+            raise ValueError("one cost model per backend")
+        self.bases: dict[str, Base] = {}
+        for b, c in zip(backends, costs, strict=True):
+            base = Base.of(b, c)
+            if base.name in self.bases:
+                raise ValueError(f"two backends serve {base.name!r}")
+            self.bases[base.name] = base
+        devices = {b.devices for b in backends}
+        if len(devices) != 1:  # one worker runs every base's ops on the same devices
+            raise ValueError(f"the bases hold different device counts: {sorted(devices)}")
+        first = backends[0]
+        # The first base: the default where a request may name none (a single-base
+        # service's tokenizer route) and of a stored run whose files name no base.
+        self.default = next(iter(self.bases.values()))
         self.storage = storage
         self.limits = limits
-        self.info = backend.base_model()
-        # A backend that runs forward_backward in microbatches declares its token budget;
-        # the same price function then charges one microbatch's memory (and admits more).
-        mb = getattr(backend, "microbatch_tokens", None)
-        self.cost = replace(cost, microbatch_tokens=mb) if cost is not None and mb else cost
         self.accounting = accounting
         # usage.jsonl read once; then every record the worker writes is added as it goes
         self.usage_index = UsageIndex(accounting.path if accounting is not None else None)
@@ -125,7 +166,7 @@ class Service:
         self.throughput = Throughput()
         self.scheduler = Scheduler(
             self.futures,
-            devices=backend.devices,
+            devices=first.devices,
             max_per_session=limits.max_queued_per_session,
             max_per_tenant=limits.max_queued_per_tenant,
             record=record,
@@ -158,36 +199,51 @@ class Service:
         return {
             "supported_models": [
                 {
-                    "model_name": self.info.name,
-                    "max_context_length": self.info.max_context,
+                    "model_name": b.name,
+                    "max_context_length": b.info.max_context,
                     "trainable": True,
-                    "sampleable": self.sampling_off() is None,
+                    "sampleable": self.sampling_off(b) is None,
                 }
+                for b in self.bases.values()
             ]
         }
 
-    def sampling_off(self) -> str | None:
-        """Why this service samples nothing (a model resource started with --generators 0,
-        service/distributed.py), or None."""
-        return None if getattr(self.backend, "generators", 1) else NO_GENERATOR
+    def sampling_off(self, base: Base | None = None) -> str | None:
+        """Why `base` (default: the first) samples nothing (a model resource started with
+        --generators 0, service/distributed.py), or None."""
+        backend = (base or self.default).backend
+        return None if getattr(backend, "generators", 1) else NO_GENERATOR
 
-    def check_sampling(self, field: str) -> None:
+    def check_sampling(self, field: str, base: Base | None = None) -> None:
         """400 naming tools.serve's --generators before anything is queued or created."""
-        why = self.sampling_off()
+        why = self.sampling_off(base)
         if why is not None:
             raise bad_request(field, why)
 
     def max_chunk_len(self) -> int:
         """Datums of the full context one forward_backward may carry (the SDK's chunk size:
-        it splits a larger batch into requests the admission check accepts)."""
+        it splits a larger batch into requests the admission check accepts; one figure for
+        the whole service, so the smallest over the bases)."""
         budget = self.limits.max_request_bytes
-        if self.cost is None or budget is None:
-            return self.limits.max_data
-        return max(1, max_rows(self.cost, self.info.max_context, budget, self.limits.max_data))
+        fits = [
+            max(1, max_rows(b.cost, b.info.max_context, budget, self.limits.max_data))
+            for b in self.bases.values()
+            if b.cost is not None and budget is not None
+        ]
+        return min(fits, default=self.limits.max_data)
 
-    def check_base_model(self, name: str, field: str = "base_model") -> None:
-        if name != self.info.name:
-            raise bad_request(field, f"unknown base model {name!r}; served: {self.info.name!r}")
+    def base(self, name: str, field: str = "base_model") -> Base:
+        """The served base of that name, or 400 naming the field and every served base."""
+        b = self.bases.get(name)
+        if b is None:
+            served = ", ".join(repr(n) for n in self.bases)
+            raise bad_request(field, f"unknown base model {name!r}; served: {served}")
+        return b
+
+    def base_of(self, name: str) -> Base:
+        """The base a registered model or sampler was created on (always served: the
+        registry holds only what this process created)."""
+        return self.bases[name]
 
     def tokenizer_files(self, tenant: str, base_model: str | None) -> dict[str, Any]:
         """The served tokenizer for a client's `AutoTokenizer.from_pretrained(tokenizer_id)`:
@@ -195,8 +251,13 @@ class Service:
         files (TOKENIZER_FILES: what AutoTokenizer reads of a Hugging Face folder).
         The tokenizer is the base's, the same for every tenant; 404 when none is served."""
         if base_model is not None:
-            self.check_base_model(base_model)
-        folder = self.info.tokenizer_dir
+            info = self.base(base_model).info
+        elif len(self.bases) == 1:
+            info = self.default.info
+        else:
+            served = ", ".join(repr(n) for n in self.bases)
+            raise bad_request("base_model", f"required: this service serves {served}")
+        folder = info.tokenizer_dir
         files: dict[str, str] = {}
         for name in TOKENIZER_FILES if folder else ():
             f = Path(folder or "", name)
@@ -204,18 +265,19 @@ class Service:
                 files[name] = f.read_text(encoding="utf-8")
         if "tokenizer.json" not in files:
             raise not_found("tokenizer")
-        return {"tokenizer_id": self.info.tokenizer_id or self.info.name, "files": files}
+        return {"tokenizer_id": info.tokenizer_id or info.name, "files": files}
 
     def get_info(self, tenant: str, model_id: str) -> dict[str, Any]:
         m = self.registry.model(model_id, tenant)
+        info = self.base_of(m.base_model).info
         return {
             "type": "get_info",
             "model_id": m.model_id,
             "model_name": m.base_model,
             "model_data": {
-                "arch": self.info.arch,
+                "arch": info.arch,
                 "model_name": m.base_model,
-                "tokenizer_id": self.info.tokenizer_id,
+                "tokenizer_id": info.tokenizer_id,
             },
             "is_lora": True,
             "lora_rank": m.lora.rank,
@@ -227,7 +289,7 @@ class Service:
         return {
             "session_id": session_id,
             "device_seconds": u.device_seconds if u else 0.0,
-            "devices": self.backend.devices,
+            "devices": self.scheduler.devices,
             "ops": dict(u.ops) if u else {},
             "failed_ops": dict(u.failed) if u else {},
             "finished": s.finished,
@@ -244,7 +306,7 @@ class Service:
         if end <= start:
             raise bad_request("ending_before", "must be after starting_on")
         records = self.usage_index.records(tenant, start, end)
-        return billing_events(records, self.prices, self.info.name)
+        return billing_events(records, self.prices, self.default.name)
 
     # --- sessions -----------------------------------------------------------------------------
 
@@ -302,10 +364,10 @@ class Service:
         def run() -> Outcome:
             for m in models:
                 if m.ready:
-                    self.backend.drop_adapter(m.model_id)
+                    self.base_of(m.base_model).backend.drop_adapter(m.model_id)
             for s in samplers:
                 if s.handle is not None:
-                    self.backend.drop_sampler(s.handle)
+                    self.base_of(s.base_model).backend.drop_sampler(s.handle)
             return Outcome(json={})
 
         for m in models:
@@ -346,7 +408,9 @@ class Service:
             self.limits.max_models_per_tenant,
             "max_models_per_tenant",
         )
-        self._admit_resident(model_id, tenant, spec, TRAINED_COPIES, "this model's adapter")
+        self._admit_resident(
+            model_id, tenant, spec, TRAINED_COPIES, "this model's adapter", self.base_of(base)
+        )
         m = Model(model_id, session.session_id, base, spec, meta, tenant=tenant)
         try:
             self.registry.add_model(m)
@@ -356,21 +420,22 @@ class Service:
         return m, None
 
     def _admit_resident(
-        self, key: str, tenant: str, spec: LoraSpec, copies: int, what: str
+        self, key: str, tenant: str, spec: LoraSpec, copies: int, what: str, base: Base
     ) -> None:
-        """Price what `key` will keep on the device (service/resident.py) before it exists."""
-        price = getattr(self.backend, "adapter_bytes", None)
+        """Price what `key` will keep on the device (service/resident.py) before it exists:
+        one ledger over every base (they share the device)."""
+        price = getattr(base.backend, "adapter_bytes", None)
         if price is not None:
             self.resident.admit(key, tenant, copies * int(price(spec)), what)
 
     def create_model(self, tenant: str, body: wire.CreateModelBody) -> Future:
         session = self.registry.session(body.session_id, tenant)
-        self.check_base_model(body.base_model)
+        base = self.base(body.base_model)
         if body.optimizer_config.type != "adamw":
             raise bad_request(
                 "optimizer_config.type", f"{body.optimizer_config.type!r}: only adamw"
             )
-        spec = wire.lora_spec(body.lora_config, max_rank=self.backend.max_lora_rank)
+        spec = wire.lora_spec(body.lora_config, max_rank=base.backend.max_lora_rank)
         check_metadata(body.user_metadata, "user_metadata", self.limits)
         m, again = self._new_model(
             tenant, session, body.model_seq_id, body.base_model, spec, body.user_metadata
@@ -380,12 +445,13 @@ class Service:
         store = self.store(tenant)
 
         def run() -> Outcome:
-            self.backend.create_adapter(m.model_id, spec)
+            base.backend.create_adapter(m.model_id, spec)
             m.ready = True
             store.write_run(m.model_id, self._run_info(m))
             return Outcome(json={"model_id": m.model_id, "type": "create_model"})
 
-        return self._submit_create(m, Op(session.session_id, "create_model", run, tenant=tenant))
+        op = Op(session.session_id, "create_model", run, tenant=tenant, base=base.name)
+        return self._submit_create(m, op)
 
     def _submit_create(self, m: Model, op: Op, first_seq: int = 1) -> Future:
         """Queue a model's creating op; refused (429 queue cap, 410 ...), nothing stays
@@ -412,6 +478,7 @@ class Service:
         m = self.registry.model(model_id, tenant)
         try:
             op = build(m)
+            op.base = m.base_model  # usage records bill by base
             return self.scheduler.submit(op)
         except Exception as exc:  # whatever it is, the seq_id place is resolved (#41)
             e = _as_service_error(exc)
@@ -435,12 +502,15 @@ class Service:
                 m.model_id, key[1], tenant=tenant, session_id=m.session_id, kind=kind, error=error
             )
 
-    def decode_forward_backward(self, raw: bytes) -> DecodedFwdBwd:
+    def decode_forward_backward(self, raw: bytes, tenant: str | None = None) -> DecodedFwdBwd:
         """Decode and check a forward_backward body (no state touched: the app runs it off
         the event loop). Work and memory are bounded by the limits before anything is
-        allocated for them (proto.Bounds); a refusal of a readable header is kept in the
-        result so that it takes the request's seq_id place."""
-        bounds = proto.Bounds(max_data=self.limits.max_data, max_len=self.info.max_context)
+        allocated for them (proto.Bounds: the largest served context); a refusal of a
+        readable header is kept in the result so that it takes the request's seq_id place.
+        Tokens are checked against the base of the named model when it is `tenant`'s (else
+        the first base: the request is refused as not found when it is queued)."""
+        widest = max(b.info.max_context for b in self.bases.values())
+        bounds = proto.Bounds(max_data=self.limits.max_data, max_len=widest)
         try:
             req = proto.decode_forward_backward_request(raw, bounds)
         except ServiceError:
@@ -449,14 +519,16 @@ class Service:
             raise bad_request(
                 "body", f"not a ForwardBackwardRequest protobuf ({type(e).__name__})"
             ) from None
-        out = DecodedFwdBwd(req, [], req.error)
+        m = self.registry.find_model(req.model_id, tenant) if tenant is not None else None
+        base = self.base_of(m.base_model) if m is not None else self.default
+        out = DecodedFwdBwd(req, [], req.error, base.name)
         if out.error is None:
             try:
                 out.data = wire.fwdbwd_data(
                     req.data,
                     req.loss_fn,
-                    vocab=self.info.vocab_size,
-                    max_len=self.info.max_context,
+                    vocab=base.info.vocab_size,
+                    max_len=base.info.max_context,
                     max_data=self.limits.max_data,
                 )
                 wire.check_loss_config(req.loss_fn, req.loss_fn_config)
@@ -467,7 +539,9 @@ class Service:
     def forward_backward(
         self, tenant: str, raw: bytes | DecodedFwdBwd, *, forward_only_path: bool = False
     ) -> Future:
-        decoded = raw if isinstance(raw, DecodedFwdBwd) else self.decode_forward_backward(raw)
+        decoded = (
+            raw if isinstance(raw, DecodedFwdBwd) else self.decode_forward_backward(raw, tenant)
+        )
         req = decoded.req
         forward_only = req.forward_only or forward_only_path
         kind = "forward" if forward_only else "forward_backward"
@@ -475,6 +549,11 @@ class Service:
         def build(m: Model) -> Op:
             if decoded.error is not None:
                 raise decoded.error
+            base = self.base_of(m.base_model)
+            if decoded.base != base.name:  # checked against another base's bounds
+                raise bad_request(
+                    "model_id", "the model was not known when this request was read; send it again"
+                )
             data = decoded.data
             if req.loss_fn == "stable_reinforce":  # the sampler's logprobs, from its records
                 for i, d in enumerate(data):
@@ -488,7 +567,7 @@ class Service:
                 for d in data:
                     if "sequence_ratio_mask" not in d.inputs:
                         d.inputs["sequence_ratio_mask"] = (d.inputs["advantages"] != 0).astype("f4")
-            price = self._admit_forward_backward([d.tokens.size for d in data], forward_only)
+            price = self._admit_forward_backward(base, [d.tokens.size for d in data], forward_only)
             cfg = dict(req.loss_fn_config)
             lengths = [int(d.tokens.size) for d in data]
             # Pieces at datum boundaries (service/scheduler.py, Fairness): the loss is a sum
@@ -499,7 +578,7 @@ class Service:
 
             def run() -> Outcome | None:
                 lo, hi = pieces[len(parts)]
-                r = self.backend.forward_backward(
+                r = base.backend.forward_backward(
                     m.model_id, data[lo:hi], req.loss_fn, cfg, forward_only=forward_only
                 )
                 outputs.extend(r.outputs)
@@ -516,13 +595,15 @@ class Service:
 
         return self._sequenced(tenant, req.model_id, req.seq_id, kind, build)
 
-    def _admit_forward_backward(self, lengths: list[int], forward_only: bool) -> Price | None:
-        if self.cost is None:
+    def _admit_forward_backward(
+        self, base: Base, lengths: list[int], forward_only: bool
+    ) -> Price | None:
+        if base.cost is None:
             return None
-        price = price_forward_backward(self.cost, lengths, forward_only=forward_only)
+        price = price_forward_backward(base.cost, lengths, forward_only=forward_only)
         budget = self.limits.max_request_bytes
         if budget is not None and price.bytes > budget:
-            fit = max_rows(self.cost, price.length, budget, self.limits.max_data)
+            fit = max_rows(base.cost, price.length, budget, self.limits.max_data)
             raise ServiceError(
                 413,
                 f"this request needs about {price.gib:.2f} GiB of activation memory "
@@ -539,7 +620,7 @@ class Service:
             params = wire.adam_params(body)
 
             def run() -> Outcome:
-                metrics = self.backend.optim_step(m.model_id, params)
+                metrics = self.base_of(m.base_model).backend.optim_step(m.model_id, params)
                 return Outcome(json={"metrics": metrics})
 
             return Op(m.session_id, "optim_step", run, m.model_id, body.seq_id, tenant=tenant)
@@ -583,7 +664,7 @@ class Service:
                 tenant,
                 m,
                 ref,
-                lambda d: self.backend.save_state(m.model_id, d),
+                lambda d: self.base_of(m.base_model).backend.save_state(m.model_id, d),
                 "save_weights",
                 overwrite=body.overwrite,
                 ttl_seconds=body.ttl_seconds,
@@ -607,7 +688,9 @@ class Service:
                     tenant,
                     m,
                     ref,
-                    lambda d: self.backend.save_sampler_weights(m.model_id, d),
+                    lambda d: self.base_of(m.base_model).backend.save_sampler_weights(
+                        m.model_id, d
+                    ),
                     "save_weights_for_sampler",
                     overwrite=True,
                     ttl_seconds=body.ttl_seconds,
@@ -616,15 +699,17 @@ class Service:
             else:
                 if body.sampling_session_seq_id is None:
                     raise bad_request("path", "either path or sampling_session_seq_id is required")
-                self.check_sampling("sampling_session_seq_id")  # a snapshot is for sampling
+                base = self.base_of(m.base_model)
+                # a snapshot is for sampling
+                self.check_sampling("sampling_session_seq_id", base)
                 sampler_id = f"{m.session_id}:sample:{body.sampling_session_seq_id}"
-                self._admit_resident(sampler_id, tenant, m.lora, 1, "this sampler snapshot")
+                self._admit_resident(sampler_id, tenant, m.lora, 1, "this sampler snapshot", base)
 
                 def run() -> Outcome:
-                    handle = self.backend.snapshot(m.model_id)
+                    handle = base.backend.snapshot(m.model_id)
                     s = Sampler(sampler_id, m.session_id, m.base_model, None, handle, tenant=tenant)
                     if self.registry.add_sampler(s) is not s:  # a retry: keep the first
-                        self.backend.drop_sampler(handle)
+                        base.backend.drop_sampler(handle)
                     return Outcome(
                         json={"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
                     )
@@ -658,6 +743,18 @@ class Service:
                 422, f"checkpoint {ref.tinker_path} is damaged (meta.json: bad 'lora')"
             ) from None
 
+    def _same_base(self, ref: CheckpointRef, meta: dict, base: str, field: str) -> Base:
+        """The served base a checkpoint was saved on, when it is `base`: weights of one base
+        never load onto another (their shapes and meaning differ), a 400 naming both."""
+        saved = str(meta.get("base_model"))
+        if saved != base:
+            raise bad_request(
+                field,
+                f"checkpoint {ref.tinker_path} belongs to base model {saved!r}, not {base!r} "
+                "(a checkpoint loads only onto the base it was trained on)",
+            )
+        return self.base(base, field)
+
     def _load_failed(self, what: str, e: Exception) -> ServiceError:
         """A checkpoint that fails to load: one clear error naming it (never a server path)."""
         if isinstance(e, ServiceError):
@@ -675,22 +772,21 @@ class Service:
                 raise bad_request(
                     "path", "load_state needs a training checkpoint (.../weights/...)"
                 )
-            base = body.base_model or meta["base_model"]
-            self.check_base_model(base)
+            base = self._same_base(ref, meta, body.base_model or meta["base_model"], "path")
             spec = self._spec(ref, meta)
             check_metadata(body.user_metadata, "user_metadata", self.limits)
             m, again = self._new_model(
-                tenant, session, body.model_seq_id, base, spec, body.user_metadata
+                tenant, session, body.model_seq_id, base.name, spec, body.user_metadata
             )
             if again is not None:
                 return again
             store = self.store(tenant)
 
             def run() -> Outcome:
-                self.backend.create_adapter(m.model_id, spec)
+                base.backend.create_adapter(m.model_id, spec)
                 m.ready = True
                 try:
-                    self.backend.load_state(m.model_id, folder, optimizer=body.optimizer)
+                    base.backend.load_state(m.model_id, folder, optimizer=body.optimizer)
                 except Exception as e:
                     raise self._load_failed(f"checkpoint {ref.tinker_path}", e) from e
                 store.write_run(m.model_id, self._run_info(m))
@@ -699,6 +795,7 @@ class Service:
                 )
 
             op = Op(session.session_id, "load_state", run, m.model_id, 0, tenant=tenant)
+            op.base = base.name
             return self._submit_create(m, op, first_seq=0)
         if body.model_id is None or body.seq_id is None:
             raise bad_request("model_id", "either model_id+seq_id or session_id+model_seq_id")
@@ -709,6 +806,7 @@ class Service:
                 raise bad_request(
                     "path", "load_state needs a training checkpoint (.../weights/...)"
                 )
+            base = self._same_base(ref, meta, m.base_model, "path")
             saved = self._spec(ref, meta)
             if replace(saved, seed=None) != replace(m.lora, seed=None):  # the seed may differ
                 raise bad_request(
@@ -717,7 +815,7 @@ class Service:
 
             def run() -> Outcome:
                 try:
-                    self.backend.load_state(m.model_id, folder, optimizer=body.optimizer)
+                    base.backend.load_state(m.model_id, folder, optimizer=body.optimizer)
                 except Exception as e:
                     raise self._load_failed(f"checkpoint {ref.tinker_path}", e) from e
                 return Outcome(
@@ -732,34 +830,37 @@ class Service:
 
     def create_sampling_session(self, tenant: str, body: wire.CreateSamplingSessionBody) -> str:
         session = self.registry.session(body.session_id, tenant)
-        self.check_sampling("base_model" if body.model_path is None else "model_path")
+        field = "base_model" if body.model_path is None else "model_path"
+        if all(self.sampling_off(b) for b in self.bases.values()):  # before any file is read
+            self.check_sampling(field)
         sampler_id = f"{session.session_id}:sample:{body.sampling_session_seq_id}"
         if body.model_path is None:
             if body.base_model is None:
                 raise bad_request("base_model", "base_model or model_path is required")
-            self.check_base_model(body.base_model)
+            self.check_sampling(field, self.base(body.base_model))
             self.registry.add_sampler(
                 Sampler(sampler_id, session.session_id, body.base_model, None, None, tenant=tenant)
             )
             return sampler_id
         ref, meta, folder = self._checkpoint(tenant, body.model_path, "model_path")
         spec = self._spec(ref, meta)
-        self.check_base_model(meta["base_model"], "model_path")
+        base = self._same_base(ref, meta, body.base_model or meta["base_model"], "model_path")
+        self.check_sampling(field, base)
         s = Sampler(
             sampler_id,
             session.session_id,
-            meta["base_model"],
+            base.name,
             body.model_path,
             tenant=tenant,
             state="loading",
         )
-        self._admit_resident(sampler_id, tenant, spec, 1, "this sampler's weights")
+        self._admit_resident(sampler_id, tenant, spec, 1, "this sampler's weights", base)
         if self.registry.add_sampler(s) is not s:
             return sampler_id  # an SDK retry of the same create
 
         def run() -> Outcome:
             try:
-                s.handle = self.backend.load_sampler(folder, spec)
+                s.handle = base.backend.load_sampler(folder, spec)
             except Exception as e:
                 err = self._load_failed(f"sampler weights {ref.tinker_path}", e)
                 s.state, s.error = "failed", err.message
@@ -771,7 +872,14 @@ class Service:
         # Loading is device work, so it queues like any other op; the sampler is usable once
         # registered, and its samples queue behind the load in the same session FIFO.
         self.scheduler.submit(
-            Op(session.session_id, "load_sampler", run, tenant=tenant, internal=True)
+            Op(
+                session.session_id,
+                "load_sampler",
+                run,
+                tenant=tenant,
+                internal=True,
+                base=base.name,
+            )
         )
         return sampler_id
 
@@ -790,18 +898,19 @@ class Service:
         if body.sampling_session_id is None:
             raise bad_request("sampling_session_id", "required (create a sampling client first)")
         s = self.registry.sampler(body.sampling_session_id, tenant)
-        self.check_sampling("sampling_session_id")
+        base = self.base_of(s.base_model)
+        self.check_sampling("sampling_session_id", base)
         check_stop(body.sampling_params.stop, self.limits)
         req = sampling.sample_request(
             body,
-            vocab=self.info.vocab_size,
-            max_context=self.info.max_context,
+            vocab=base.info.vocab_size,
+            max_context=base.info.max_context,
             max_samples=self.limits.max_samples,
         )
-        capacity = getattr(self.backend, "generator_tokens", None)
+        capacity = getattr(base.backend, "generator_tokens", None)
         if capacity is not None:
             check_generator_capacity(int(req.prompt.size) + req.params.max_tokens, capacity)
-        check = getattr(self.backend, "check_sample", None)
+        check = getattr(base.backend, "check_sample", None)
         if check is not None:  # what this backend's sampler cannot give: 400 before queuing
             check(
                 req.params,
@@ -809,6 +918,7 @@ class Service:
                 topk_prompt_logprobs=req.topk_prompt_logprobs,
             )
         price = self._admit_sample(
+            base,
             int(req.prompt.size),
             req.params.max_tokens,
             body.num_samples,
@@ -824,7 +934,7 @@ class Service:
             if s.state != "ready" or (s.model_path is not None and s.handle is None):
                 # Never the base model in place of weights that did not load.
                 raise ServiceError(422, s.error or "the sampler's weights are not loaded")
-            r = self.backend.sample(
+            r = base.backend.sample(
                 s.handle,
                 tokens,
                 body.num_samples,
@@ -845,21 +955,21 @@ class Service:
                 proto=proto.encode_sample_response(seqs, r.prompt_logprobs, r.topk_prompt)
             )
 
-        op = Op(s.session_id, "sample", run, tenant=tenant, price=price)
+        op = Op(s.session_id, "sample", run, tenant=tenant, price=price, base=base.name)
         # A backend sampling through an engine (tools.serve --sampler vllm) samples off the
         # worker: concurrent requests meet in one engine batch (service/vllm_sampler.py).
-        op.detached = bool(getattr(self.backend, "detached_sampling", False))
+        op.detached = bool(getattr(base.backend, "detached_sampling", False))
         op.rate_tokens = (len(tokens) + req.params.max_tokens) * body.num_samples
         fut = self.scheduler.submit(op)
         return fut, ids
 
     def _admit_sample(
-        self, prompt_len: int, max_tokens: int, num_samples: int, prompt_lp: bool
+        self, base: Base, prompt_len: int, max_tokens: int, num_samples: int, prompt_lp: bool
     ) -> Price | None:
-        if self.cost is None:
+        if base.cost is None:
             return None
         price = price_sample(
-            self.cost, prompt_len, max_tokens, num_samples, prompt_logprobs=prompt_lp
+            base.cost, prompt_len, max_tokens, num_samples, prompt_logprobs=prompt_lp
         )
         budget = self.limits.max_request_bytes
         if budget is not None and price.bytes > budget:
@@ -905,7 +1015,7 @@ class Service:
         meta_in = info.get("user_metadata")
         return {
             "training_run_id": model_id,
-            "base_model": str(info.get("base_model") or self.info.name),
+            "base_model": str(info.get("base_model") or self.default.name),
             "model_owner": tenant,
             "is_lora": True,
             "corrupted": lora is None or bool(damaged),

@@ -82,6 +82,7 @@ class Op:
     lane: str | None = None
     seq_id: int | None = None
     future: Future | None = None
+    base: str | None = None  # the served base it runs on (billing by base), when one
     on_error: Callable[[], None] | None = None
     tenant: str = ""
     price: Price | None = None
@@ -480,6 +481,7 @@ class Scheduler:
                     "tenant": op.tenant,
                     "session": op.session_id,
                     "model": op.lane,
+                    "base": op.base,
                     "kind": op.kind,
                     "ok": outcome.error is None,
                     "wall_s": wall,

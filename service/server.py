@@ -28,6 +28,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,23 +223,26 @@ class _DrainingServer(uvicorn.Server):
 
 
 async def serve(
-    backend: Backend,
+    backend: Backend | Sequence[Backend],
     opts: ServeOptions,
     *,
     sock: socket.socket,
     keys: KeyFile | None,
-    cost: CostModel | None = None,
+    cost: CostModel | Sequence[CostModel | None] | None = None,
     resource: Any = None,
 ) -> str | None:
-    """Serve until stopped; returns None, or why a model resource (`resource`: its
-    service.distributed.Dispatcher) broke."""
+    """Serve until stopped (`backend`: one, or one per base with `cost` in the same order);
+    returns None, or why a model resource (`resource`: its service.distributed.Dispatcher)
+    broke."""
     check_exposure(opts)
-    warm_up(backend)
+    backends = [backend] if not isinstance(backend, Sequence) else list(backend)
+    for b in backends:
+        warm_up(b)
     loop = asyncio.get_running_loop()
     storage = Storage(opts.storage)
     accounting = AccountingLog(storage.root)
     service = Service(
-        backend,
+        backends,
         storage,
         loop,
         limits=opts.limits,
@@ -261,15 +265,14 @@ async def serve(
             service.sweep()
 
     sweeper = asyncio.create_task(sweep())
-    info = backend.base_model()
     host, port = sock.getsockname()[:2]
     budget = opts.limits.max_request_bytes
     log.info(
-        "service: serving %s (max context %d, vocab %d) on http://%s:%d, storage %s, auth %s, "
-        "admission %s per request",
-        info.name,
-        info.max_context,
-        info.vocab_size,
+        "service: serving %s on http://%s:%d, storage %s, auth %s, admission %s per request",
+        ", ".join(
+            f"{b.info.name} (max context {b.info.max_context}, vocab {b.info.vocab_size})"
+            for b in service.bases.values()
+        ),
         host,
         port,
         storage.root,

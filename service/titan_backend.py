@@ -242,16 +242,38 @@ def resource_plan(recipe, served: ServedBase | None, resource: Any) -> Any:
     """The `parallel.serve.ResourcePlan` of `resource` on this machine's devices (a GPU's
     memory, or on CPU the host's memory shared by the local processes), priced with the
     attention kernel the backend is built with."""
-    from parallel.serve import plan_resource, served_model
-    from runtime.build import choose_kernels
+    from parallel.serve import plan_resource
     from runtime.platform import Platform
     from runtime.steps import device_memory_bytes
 
     platform = Platform.detect()
-    dense = choose_kernels(recipe, platform).attention == "dense"
-    m = served_model(recipe, served.context if served else None, cpu=dense)
     device_bytes, kind = device_memory_bytes(platform)
-    return plan_resource(m, resource, device_bytes, kind)
+    return plan_resource(_served_here(recipe, served, platform), resource, device_bytes, kind)
+
+
+def _served_here(recipe, served: ServedBase | None, platform: Any) -> Any:
+    """The recipe's `parallel.serve.ServedModel`, priced with the attention kernel the
+    backend is built with on `platform`."""
+    from parallel.serve import served_model
+    from runtime.build import choose_kernels
+
+    dense = choose_kernels(recipe, platform).attention == "dense"
+    return served_model(recipe, served.context if served else None, cpu=dense)
+
+
+def resource_plans_together(
+    recipes: list[Any], served: list[ServedBase], resources: list[Any]
+) -> tuple[list[Any], float]:
+    """Several bases in one process on this machine's device (`parallel.serve.plan_together`):
+    their plans and the device's bytes."""
+    from parallel.serve import plan_together
+    from runtime.platform import Platform
+    from runtime.steps import device_memory_bytes
+
+    platform = Platform.detect()
+    device_bytes, kind = device_memory_bytes(platform)
+    models = [_served_here(r, s, platform) for r, s in zip(recipes, served, strict=True)]
+    return plan_together(models, resources, device_bytes, kind), device_bytes
 
 
 def local_plan(recipe, served: ServedBase | None = None) -> Any:

@@ -32,6 +32,7 @@ __all__ = [
     "exit_on_config_error",
     "load",
     "load_stack_arg",
+    "recipe_arg",
     "run",
 ]
 
@@ -141,17 +142,25 @@ def add_recipe_arg(
     required: bool = False,
     default: str | None = None,
     help: str = "",
+    repeat: bool = False,
 ) -> None:
-    """--recipe: a TOML path or a name in recipes/ (default: the debug recipe)."""
+    """--recipe: a TOML path or a name in recipes/ (default: the debug recipe); `repeat`:
+    a list of them (several bases: tools.plan --serve)."""
     what = help or "recipe TOML or a name in recipes/"
     if not required:
         what += f" (default: {default or 'recipes/debug.toml'})"
     p.add_argument(
-        "--recipe", required=required, default=default, help=what, type=_recipe, metavar="RECIPE"
+        "--recipe",
+        required=required,
+        default=default,
+        help=what,
+        type=recipe_arg,
+        metavar="RECIPE",
+        action="append" if repeat else "store",
     )
 
 
-def _recipe(value: str) -> str:
+def recipe_arg(value: str) -> str:
     """`--recipe=` (empty) is an error, not the default recipe (it used to run the debug
     recipe in its place)."""
     if not value.strip():
@@ -169,9 +178,11 @@ def add_cluster_arg(p: argparse.ArgumentParser, *, required: bool = False, help:
     )
 
 
-def add_recipe_cluster_args(p: argparse.ArgumentParser) -> None:
+def add_recipe_cluster_args(
+    p: argparse.ArgumentParser, *, recipe_help: str = "", repeat: bool = False
+) -> None:
     """--recipe, --cluster, --nodes and --set, as the planning tools take them."""
-    add_recipe_arg(p, required=True)
+    add_recipe_arg(p, required=True, help=recipe_help, repeat=repeat)
     add_cluster_arg(p, required=True)
     p.add_argument("--nodes", type=int, default=None, help="nodes in the job (default: the "
                    "recipe's world size / GPUs per node, else the profile's node count)")  # fmt: skip

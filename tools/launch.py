@@ -104,7 +104,7 @@ def check_serve(args: argparse.Namespace, recipe, cluster) -> None:
     from dataclasses import replace
 
     from parallel.serve import plan_on_cluster, served_model
-    from tools.serve import check_args, resource_of
+    from tools.serve import base_options, check_args, resource_of
     from tools.serve import parse_args as serve_parse_args
 
     if args.serve_arg and not args.serve:
@@ -116,11 +116,17 @@ def check_serve(args: argparse.Namespace, recipe, cluster) -> None:
         check_serve_arg(a)
     sargs = serve_parse_args(["--recipe", args.recipe, *args.serve_arg])
     check_args(sargs)
+    if len(sargs.recipe) > 1:  # a resource shards one base over its ranks
+        raise ConfigError(
+            "a model resource serves one base: pass no --recipe through --serve-arg "
+            "(several bases: tools.serve --recipe A --recipe B on one device)",
+            key="--serve-arg",
+        )
     from service.server import ServeOptions, check_exposure
 
     check_exposure(ServeOptions(host=sargs.host, api_key_file=sargs.api_key_file))
     devices = args.nodes * cluster.gpus_per_node
-    model = served_model(recipe, sargs.context)
+    model = served_model(recipe, base_options(sargs)[0][1])
     cp = plan_on_cluster(model, replace(resource_of(sargs, recipe, 1), devices=devices), cluster)
     if cp.plan.problems:
         key, why = cp.plan.problems[0]

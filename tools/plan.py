@@ -5,6 +5,7 @@
                          [--slurm-topology FILE --nodelist HOSTLIST]
     python -m tools.plan --serve --recipe R --cluster C [--nodes N] [--context T]
                          [--generators 0|1] [--generator-tokens T] [--adapters N] [--json]
+    python -m tools.plan --serve --recipe A --recipe B ... --cluster C [...]
 
 The table: degrees, schedule, microbatches, activation checkpointing, memory GiB/GPU,
 predicted tokens/s/GPU, MFU, and GB per step crossing leaf switches (leaving a host) and
@@ -17,7 +18,10 @@ arbitrary rendezvous order; `--slurm-topology`/`--nodelist` take the hosts from 
 FSDP2-sharded over every GPU, parallel/serve.py): per resource size (1, 2, 4 ... GPUs, then
 1, 2, 4 ... nodes up to --nodes, default the profile's), the memory per GPU by part, whether
 it fits, the budgets tools.serve would choose, and estimated forward_backward tokens/s and
-decode seconds per step; then the smallest resource that holds it.
+decode seconds per step; then the smallest resource that holds it. Several `--recipe`: the
+bases one `tools.serve --recipe A --recipe B` process holds on one GPU, priced together (each
+base's resident part, the largest transient part; parallel.serve.plan_together), and why the
+set does not fit when it does not.
 """
 
 from __future__ import annotations
@@ -169,8 +173,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_resource_args(p)
 
 
-def serve_inputs(args: argparse.Namespace):
-    """(recipe, cluster profile, served model, resource of 1 device) for --serve, checked."""
+def serve_inputs(args: argparse.Namespace, recipe_path: str | None = None):
+    """(recipe, cluster profile, served model, resource of 1 device) for --serve, checked
+    (`recipe_path`: one of several --recipe; default the first)."""
     from parallel.cluster import load_cluster
     from parallel.serve import served_model
     from recipe.loader import load_recipe
@@ -183,7 +188,8 @@ def serve_inputs(args: argparse.Namespace):
         from core.hardware import MAX_NODES
 
         positive_arg(args.nodes, "--nodes", MAX_NODES)
-    recipe = load_recipe(args.recipe, args.overrides)
+    first = args.recipe if isinstance(args.recipe, str) else args.recipe[0]  # tools.predict: one
+    recipe = load_recipe(recipe_path or first, args.overrides)
     cluster = load_cluster(args.cluster)
     return recipe, cluster, served_model(recipe, args.context), resource_of(args, recipe, 1)
 
@@ -211,11 +217,68 @@ SERVE_HEADER = (
 )
 
 
+def serve_together(args: argparse.Namespace) -> None:
+    """Several --recipe: the bases one `tools.serve` process holds on one GPU, priced
+    together (parallel.serve.plan_together: residents add up, one operation at a time)."""
+    from parallel.memory import GIB
+    from parallel.serve import plan_together, together_gib, together_problem
+
+    inputs = [serve_inputs(args, r) for r in args.recipe]
+    cluster = inputs[0][1]
+    names = [f"{r.job.name} ({r.model.flavor})" for r, _, _, _ in inputs]
+    models, resources = [m for _, _, m, _ in inputs], [r for _, _, _, r in inputs]
+    plans = plan_together(models, resources, cluster.hbm_bytes, cluster.gpu)
+    why = together_problem(names, plans, cluster.hbm_bytes)
+    if args.json:
+        out = {
+            "bases": [
+                {
+                    "recipe": r.source,
+                    "context": m.context,
+                    "resident_gib": round(p.memory.resident / GIB, 3),
+                    "transient_gib": round((p.memory.allocated - p.memory.resident) / GIB, 3),
+                    "microbatch_tokens": p.memory.microbatch_tokens,
+                    "generator_tokens": p.memory.generator_tokens,
+                    "problems": [{"key": k, "why": w} for k, w in p.problems],
+                }
+                for (r, _, m, _), p in zip(inputs, plans, strict=True)
+            ],
+            "gib_per_device": round(together_gib(plans), 2),
+            "device_gib": round(cluster.hbm_bytes / GIB, 1),
+            "fits": why is None,
+            "problem": why,
+        }
+        json.dump(out, sys.stdout, indent=2)
+        print()
+        return
+    print(
+        f"{len(plans)} bases served together by one tools.serve process on one {cluster.gpu} "
+        f"({cluster.hbm_bytes / GIB:.1f} GiB, {cluster.name}): the residents add up, one "
+        "operation runs at a time (a model resource over several GPUs serves one base)"
+    )
+    print(f"{'base':<36} {'context':>7} {'resident':>8} {'transient':>9} {'mb tok':>8} "
+          f"{'gen tok':>9} {'rows':>5} fits")  # fmt: skip
+    for name, m, p in zip(names, models, plans, strict=True):
+        mem = p.memory
+        print(
+            f"{name[:36]:<36} {m.context:>7,} {mem.resident / GIB:>8.2f} "
+            f"{(mem.allocated - mem.resident) / GIB:>9.2f} {mem.microbatch_tokens:>8,} "
+            f"{mem.generator_tokens:>9,} {p.concurrent_samples:>5} {'yes' if p.fits else 'NO'}"
+        )
+    print(f"together: {together_gib(plans):.2f} GiB per device with fragmentation and runtime "
+          "(GiB: resident = base + adapters + snapshots; transient = the larger of a training "
+          "microbatch and the generator's work)")  # fmt: skip
+    print(why if why is not None else "fits")
+
+
 def serve_main(args: argparse.Namespace) -> None:
     from dataclasses import replace
 
     from parallel.serve import plan_on_cluster, resource_sizes
 
+    if len(args.recipe) > 1:
+        serve_together(args)
+        return
     recipe, cluster, model, res = serve_inputs(args)
     nodes = args.nodes or cluster.nodes
     rows = [
@@ -258,7 +321,12 @@ def serve_main(args: argparse.Namespace) -> None:
 @exit_on_config_error
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    add_recipe_cluster_args(p)
+    add_recipe_cluster_args(
+        p,
+        repeat=True,
+        recipe_help="recipe TOML or a name in recipes/; with --serve, repeat it to price "
+        "several bases served by one process",
+    )
     add_serve_args(p)
     p.add_argument("--top", type=int, default=10, help="plans to show (default 10)")
     add_stack_arg(p)
@@ -276,6 +344,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.serve:
         serve_main(args)
         return
+    if len(args.recipe) > 1:
+        raise ConfigError("several recipes are priced together only with --serve", key="--recipe")
+    args.recipe = args.recipe[0]
     if args.top < 1:
         raise ConfigError(f"expected a positive count, got {args.top}", key="--top")
     if not 0 <= args.time <= 100:  # each repetition is a whole search

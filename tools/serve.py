@@ -1,7 +1,7 @@
 """Serve a recipe's base model over the Tinker HTTP API (the `tinker` SDK drives it unchanged).
 
-    python -m tools.serve --recipe R [--host 127.0.0.1 --port 8000] [--api-key-file F]
-                          [--storage DIR] [--session-ttl S] [--drain S] [--max-body-mb M]
+    python -m tools.serve --recipe R [--recipe R2 ...] [--host 127.0.0.1 --port 8000]
+                          [--api-key-file F] [--storage DIR] [--session-ttl S] [--drain S] [--max-body-mb M]
                           [--max-request-gib G] [--max-resident-gib G]
                           [--max-queued-per-session N]
                           [--max-queued-per-tenant N] [--base-name NAME] [--context N]
@@ -22,6 +22,19 @@ serves training only: no generator memory, sampling refused (400 naming the opti
 The base is the recipe's model: `checkpoint.load_hf` (a Hugging Face folder, Llama 3 or
 Qwen3), `checkpoint.load_from` (DCP) or `training.seed`. Its name, context and tokenizer:
 service/served_base.py and docs/from_tinker.md.
+
+Several bases: `--recipe A --recipe B` serves each recipe's base from this one process, on
+one device: each base has its own backend (model, adapters, generator), requests pick one by
+its name (`base_model`: create_model, create_sampling_client, get_tokenizer) and models and
+samplers keep theirs; `get_server_capabilities` lists them all; one store holds every
+checkpoint, each recording its base (loading it onto another base is a 400). Memory: the bases
+are priced together before anything is built (their resident parts add up, one operation runs
+at a time: parallel.serve.plan_together, what `tools.plan --serve --recipe A --recipe B`
+prints); a set that does not fit is one line naming the bases and the numbers, exit 2.
+`--set` applies to every recipe (a base's own keys go in its own recipe, which may inherit
+another with `base = "..."`); `--base-name` is given once per recipe, `--context` and
+`--tokenizer-id` once for all or once per recipe. A model resource (torchrun) and
+`--sampler vllm` serve one base (several: one line, exit 2).
 
 Clients: `tinker.ServiceClient(base_url="http://HOST:PORT", api_key="tml-...")`. Keys come
 from `--api-key-file` (one `KEY` or `TENANT KEY` per line, mode 0600; see
@@ -62,7 +75,12 @@ from tools.cli import (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    add_recipe_arg(p)
+    add_recipe_arg(
+        p,
+        repeat=True,
+        help="recipe TOML or a name in recipes/; repeat it to serve several bases from one "
+        "process (one device; not with torchrun or --sampler vllm)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (logged)")
     p.add_argument("--api-key-file", default=None, help="API keys: KEY or TENANT KEY per line")
@@ -111,22 +129,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--base-name",
+        action="append",
         default=None,
         help="base_model name clients use (default: the Hugging Face folder's org/name, "
-        "else titanscale/<job.name>)",
+        "else titanscale/<job.name>); with several --recipe, once per recipe in order",
     )
     p.add_argument(
         "--context",
+        action="append",
         type=int,
         default=None,
         help="tokens per sequence, prompt + sampled (default: training.seq_len; at most the "
-        "model's RoPE table and what fits the device)",
+        "model's RoPE table and what fits the device); with several --recipe, once for "
+        "every base or once per recipe in order",
     )
     p.add_argument(
         "--tokenizer-id",
+        action="append",
         default=None,
         help="what get_info tells clients to load with AutoTokenizer (default: the served "
-        "name; clients fetch its files with python -m tools.tokenizer)",
+        "name; clients fetch its files with python -m tools.tokenizer); with several "
+        "--recipe, once for every base or once per recipe in order",
     )
     p.add_argument(
         "--limit",
@@ -195,8 +218,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def recipe_paths(args: argparse.Namespace) -> list[str | None]:
+    """The --recipe values in order (None: the default recipe)."""
+    return list(args.recipe) if args.recipe else [None]
+
+
+def base_options(args: argparse.Namespace) -> list[tuple[str | None, int | None, str | None]]:
+    """(--base-name, --context, --tokenizer-id) of each base, in --recipe order: each option
+    given never, once (every base; not --base-name with several: the names must differ) or
+    once per recipe; otherwise one line naming the option."""
+    n = len(recipe_paths(args))
+
+    def per_base(values: list | None, flag: str, shared: bool) -> list:
+        if not values:
+            return [None] * n
+        if len(values) == n:
+            return list(values)
+        if len(values) == 1 and shared:
+            return list(values) * n
+        raise ConfigError(
+            f"given {len(values)} times for {n} --recipe: give it once per recipe, in order"
+            + ("" if shared else " (each base needs its own name)"),
+            key=flag,
+        )
+
+    names = per_base(args.base_name, "--base-name", shared=False)
+    contexts = per_base(args.context, "--context", shared=True)
+    tokenizers = per_base(args.tokenizer_id, "--tokenizer-id", shared=True)
+    return list(zip(names, contexts, tokenizers, strict=True))
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Every number finite and in range (one line naming the flag otherwise)."""
+    base_options(args)
     if not 0 <= args.port < 65536:
         raise ConfigError(f"expected a port in 0..65535, got {args.port}", key="--port")
     positive_arg(args.session_ttl, "--session-ttl")
@@ -234,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     # Library warnings from the imports below (torch, torchao) are held back until the input
     # is known good: a refused argument leaves exactly one line on stderr.
     with held_stderr():
-        recipe, opts, keys, served, sock, plan = _prepare(args)
-    return _serve(args, recipe, opts, keys, served, sock, plan)
+        recipes, opts, keys, served, sock, plans = _prepare(args)
+    return _serve(args, recipes, opts, keys, served, sock, plans)
 
 
 def _prepare(args: argparse.Namespace):
@@ -246,11 +300,15 @@ def _prepare(args: argparse.Namespace):
     from core.launch_env import launch_env
 
     env = launch_env()
+    paths = recipe_paths(args)
+    if len(paths) > 1:
+        check_several_bases(args, env.world_size)
     if args.sampler == "vllm":
         check_engine_sampler(args, env.world_size)
     from recipe.loader import load_recipe
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipes = [load_recipe(p, args.overrides) for p in paths]
+    recipe = recipes[0]  # the first recipe's output_dir holds the default --storage
     from service.accounting import Prices
     from service.limits import Limits, with_settings
     from service.server import ServeOptions, bind, check_exposure
@@ -291,15 +349,73 @@ def _prepare(args: argparse.Namespace):
         out_dir_arg(opts.storage, "--storage")
     from service.served_base import resolve_served_base
 
-    served = resolve_served_base(
-        recipe,
-        name=args.base_name,
-        context=args.context,
-        tokenizer_id=args.tokenizer_id,
-        max_samples=opts.limits.max_samples,
-        check_memory=False,  # the resource's plan below prices the memory
-    )
-    plan = plan_served_resource(recipe, served, args, env.world_size)
+    served = [
+        resolve_served_base(
+            r,
+            name=name,
+            context=context,
+            tokenizer_id=tokenizer_id,
+            max_samples=opts.limits.max_samples,
+            check_memory=False,  # the resource's plan below prices the memory
+        )
+        for r, (name, context, tokenizer_id) in zip(recipes, base_options(args), strict=True)
+    ]
+    seen: dict[str, str | None] = {}
+    for r, s in zip(recipes, served, strict=True):
+        if s.name in seen:
+            raise ConfigError(
+                f"{seen[s.name]} and {r.source} both serve {s.name!r}: clients pick a base by "
+                "its name (give each --recipe its own --base-name)",
+                key="--base-name",
+            )
+        seen[s.name] = r.source
+    if len(recipes) == 1:
+        plans = [plan_served_resource(recipe, served[0], args, env.world_size)]
+    else:
+        plans = plan_bases_together(recipes, served, args)
+    for r in recipes:
+        check_base_weights(r, env)
+    # The port before the model: "in use" is one line now, not after a minute of loading.
+    sock = bind(opts.host, opts.port) if env.rank == 0 else None
+    return recipes, opts, keys, served, sock, plans
+
+
+def check_several_bases(args: argparse.Namespace, world: int) -> None:
+    """Several --recipe: one process (a model resource shards one base over its ranks, and
+    one vLLM engine serves one base), or one line (exit 2) before anything is built."""
+    n = len(recipe_paths(args))
+    if world > 1:
+        raise ConfigError(
+            f"{n} bases: a model resource (torchrun, {world} processes) serves one base; run "
+            "one tools.serve per base, or several bases without torchrun (one device)",
+            key="--recipe",
+        )
+    if args.sampler == "vllm":
+        raise ConfigError(
+            f"{n} bases: --sampler vllm starts one engine over one base; serve several bases "
+            "with --sampler titanscale, or one tools.serve per base",
+            key="--sampler",
+        )
+
+
+def plan_bases_together(recipes: list, served: list, args: argparse.Namespace) -> list:
+    """Several bases on this process's device, priced together (parallel.serve.plan_together:
+    the residents add up, one operation runs at a time), or one line (exit 2) naming the
+    bases and the numbers."""
+    from parallel.serve import together_problem
+    from service.titan_backend import resource_plans_together
+
+    resources = [resource_of(args, r, 1) for r in recipes]
+    plans, device_bytes = resource_plans_together(recipes, served, resources)
+    why = together_problem([s.name for s in served], plans, device_bytes)
+    if why is not None:
+        raise ConfigError(why, key="--recipe")
+    return plans
+
+
+def check_base_weights(recipe, env) -> None:
+    """The base's weights exist and are whole: `checkpoint.load_from` a verified checkpoint,
+    `checkpoint.load_hf` the recipe's model (one line naming the key otherwise)."""
     base = recipe.checkpoint.load_from
     if base:  # the base model's weights (else initialised from training.seed)
         from runtime.checkpoint import not_a_checkpoint, verify_checkpoint
@@ -326,9 +442,6 @@ def _prepare(args: argparse.Namespace):
 
         verify_hf_folder(recipe.checkpoint.load_hf, hf_expected(recipe_model_spec(recipe)),
                          file=recipe.source, rank=env.rank, world=env.world_size)  # fmt: skip
-    # The port before the model: "in use" is one line now, not after a minute of loading.
-    sock = bind(opts.host, opts.port) if env.rank == 0 else None
-    return recipe, opts, keys, served, sock, plan
 
 
 def check_engine_sampler(args: argparse.Namespace, world: int) -> None:
@@ -429,7 +542,7 @@ def plan_served_resource(recipe, served, args: argparse.Namespace, devices: int)
     return plan
 
 
-def _serve(args: argparse.Namespace, recipe, opts, keys, served, sock, plan) -> int:
+def _serve(args: argparse.Namespace, recipes, opts, keys, served, sock, plans) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     from core.launch_env import launch_env
     from service.server import bound_host_memory
@@ -438,13 +551,28 @@ def _serve(args: argparse.Namespace, recipe, opts, keys, served, sock, plan) -> 
     env = launch_env()
     world = env.world_size
     if env.rank == 0:
-        logging.getLogger("service").info("resource: %s", describe_plan(plan))
+        # With several bases each plan's device is the device less the others' resident parts.
+        for s, plan in zip(served, plans, strict=True):
+            logging.getLogger("service").info("resource: %s: %s", s.name, describe_plan(plan))
+        if len(plans) > 1:
+            from parallel.serve import together_gib
+
+            logging.getLogger("service").info(
+                "resource: %d bases together: %.2f GiB per device planned (their resident "
+                "parts and the largest transient part: one operation runs at a time)",
+                len(plans),
+                together_gib(plans),
+            )
     if world == 1:
         from service.titan_backend import TitanLoraBackend
 
-        backend = TitanLoraBackend.from_recipe(recipe, served, plan=plan)
+        backends = [
+            TitanLoraBackend.from_recipe(r, s, plan=p)
+            for r, s, p in zip(recipes, served, plans, strict=True)
+        ]
         if args.sampler != "vllm":
-            return _run_service(args, recipe, opts, keys, sock, backend, None)
+            return _run_service(args, recipes, opts, keys, sock, backends, None)
+        recipe, backend = recipes[0], backends[0]  # one base (check_several_bases)
         from service.vllm_sampler import start_engine
 
         engine = start_engine(backend, recipe, window_s=args.sampler_window_ms / 1000)
@@ -454,11 +582,11 @@ def _serve(args: argparse.Namespace, recipe, opts, keys, served, sock, plan) -> 
             engine.kv_tokens,
         )
         try:
-            return _run_service(args, recipe, opts, keys, sock, backend, None)
+            return _run_service(args, recipes, opts, keys, sock, backends, None)
         finally:
             engine.close()
             engine.engine.close()
-    return _serve_resource(args, recipe, opts, keys, served, sock, plan)
+    return _serve_resource(args, recipes[0], opts, keys, served[0], sock, plans[0])
 
 
 def describe_plan(plan) -> str:
@@ -484,14 +612,15 @@ def describe_plan(plan) -> str:
     )
 
 
-def _run_service(args, recipe, opts, keys, sock, backend, dispatcher) -> int:
-    """Rank 0 (or the only process): the HTTP service on `backend` until it stops."""
+def _run_service(args, recipes, opts, keys, sock, backends, dispatcher) -> int:
+    """Rank 0 (or the only process): the HTTP service on `backends` (one per recipe, in
+    order) until it stops."""
     from dataclasses import replace
 
     from service.admission import cost_model_from_recipe, default_budget_bytes
     from service.server import serve
 
-    cost = cost_model_from_recipe(recipe)
+    costs = [cost_model_from_recipe(r) for r in recipes]
     budget = (
         args.max_request_gib * (1 << 30)
         if args.max_request_gib is not None
@@ -506,7 +635,9 @@ def _run_service(args, recipe, opts, keys, sock, backend, dispatcher) -> int:
         opts,
         limits=replace(opts.limits, max_request_bytes=budget, max_resident_bytes=resident),
     )
-    failed = asyncio.run(serve(backend, opts, sock=sock, keys=keys, cost=cost, resource=dispatcher))
+    failed = asyncio.run(
+        serve(backends, opts, sock=sock, keys=keys, cost=costs, resource=dispatcher)
+    )
     return 0 if failed is None else 1
 
 
@@ -553,7 +684,7 @@ def _serve_resource(args, recipe, opts, keys, served, sock, plan) -> int:
     dispatcher = Dispatcher(group, backend, ranks, op_timeout_s=args.op_timeout)
     try:
         rc = _run_service(
-            args, recipe, opts, keys, sock, ResourceBackend(backend, dispatcher), dispatcher
+            args, [recipe], opts, keys, sock, [ResourceBackend(backend, dispatcher)], dispatcher
         )
     except ResourceBroken:  # during the warm-up, before serving
         rc = 1

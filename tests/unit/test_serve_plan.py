@@ -124,3 +124,122 @@ def test_bad_resource_options_are_one_line(argv, key):
     with pytest.raises(ConfigError) as e:
         check_args(parse_args(["--recipe", "recipes/debug.toml", *argv]))
     assert e.value.key == key and "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------- several bases, one process
+# Published parameter counts (the Hugging Face model cards' safetensors totals).
+PUBLISHED_8B = {
+    "recipes/sft_llama3_8b_lora.toml": 8_030_261_248,  # Llama 3.1 8B
+    "recipes/sft_qwen3_8b_lora.toml": 8_190_735_360,  # Qwen3-8B (untied embeddings)
+}
+
+
+def test_several_bases_are_priced_together(capsys):
+    """Two 8B bases on one H100: each holds its bf16 weights for the life of the service (the
+    residents add up), one operation runs at a time (the larger transient part counts)."""
+    from parallel.memory import ALLOCATOR_FRAGMENTATION, runtime_overhead_gib
+
+    out = _plan_json(capsys, *[a for r in PUBLISHED_8B for a in ("--recipe", r)])
+    assert out["fits"] and out["problem"] is None
+    for b in out["bases"]:
+        weights = PUBLISHED_8B[b["recipe"]] * 2 / GIB
+        assert weights < b["resident_gib"] < weights + 2.0  # + adapters and snapshots
+        assert b["generator_tokens"] >= 4096 and b["microbatch_tokens"] >= 4096
+    resident = sum(b["resident_gib"] for b in out["bases"])
+    transient = max(b["transient_gib"] for b in out["bases"])
+    peak = (resident + transient) * (1 + ALLOCATOR_FRAGMENTATION) + runtime_overhead_gib("H100")
+    assert out["gib_per_device"] == pytest.approx(peak, abs=0.02)
+    assert out["gib_per_device"] <= out["device_gib"]
+
+
+def test_a_set_that_fits_only_base_by_base_is_refused_naming_them(capsys):
+    """Four 8B bases: each fits one H100 alone, their weights together (> 60 GiB) and one
+    operation's memory do not; the answer names every base and the numbers."""
+    four = [*PUBLISHED_8B, *PUBLISHED_8B]
+    for r in PUBLISHED_8B:
+        alone = _plan_json(capsys, "--recipe", r, "--nodes", "1")
+        assert alone["resources"][0]["devices"] == 1 and alone["resources"][0]["fits"]
+    out = _plan_json(capsys, *[a for r in four for a in ("--recipe", r)])
+    weights = sum(PUBLISHED_8B[r] for r in four) * 2 / GIB
+    assert not out["fits"] and out["gib_per_device"] > weights > 59
+    why = out["problem"]
+    assert "4 bases do not fit together on one device of 79.2 GiB" in why
+    assert "sft_llama3_8b_lora (8B)" in why and "sft_qwen3_8b_lora (8B)" in why
+    assert f"at least {out['gib_per_device']:.2f} GiB" in why and "\n" not in why
+
+
+def test_plan_together_keeps_the_whole_set_within_the_device():
+    """Whatever budgets each base picks, the residents' sum plus the largest transient part
+    (the formula, from the parts) stays within the device; alone, a base may take more."""
+    from parallel.memory import ALLOCATOR_FRAGMENTATION, runtime_overhead_gib
+    from parallel.serve import plan_together
+
+    models = [served_model(load_recipe(r)) for r in PUBLISHED_8B]
+    res = [Resource(), Resource(adapters=8)]
+    plans = plan_together(models, res, H100.hbm_bytes, "H100")
+    assert all(p.fits for p in plans)
+    parts = [(p.memory.resident, p.memory.allocated - p.memory.resident) for p in plans]
+    peak = (sum(r for r, _ in parts) + max(t for _, t in parts)) * (1 + ALLOCATOR_FRAGMENTATION)
+    assert peak + runtime_overhead_gib("H100") * GIB <= H100.hbm_bytes
+    alone = [plan_resource(m, r, H100.hbm_bytes, "H100") for m, r in zip(models, res, strict=True)]
+    for a, p in zip(alone, plans, strict=True):
+        assert a.memory.generator_tokens >= p.memory.generator_tokens
+        assert a.memory.microbatch_tokens >= p.memory.microbatch_tokens
+
+
+@pytest.mark.parametrize(
+    "argv, env, key, what",
+    [
+        (["--recipe", "debug", "--recipe", "debug"], {}, "--base-name", "both serve"),
+        (["--recipe", "debug", "--recipe", "debug", "--base-name", "a"], {}, "--base-name",
+         "given 1 times for 2 --recipe"),
+        (["--recipe", "debug", "--recipe", "debug", "--base-name", "a", "--base-name", "b",
+          "--sampler", "vllm"], {}, "--sampler", "one engine over one base"),
+        (["--recipe", "debug", "--recipe", "debug", "--base-name", "a", "--base-name", "b"],
+         {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
+         "--recipe", "a model resource (torchrun, 2 processes) serves one base"),
+    ],
+)  # fmt: skip
+def test_tools_serve_refuses_several_bases_it_cannot_serve(
+    argv, env, key, what, tmp_path, capsys, monkeypatch
+):
+    from core.errors import exit_on_config_error
+    from tools import serve
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    argv = [*argv, "--set", f"job.output_dir={tmp_path}", "--port", "65000"]
+    with pytest.raises(SystemExit) as e:
+        exit_on_config_error(serve.main)(argv)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error")]
+    assert e.value.code == 2 and len(err) == 1 and f" {key}: " in err[0] and what in err[0], err
+
+
+def test_tools_serve_refuses_bases_that_do_not_fit_together(tmp_path, capsys, monkeypatch):
+    """Each debug base fits the (faked) device alone, the two together do not: one line
+    naming both bases and the numbers, exit 2, before the port is bound or a model built."""
+    import runtime.steps
+    import service.server
+    from parallel.serve import MICROBATCH_LADDER, resource_memory
+    from tools import serve
+
+    sets = ["model.layers=2", "training.seq_len=64"]
+    m = served_model(load_recipe("recipes/debug.toml", sets), cpu=True)
+    r = Resource(adapters=20000)  # resident adapters make each base's resident part large
+    least = resource_memory(m, r, MICROBATCH_LADDER[0], m.context)
+    device = least.required_gib_on("cpu") * GIB + least.resident  # one fits, two do not
+    monkeypatch.setattr(runtime.steps, "device_memory_bytes", lambda platform: (device, "cpu"))
+    monkeypatch.setattr(service.server, "bind", lambda *a: pytest.fail("port bound"))
+    alone = plan_resource(m, r, device, "cpu")
+    assert alone.fits
+    argv = ["--recipe", "debug", "--recipe", "debug", "--base-name", "org/a", "--base-name",
+            "org/b", "--adapters", "20000", "--port", "65000", "--set", f"job.output_dir={tmp_path}"]  # fmt: skip
+    for s in sets:
+        argv += ["--set", s]
+    with pytest.raises(SystemExit) as e:
+        from core.errors import exit_on_config_error
+
+        exit_on_config_error(serve.main)(argv)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error")]
+    assert e.value.code == 2 and len(err) == 1 and " --recipe: " in err[0], err
+    assert "2 bases do not fit together" in err[0] and "org/a" in err[0] and "org/b" in err[0]
