@@ -177,3 +177,31 @@ def test_recipe_refuses_a_reward_for_chain_sum():
     with pytest.raises(ConfigError) as e:
         load_recipe("recipes/rl_multiturn_debug.toml", ["rl.max_turns=0"])
     assert e.value.key == "rl.max_turns"
+
+
+class _NoReference(ChainSum):
+    reference_turns = None  # type: ignore[assignment]  # a multi-turn env without it
+
+
+def no_reference_env() -> _NoReference:
+    return _NoReference()
+
+
+def test_check_before_any_process_group():
+    """rl.loop.check on the multi-turn recipe: the environment's reply to its reference turns
+    is checked; a warmup with an environment that has no reference turns is one line naming
+    rl.sft_warmup_steps; without a warmup that environment passes."""
+    from types import SimpleNamespace
+
+    from recipe.loader import load_recipe
+    from rl.loop import check
+
+    def run(overrides):
+        check(SimpleNamespace(recipe=load_recipe("recipes/rl_multiturn_debug.toml", overrides)))
+
+    run([])
+    env = "rl.env=tests.unit.test_rl_multiturn:no_reference_env"
+    with pytest.raises(ConfigError, match="reference_turns") as e:
+        run([env])
+    assert e.value.key == "rl.sft_warmup_steps"
+    run([env, "rl.sft_warmup_steps=0"])
