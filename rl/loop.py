@@ -82,6 +82,8 @@ class Batch:
     gen_s: float
     errors: list[str] = field(default_factory=list)
     new_tokens: int = 0
+    # multi-turn: the model's turns per episode and the environment's tokens, summed
+    extra: dict[str, float] = field(default_factory=dict)
 
 
 class RLRun:
@@ -299,7 +301,10 @@ class RLRun:
         except Exception as e:
             if rl.on_error == "fail":
                 raise RolloutFailure(f"episodes failed at update {step}: {e!r}") from e
-            return Batch(step, [], [], time.perf_counter() - t0, [f"episodes: {e!r}"] * len(tasks))
+            # the same metric keys on every rank (mean_over_ranks reduces them together)
+            none = {"episode_turns": 0.0, "env_tokens": 0.0}
+            return Batch(step, [], [], time.perf_counter() - t0, [f"episodes: {e!r}"] * len(tasks),
+                         extra=none)  # fmt: skip
         rollouts, rewards = [], []
         for g in range(len(tasks)):
             group = eps[g * G : (g + 1) * G]
@@ -310,7 +315,13 @@ class RLRun:
                     rollouts.append(self.episode_rollout(ep, a, g))
             rewards += rs
         new_tokens = sum(len(ep.logprobs) for ep in eps)
-        return Batch(step, rollouts, rewards, time.perf_counter() - t0, [], new_tokens)
+        extra = {
+            "episode_turns": sum(len(ep.turns) for ep in eps) / len(eps),
+            "env_tokens": float(
+                sum(m is False for ep in eps for m in ep.model_mask[ep.prompt_len :])
+            ),
+        }
+        return Batch(step, rollouts, rewards, time.perf_counter() - t0, [], new_tokens, extra)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -583,6 +594,7 @@ def _train_run(job: Any, trainer: Any, r: RLRun, start: int) -> dict[str, Any] |
                 "trainer_wait_s": t_wait,
                 "trainer_wait_pct": 100.0 * t_wait / (t_wait + t_busy),
                 "generated_tokens": float(batch.new_tokens),
+                **batch.extra,
                 **{k: v for k, v in stats.items() if k not in ("loss", "grad_norm")},
             }
             extra = steps.mean_over_ranks(extra)

@@ -46,6 +46,9 @@ def test_multi_turn_run_trains_on_the_model_turns(tmp_path, mode):
         # 4 tokens per episode: more than one turn was sampled.
         assert r["trained_tokens"] == r["generated_tokens"] > 6
         assert r["train_infer_max_abs_diff"] < 1e-4  # float32 both sides, model tokens only
+        # chain_sum ends after 3 turns (seq_len 64 holds them): 2 replies of 2-3 tokens each
+        assert r["episode_turns"] == 3.0
+        assert 4 * 16 <= r["env_tokens"] <= 6 * 16  # 16 episodes per update
     assert any(r["grad_norm"] > 0 for r in traj)
     with open(out / "metrics.jsonl") as f:
         evals = [e for e in map(json.loads, f) if e.get("event") == "rl_eval"]
