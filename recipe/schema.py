@@ -654,8 +654,10 @@ class RLSection:
     env: str = field(
         default="arithmetic",
         metadata=doc(
-            "Environment: 'arithmetic', 'letter_sort', or 'module:factory' returning an object "
-            "with tasks(split, n, seed) and reward(task, completion)."
+            "Environment: 'arithmetic', 'letter_sort', 'chain_sum' (multi-turn), or "
+            "'module:factory' returning an object with tasks(split, n, seed) and "
+            "reward(task, completion), or, multi-turn, reply(task, turns) -> rl.envs.Reply "
+            "(the model's turns are trained, the replies are context; docs/rl.md)."
         ),
     )
     reward: str = field(
@@ -682,7 +684,16 @@ class RLSection:
     group_size: int = field(
         default=4, metadata=doc("Samples per prompt; advantages are normalised per group.")
     )
-    max_new_tokens: int = field(default=8, metadata=doc("Completion length limit."))
+    max_new_tokens: int = field(
+        default=8, metadata=doc("Completion length limit (multi-turn: per turn).")
+    )
+    max_turns: int = field(
+        default=8,
+        metadata=doc(
+            "Multi-turn environments: most model turns per episode (an episode also ends when "
+            "the environment's reply is None or another turn would not fit training.seq_len)."
+        ),
+    )
     temperature: float = field(default=1.0, metadata=doc("Sampling temperature (> 0)."))
     top_p: float = field(default=1.0, metadata=doc("Nucleus sampling mass in (0, 1]."))
     clip_low: float = field(
@@ -774,7 +785,7 @@ class RLSection:
             raise ConfigError(
                 f"expected 0 (no limit) or 0.001 to 1e6 seconds, got {t}", key="hook_timeout_s"
             )
-        for name in ("prompts_per_step", "group_size", "max_new_tokens", "eval_every"):
+        for name in ("prompts_per_step", "group_size", "max_new_tokens", "max_turns", "eval_every"):
             _positive(name, getattr(self, name))
         _positive("eval_prompts", self.eval_prompts, allow_zero=True)
         _positive("temperature", self.temperature)
@@ -786,6 +797,12 @@ class RLSection:
         _positive("max_policy_lag", self.max_policy_lag, allow_zero=True)
         if self.loss == "custom" and not self.custom_loss:
             raise ConfigError("loss = 'custom' needs custom_loss = 'module:function'", key="loss")
+        if self.env == "chain_sum" and self.reward:
+            raise ConfigError(
+                "env 'chain_sum' is multi-turn (its replies give the episode's reward); "
+                "expected reward = '' (rl.reward replaces single-turn rewards only)",
+                key="reward",
+            )
 
 
 @dataclass

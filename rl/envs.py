@@ -9,6 +9,12 @@ Both split deterministically into train and held-out prompts by a hash of the pr
 evaluation prompts are never trained on. A user environment or reward is a Python callable
 named in the recipe as "module:function" (rl.env = a factory returning an environment;
 rl.reward = a function (task, completion) -> float that replaces the environment's reward).
+
+Multi-turn environments (`MultiTurnEnv`) have `reply(task, turns) -> Reply` instead of
+`reward`: given the model's turns so far (decoded text), the environment's next message (None
+ends the episode) and the episode's reward so far; rl.multiturn drives the episodes. Built in:
+- chain_sum: "3+4=" -> "7", then "+5=" -> "12", ... for `turns` turns; reward: the fraction
+  of turns whose answer was the running sum.
 """
 
 from __future__ import annotations
@@ -52,6 +58,20 @@ def positional_match(answer: str, completion: str) -> float:
         return 1.0
     n = max(len(answer), len(c), 1)
     return 0.5 * sum(a == b for a, b in zip(answer, c, strict=False)) / n
+
+
+@dataclass(frozen=True)
+class Reply:
+    message: str | None  # the environment's next message; None: the episode is over
+    reward: float  # the episode's reward so far (the last reply's is the episode's)
+
+
+class MultiTurnEnv(Protocol):
+    name: str
+
+    def tasks(self, split: str, n: int, seed: int) -> list[Task]: ...
+
+    def reply(self, task: Task, turns: list[str]) -> Reply: ...
 
 
 class _Generated:
@@ -115,9 +135,45 @@ class LetterSort(_Generated):
         return zlib.crc32(prompt.encode()) % 1000 < 100
 
 
-BUILTIN_ENVS: dict[str, Callable[[], Environment]] = {
+class ChainSum:
+    """Running sums over several turns: the built-in multi-turn task. `reference_turns` gives
+    a task's right answers, turn by turn (the supervised warmup trains on them)."""
+
+    name = "chain_sum"
+
+    def __init__(self, turns: int = 3, hi: int = 9) -> None:
+        self.turns, self.hi = turns, hi
+
+    def tasks(self, split: str, n: int, seed: int) -> list[Task]:
+        rng = random.Random(f"{self.name}:{split}:{seed}")
+        out: list[Task] = []
+        for _ in range(200 * n):
+            xs = [rng.randint(1, self.hi) for _ in range(self.turns + 1)]
+            prompt = f"{xs[0]}+{xs[1]}="
+            if is_held_out(prompt + str(xs)) == (split == "eval"):
+                sums = [sum(xs[: i + 2]) for i in range(self.turns)]
+                out.append(Task(prompt, str(sums[-1]), {"xs": xs, "sums": sums}))
+                if len(out) == n:
+                    break
+        return out
+
+    def reply(self, task: Task, turns: list[str]) -> Reply:
+        sums, xs = task.info["sums"], task.info["xs"]
+        right = sum(t.strip() == str(s) for t, s in zip(turns, sums, strict=False))
+        reward = right / self.turns
+        k = len(turns)
+        if k >= self.turns:
+            return Reply(None, reward)
+        return Reply(f"+{xs[k + 1]}=", reward)
+
+    def reference_turns(self, task: Task) -> list[str]:
+        return [str(s) for s in task.info["sums"]]
+
+
+BUILTIN_ENVS: dict[str, Callable[[], Any]] = {
     "arithmetic": Arithmetic,
     "letter_sort": LetterSort,
+    "chain_sum": ChainSum,  # multi-turn
 }
 
 
@@ -155,7 +211,8 @@ def make_env(env: str, reward: str = "", *, timeout_s: float = DEFAULT_TIMEOUT_S
             raise HookError(str(e), key="rl.env") from None
     else:
         raise HookError(
-            f"unknown environment {env!r}: expected arithmetic, letter_sort or 'module:factory'",
+            f"unknown environment {env!r}: expected arithmetic, letter_sort, chain_sum or "
+            "'module:factory'",
             key="rl.env",
         )
     fn = None

@@ -73,6 +73,32 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
 
 
+def stop_string_at_end(
+    toks: list[int], stops: tuple[str, ...], decode: Callable[[list[int]], str]
+) -> bool:
+    """Whether a stop string occurs in the decoded tail of `toks`. Every token decodes to at
+    least one byte and a character is at most 4 bytes, so 4 * len + 2 tokens cover the
+    longest stop string; the caller checks after every token, so a match is new (it ends in
+    the latest token)."""
+    need = 4 * max(len(x) for x in stops) + 2
+    text = decode(toks[-need:])
+    return any(x in text for x in stops)
+
+
+def stop_string_end(
+    toks: list[int], stops: tuple[str, ...], decode: Callable[[list[int]], str]
+) -> int | None:
+    """Where this generator would have stopped `toks` for `stops`: the first k with a stop
+    string at the end of toks[:k] (checked after every token, as decoding does), else None.
+    For a sampler that cannot stop at strings itself (the vLLM engine without a tokenizer):
+    its sample cut at k is the one it would have given stopping there (the tokens before a
+    stop do not depend on it)."""
+    for k in range(1, len(toks) + 1):
+        if stop_string_at_end(toks[:k], stops, decode):
+            return k
+    return None
+
+
 @dataclass
 class Sample:
     prompt_index: int
@@ -448,14 +474,8 @@ class Generator(StagedWeights):
         return out
 
     def _stop_string_at_end(self, toks: list[int], stops: tuple[str, ...]) -> bool:
-        """Whether a stop string occurs in the decoded tail of `toks`. Every token decodes
-        to at least one byte and a character is at most 4 bytes, so 4 * len + 2 tokens
-        cover the longest stop string; the caller checks after every token, so a match is
-        new (it ends in the latest token)."""
         assert self.decode is not None
-        need = 4 * max(len(x) for x in stops) + 2
-        text = self.decode(toks[-need:])
-        return any(x in text for x in stops)
+        return stop_string_at_end(toks, stops, self.decode)
 
     def _decode(
         self,

@@ -42,7 +42,10 @@ DEFAULT_TIMEOUT_S = 60.0
 # over its tokens must stay finite in float32 (3.4e38): 1e30 leaves 8 orders of magnitude.
 MAX_REWARD = 1e30
 FLOAT32_MAX = 3.4028234663852886e38
-EXPECTED_ENV = "an object with tasks(split, n, seed) -> list[Task] and reward(task, completion)"
+EXPECTED_ENV = (
+    "an object with tasks(split, n, seed) -> list[Task] and reward(task, completion) (or, "
+    "multi-turn, reply(task, turns) -> Reply)"
+)
 
 
 class HookError(ConfigError):
@@ -172,7 +175,8 @@ def _task_name(task: Any) -> str:
 
 
 class GuardedEnv:
-    """An environment whose tasks() and reward() run behind a Guard (module docstring)."""
+    """An environment whose tasks() and reward() (multi-turn: reply()) run behind a Guard
+    (module docstring). `multi_turn`: the environment answers turns (rl.envs.MultiTurnEnv)."""
 
     def __init__(
         self,
@@ -190,7 +194,14 @@ class GuardedEnv:
         name = getattr(env, "name", None)
         base = name if isinstance(name, str) and name else spec
         self.name = f"{base}+{getattr(reward, '__name__', 'reward')}" if reward else base
-        if reward is None and not callable(getattr(env, "reward", None)):
+        self.multi_turn = callable(getattr(env, "reply", None))
+        if self.multi_turn and reward is not None:
+            raise HookError(
+                f"environment {shown(spec)} is multi-turn (its reply() gives the episode's "
+                "reward); rl.reward applies to single-turn environments only",
+                key="rl.reward",
+            )
+        if reward is None and not self.multi_turn and not callable(getattr(env, "reward", None)):
             raise HookError(
                 f"environment {shown(spec)} has no reward(task, completion) method and "
                 "rl.reward is not set",
@@ -210,6 +221,43 @@ class GuardedEnv:
         )
         value = self.guard.call(lambda: fn(task, completion), key=key, what=what)
         return check_reward(value, key=key, what=what)
+
+    def reply(self, task: Any, turns: list[str]) -> Any:
+        """Multi-turn: the environment's Reply to the model's `turns`, its message None or a
+        non-empty string and its reward a finite number (check_reward)."""
+        from rl.envs import Reply
+
+        last = shown(turns[-1], 40) if turns else "none"
+        what = (
+            f"environment {shown(self.spec)}: reply on {_task_name(task)} after turn "
+            f"{len(turns)} ({last})"
+        )
+        out = self.guard.call(lambda: self.env.reply(task, list(turns)), key="rl.env", what=what)
+        msg = getattr(out, "message", 0)
+        if not (msg is None or (isinstance(msg, str) and msg)):
+            raise HookError(
+                f"{what} returned {_what(out)}; expected rl.envs.Reply(message: str or None, "
+                "reward: float)",
+                key="rl.env",
+            )
+        reward = check_reward(getattr(out, "reward", None), key="rl.env", what=what)
+        return Reply(msg, reward)
+
+    def reference_turns(self, task: Any) -> list[str] | None:
+        """Multi-turn: the task's right answers turn by turn, when the environment gives them
+        (`reference_turns(task)`: the supervised warmup's targets), else None."""
+        fn = getattr(self.env, "reference_turns", None)
+        if not callable(fn):
+            return None
+        what = f"environment {shown(self.spec)}: reference_turns on {_task_name(task)}"
+        out = self.guard.call(lambda: fn(task), key="rl.env", what=what)
+        if (
+            not isinstance(out, (list, tuple))
+            or not out
+            or not all(isinstance(t, str) for t in out)
+        ):
+            raise HookError(f"{what} returned {_what(out)}; expected a list of str", key="rl.env")
+        return list(out)
 
 
 def make_guarded(
@@ -235,7 +283,8 @@ def make_guarded(
 def check_env(rl: Any, *, file: str | None) -> None:
     """Before any process group: the environment is made, gives tasks for the first update
     (and for evaluation), and its reward scores the first task's reference answer with a
-    finite number. One ConfigError line naming rl.env / rl.reward otherwise."""
+    finite number (multi-turn: its reply to the reference turns, or to the answer, is a
+    Reply). One ConfigError line naming rl.env / rl.reward otherwise."""
     from rl.envs import make_env
 
     try:
@@ -244,7 +293,16 @@ def check_env(rl: Any, *, file: str | None) -> None:
         tasks = env.tasks("train", rl.prompts_per_step, seed)
         if rl.eval_prompts:
             env.tasks("eval", rl.eval_prompts, (rl.seed * 1_000_003 - 1) * 64)
-        env.reward(tasks[0], tasks[0].answer)
+        if not env.multi_turn:
+            env.reward(tasks[0], tasks[0].answer)
+        elif rl.sft_warmup_steps and env.reference_turns(tasks[0]) is None:
+            raise HookError(
+                f"rl.sft_warmup_steps = {rl.sft_warmup_steps} with multi-turn environment "
+                f"{shown(rl.env)}, which has no reference_turns(task); expected 0",
+                key="rl.sft_warmup_steps",
+            )
+        else:
+            env.reply(tasks[0], env.reference_turns(tasks[0]) or [tasks[0].answer])
     except ConfigError as e:
         raise type(e)(e.detail, file=file, key=e.key) from None
 

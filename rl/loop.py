@@ -15,6 +15,11 @@ pi_old / mu, truncated.
 
 Failures (docs/rl.md): a raising generation or reward is counted and its group skipped, or
 (on_error = "fail") the last completed update is checkpointed and the run stops.
+
+Multi-turn environments (rl.envs.MultiTurnEnv, e.g. rl.env = "chain_sum"): each group is
+group_size episodes of one task (rl.multiturn.run_episodes, either generator), each episode
+one rollout whose trained tokens are the model's turns only (Rollout.completion_mask); the
+reward is the episode's, the advantages per group as for single turns.
 """
 
 from __future__ import annotations
@@ -33,11 +38,12 @@ from typing import Any
 import torch
 
 from core.errors import ConfigError
-from rl.envs import Environment, Task, load_callable, make_env
+from rl.envs import Task, load_callable, make_env
 from rl.generator import Generator, SamplingParams
-from rl.hooks import check_env, load_loss
+from rl.hooks import GuardedEnv, check_env, load_loss
 from rl.losses import BUILTIN_LOSSES, LossConfig, LossFn, get_loss, group_advantages
 from rl.mismatch import mismatch_stats
+from rl.multiturn import Episode, reference_episode, run_episodes
 from rl.policy import full_state_dict
 from rl.trainer import PolicyTrainer, Rollout, collate
 from rl.vllm_engine import EngineError
@@ -76,6 +82,8 @@ class Batch:
     gen_s: float
     errors: list[str] = field(default_factory=list)
     new_tokens: int = 0
+    # multi-turn: the model's turns per episode and the environment's tokens, summed
+    extra: dict[str, float] = field(default_factory=dict)
 
 
 class RLRun:
@@ -85,7 +93,7 @@ class RLRun:
         self.steps = job.recipe.training.steps
         self.tok = trainer.tokenizer
         self.eos = self.tok.eos_id
-        self.env: Environment = make_env(
+        self.env: GuardedEnv = make_env(
             self.rl.env, self.rl.reward, timeout_s=self.rl.hook_timeout_s
         )
         model = trainer.model_parts[0]
@@ -189,6 +197,43 @@ class RLRun:
             toks = toks[:-1]
         return self.tok.decode(toks)
 
+    def encode_turn(self, text: str) -> list[int]:
+        """A model's answer as it would sample it: the text, then its stop token."""
+        return self.tok.encode(text, add_bos=False, add_eos=False) + [self.eos]
+
+    def encode_reply(self, text: str) -> list[int]:
+        """An environment's message inside the conversation: no BOS, no EOS."""
+        return self.tok.encode(text, add_bos=False, add_eos=False)
+
+    def episodes(self, tasks: list[Task], params: SamplingParams) -> list[Episode]:
+        """Multi-turn: one episode per task (rl.multiturn.run_episodes over `generate`, so
+        each turn is chunked under the token budget); turn k samples from seed (seed, k);
+        conversations stop before outgrowing training.seq_len (the trainer's rows)."""
+        outer = self
+
+        class Turns:  # each turn its own seed: turns never replay one random stream
+            turn = 0
+
+            def generate(self, prompts: list[list[int]], p: SamplingParams) -> list[Any]:
+                seed = None if p.seed is None else p.seed * 65_537 + self.turn
+                self.turn += 1
+                return outer.generate(prompts, replace(p, seed=seed))
+
+        return run_episodes(Turns(), self.env, tasks, encode=self.encode,  # type: ignore[arg-type]
+                            encode_reply=self.encode_reply, decode=self.decode,
+                            params=replace(params, n=1), max_turns=self.rl.max_turns,
+                            max_len=self.job.recipe.training.seq_len)  # fmt: skip
+
+    @staticmethod
+    def episode_rollout(ep: Episode, advantage: float = 0.0, group: int = 0) -> Rollout:
+        """An episode as one rollout: its first prompt, then the conversation, the model's
+        tokens marked (the environment's are context). Version: its oldest turn's (in async
+        mode later turns may be newer), so policy_lag is never understated."""
+        p = ep.prompt_len
+        return Rollout(ep.tokens[:p], ep.tokens[p:], ep.logprobs, advantage, ep.reward,
+                       min(ep.versions, default=0), group=group, routing=ep.routing,
+                       completion_mask=ep.model_mask[p:])  # fmt: skip
+
     def tasks(self, split: str, n: int, key: int) -> list[Task]:
         return self.env.tasks(split, n, seed=(self.rl.seed * 1_000_003 + key) * 64 + self.rank)
 
@@ -213,6 +258,8 @@ class RLRun:
         prompts = [self.encode(t.prompt) for t in tasks]
         errors: list[str] = []
         params = replace(self.sampling, seed=rl.seed * 7919 + step)
+        if self.env.multi_turn:
+            return self._make_episode_batch(step, tasks, params, t0)
         try:
             samples = self.generate(prompts, params)
         except EngineError:
@@ -240,6 +287,42 @@ class RLRun:
         new_tokens = sum(len(s.tokens) for s in samples)
         return Batch(step, rollouts, rewards, time.perf_counter() - t0, errors, new_tokens)
 
+    def _make_episode_batch(
+        self, step: int, tasks: list[Task], params: SamplingParams, t0: float
+    ) -> Batch:
+        """make_batch for a multi-turn environment: group_size episodes per task. A failing
+        turn or reply (the environment's hook) fails the whole batch's episodes at once (they
+        advance together), so it is one error per task under on_error = "skip"."""
+        rl, G = self.rl, self.rl.group_size
+        try:
+            eps = self.episodes([t for t in tasks for _ in range(G)], params)
+        except EngineError:
+            raise  # the engine process is gone or broken: no later update can sample either
+        except Exception as e:
+            if rl.on_error == "fail":
+                raise RolloutFailure(f"episodes failed at update {step}: {e!r}") from e
+            # the same metric keys on every rank (mean_over_ranks reduces them together)
+            none = {"episode_turns": 0.0, "env_tokens": 0.0}
+            return Batch(step, [], [], time.perf_counter() - t0, [f"episodes: {e!r}"] * len(tasks),
+                         extra=none)  # fmt: skip
+        rollouts, rewards = [], []
+        for g in range(len(tasks)):
+            group = eps[g * G : (g + 1) * G]
+            rs = [ep.reward for ep in group]
+            adv = group_advantages(torch.tensor(rs), G, normalize_std=rl.normalize_std)
+            for ep, a in zip(group, adv.tolist(), strict=True):
+                if ep.logprobs:  # its first turn did not fit seq_len: nothing to train
+                    rollouts.append(self.episode_rollout(ep, a, g))
+            rewards += rs
+        new_tokens = sum(len(ep.logprobs) for ep in eps)
+        extra = {
+            "episode_turns": sum(len(ep.turns) for ep in eps) / len(eps),
+            "env_tokens": float(
+                sum(m is False for ep in eps for m in ep.model_mask[ep.prompt_len :])
+            ),
+        }
+        return Batch(step, rollouts, rewards, time.perf_counter() - t0, [], new_tokens, extra)
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Greedy completions on held-out prompts: mean reward and exact-answer rate."""
@@ -250,10 +333,15 @@ class RLRun:
         greedy = SamplingParams(
             max_tokens=self.rl.max_new_tokens, top_p=1e-9, stop_tokens=self.sampling.stop_tokens
         )
-        samples = self.generate([self.encode(t.prompt) for t in tasks], greedy)
-        texts = [self.decode(s.tokens) for s in samples]
-        rs = [self.env.reward(t, x) for t, x in zip(tasks, texts, strict=True)]
-        exact = [x.strip() == t.answer for t, x in zip(tasks, texts, strict=True)]
+        if self.env.multi_turn:  # exact: the episode's last turn is the task's answer
+            eps = self.episodes(tasks, greedy)
+            rs = [e.reward for e in eps]
+            exact = [bool(e.turns) and e.turns[-1].strip() == e.task.answer for e in eps]
+        else:
+            samples = self.generate([self.encode(t.prompt) for t in tasks], greedy)
+            texts = [self.decode(s.tokens) for s in samples]
+            rs = [self.env.reward(t, x) for t, x in zip(tasks, texts, strict=True)]
+            exact = [x.strip() == t.answer for t, x in zip(tasks, texts, strict=True)]
         return {
             "eval_reward_mean": sum(rs) / len(rs),
             "eval_exact_pct": 100.0 * sum(exact) / len(exact),
@@ -284,7 +372,15 @@ class RLRun:
             for i in range(n):
                 rows = []
                 for t in self.tasks("train", self.rl.prompts_per_step * self.rl.group_size, -2 - i):
-                    ans = self.tok.encode(t.answer, add_bos=False, add_eos=False) + [self.eos]
+                    if self.env.multi_turn:  # the conversation of right turns; replies context
+                        turns = self.env.reference_turns(t)
+                        assert turns is not None  # rl.hooks.check_env refused it before
+                        ep = reference_episode(self.env, t, turns, encode=self.encode,
+                                               encode_turn=self.encode_turn,
+                                               encode_reply=self.encode_reply)  # fmt: skip
+                        rows.append(self.episode_rollout(ep))
+                        continue
+                    ans = self.encode_turn(t.answer)
                     rows.append(Rollout(self.encode(t.prompt), ans, [0.0] * len(ans)))
                 c = collate(rows, pol.pad_id, pol.device)
                 loss = pol.forward_backward(c, pol.loss_batch(c, None), ce)
@@ -327,6 +423,7 @@ class RLRun:
             )
             probe = [lp for lo, hi in spans for lp in self.probe.score(
                 [r.prompt for r in rs[lo:hi]], [r.completion for r in rs[lo:hi]], T)]  # fmt: skip
+            probe = [[lp[j] for j in r.trained()] for lp, r in zip(probe, rs, strict=True)]
             mm = mismatch_stats(
                 probe, [row[m > 0].tolist() for row, m in zip(old, c.mask, strict=True)]
             )
@@ -497,6 +594,7 @@ def _train_run(job: Any, trainer: Any, r: RLRun, start: int) -> dict[str, Any] |
                 "trainer_wait_s": t_wait,
                 "trainer_wait_pct": 100.0 * t_wait / (t_wait + t_busy),
                 "generated_tokens": float(batch.new_tokens),
+                **batch.extra,
                 **{k: v for k, v in stats.items() if k not in ("loss", "grad_norm")},
             }
             extra = steps.mean_over_ranks(extra)

@@ -31,7 +31,11 @@ from runtime.steps import Rows, StepEngine, shifted_rows
 
 @dataclass
 class Rollout:
-    """One sampled completion with everything the losses need."""
+    """One sampled completion with everything the losses need. A multi-turn episode is one
+    rollout: prompt = its first prompt, completion = the rest of the conversation, and
+    `completion_mask` True at the model's own tokens (the environment's replies are context:
+    never trained on, never in a loss's token count); sampling_logprobs then holds the
+    model's tokens' logprobs only, in order."""
 
     prompt: list[int]
     completion: list[int]
@@ -42,12 +46,19 @@ class Rollout:
     group: int = 0
     # MoE: (len(prompt) + len(completion) - 1, n_moe_layers, top_k) generator expert ids
     routing: torch.Tensor | None = None
+    completion_mask: list[bool] | None = None  # None: every completion token is trained
+
+    def trained(self) -> list[int]:
+        """Indices into `completion` of the trained (model) tokens."""
+        if self.completion_mask is None:
+            return list(range(len(self.completion)))
+        return [j for j, m in enumerate(self.completion_mask) if m]
 
 
 @dataclass
 class Collated:
     rows: Rows  # (B, L-1) inputs/targets: prompt + completion, right-padded
-    mask: torch.Tensor  # (B, L-1) 1 on completion tokens (as predicted positions)
+    mask: torch.Tensor  # (B, L-1) 1 on trained completion tokens (as predicted positions)
     sampling_logprobs: torch.Tensor  # (B, L-1), 0 off the mask
     advantages: torch.Tensor  # (B,)
     versions: torch.Tensor  # (B,)
@@ -84,9 +95,17 @@ def collate(
     for b, r in enumerate(rollouts):
         p, c = len(r.prompt), len(r.completion)
         tokens[b, : p + c] = torch.tensor(r.prompt + r.completion)
-        # logprob index t scores token t+1: completion tokens sit at p .. p+c-1
-        mask[b, p - 1 : p - 1 + c] = 1.0
-        slp[b, p - 1 : p - 1 + c] = torch.tensor(r.sampling_logprobs, dtype=torch.float32)
+        # logprob index t scores token t+1: completion token j sits at p - 1 + j
+        if r.completion_mask is None:
+            mask[b, p - 1 : p - 1 + c] = 1.0
+            slp[b, p - 1 : p - 1 + c] = torch.tensor(r.sampling_logprobs, dtype=torch.float32)
+        else:
+            if len(r.completion_mask) != c or sum(r.completion_mask) != len(r.sampling_logprobs):
+                raise ValueError("completion_mask must cover the completion and mark one token "
+                                 "per sampling logprob")  # fmt: skip
+            at = torch.tensor([p - 1 + j for j in r.trained()], dtype=torch.long)
+            mask[b, at] = 1.0
+            slp[b, at] = torch.tensor(r.sampling_logprobs, dtype=torch.float32)
     rows = shifted_rows(tokens.to(device), lengths)
     ids, known = _routing(rollouts, L - 1, device)
     if replay and ids is not None:

@@ -12,7 +12,10 @@ Requests ({"op": ...}) and what they do:
   (temperature-scaled) distribution, as the trainer recomputes them.
 - generate: a list of requests, each with its own prompt ids, sampling settings and LoRA
   adapter (or none): one `LLM.generate` call, so requests for several adapters run in the
-  same engine batches (vLLM's multi-LoRA batching).
+  same engine batches (vLLM's multi-LoRA batching). A request with "prompt_logprobs": k (an
+  int >= 0) also gets its prompt scored under its adapter (vLLM's prompt_logprobs: raw, i.e.
+  temperature-1, logprobs): every sample carries "prompt" (log p(prompt[t] | prompt[:t]) for
+  t >= 1) and "prompt_top" (per such position, the k most likely [ids, logprobs] by rank).
 - load_weights: a safetensors file of HF-named tensors (full weights or a subset) loaded into
   the running model by the model's own `load_weights`; the prefix cache is reset (its keys
   and values came from the old weights).
@@ -47,6 +50,20 @@ def _load(worker: Any, path: str) -> int:
     sd = load_file(path)
     worker.model_runner.reload_weights(weights_iterator=iter(sd.items()))
     return len(sd)
+
+
+def _prompt_scores(out: Any, request: dict[str, Any]) -> dict[str, Any]:
+    """A scored request's prompt: vLLM's prompt_logprobs hold, per position t >= 1, the
+    prompt's own token and the k most likely ones (each with its rank; the prompt's token is
+    there even when it is not in the top k)."""
+    prompt, k = request["prompt"], int(request["prompt_logprobs"])
+    own, top = [], []
+    for t in range(1, len(prompt)):
+        d = out.prompt_logprobs[t]
+        own.append(float(d[prompt[t]].logprob))
+        best = sorted((v.rank, tid, float(v.logprob)) for tid, v in d.items() if v.rank <= k)
+        top.append([[tid for _, tid, _ in best[:k]], [lp for _, _, lp in best[:k]]])
+    return {"prompt": own, "prompt_top": top}
 
 
 class Engine:
@@ -103,6 +120,7 @@ class Engine:
                     # the caller's stop tokens only (the service's stop=[] never stops early)
                     ignore_eos=bool(r.get("ignore_eos", False)),
                     logprobs=0,
+                    prompt_logprobs=r.get("prompt_logprobs"),
                     detokenize=False,
                 )
             )
@@ -110,13 +128,14 @@ class Engine:
             loras.append(LoRARequest(lora[0], int(lora[1]), lora[2]) if lora else None)
         outs = self.llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
         result = []
-        for out in outs:
+        for out, r in zip(outs, requests, strict=True):
             samples = []
+            scored = _prompt_scores(out, r) if r.get("prompt_logprobs") is not None else {}
             for c in out.outputs:
                 toks = list(c.token_ids)
                 lps = [float(d[t].logprob) for d, t in zip(c.logprobs or [], toks, strict=True)]
                 samples.append({"tokens": toks, "logprobs": lps, "finish": c.finish_reason,
-                                "cached": int(out.num_cached_tokens or 0)})  # fmt: skip
+                                "cached": int(out.num_cached_tokens or 0), **scored})  # fmt: skip
             result.append(samples)
         return result
 

@@ -33,8 +33,8 @@ the generator: sampler weights (a `save_weights_for_sampler` folder, or a snapsh
 as one) load into the engine as LoRA adapters, the base model's sampling client samples the
 engine's base, and `sample` runs on its caller's thread (the scheduler detaches it,
 `detached_sampling`) so concurrent requests of several tenants meet in one engine batch.
-What the engine cannot give as the generator does is refused with a 400 naming the field:
-stop strings, prompt logprobs (docs/vllm.md "The service").
+Stop strings are cut on this side with the served tokenizer (the generator's rule), prompt
+logprobs come from the engine under the same adapter (docs/vllm.md "The service").
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ from posttrain.lora import (
     read_peft,
     write_expert_adapter,
 )
-from rl.generator import Generator
+from rl.generator import Generator, stop_string_end
 from rl.generator import SamplingParams as GenParams
 from rl.losses import BUILTIN_LOSSES, LossBatch, LossConfig
 from runtime.moe_experts import bind_expert_adapter, expert_adapter_shapes
@@ -687,23 +687,10 @@ class TitanLoraBackend:
         self, params: SamplingParams, *, prompt_logprobs: bool, topk_prompt_logprobs: int
     ) -> None:
         """What this backend cannot sample as asked: a 400 naming the field (the service
-        calls it before queuing). With the engine: stop strings and prompt logprobs."""
-        if self.engine is None:
-            return
-        if params.stop_strings:
-            raise bad_request(
-                "sampling_params.stop",
-                "stop strings are not served by the vLLM sampler (token ids are; "
-                "tools.serve --sampler titanscale serves both)",
-            )
-        for name, on in (
-            ("prompt_logprobs", prompt_logprobs),
-            ("topk_prompt_logprobs", topk_prompt_logprobs > 0),
-        ):
-            if on:
-                raise bad_request(
-                    name, "not served by the vLLM sampler (tools.serve --sampler titanscale)"
-                )
+        calls it before queuing). With the engine: stop strings without the served tokenizer
+        (as the generator's own `sample` refuses them)."""
+        if self.engine is not None and params.stop_strings and self._tokenizer is None:
+            raise bad_request("sampling_params.stop", "stop strings need the served tokenizer")
 
     def _engine_sample(
         self,
@@ -714,8 +701,14 @@ class TitanLoraBackend:
         *,
         prompt_logprobs: bool,
         topk_prompt_logprobs: int,
+        prompt_logprobs_last_n: int | None,
     ) -> SampleResult:
-        """`sample` through the vLLM engine: the same semantics as the generator or a 400."""
+        """`sample` through the vLLM engine, with the generator's semantics. Stop strings:
+        the engine (no tokenizer) samples to max_tokens or a stop token, and each sample is
+        cut where the generator's rule (rl.generator.stop_string_end, the served tokenizer's
+        decode) would have stopped it: the same tokens and logprobs it would have given
+        stopping there, at the cost of the tokens past the stop. Prompt logprobs: vLLM's
+        prompt_logprobs under the same adapter in the same engine call."""
         self.check_sample(params, prompt_logprobs=prompt_logprobs,
                           topk_prompt_logprobs=topk_prompt_logprobs)  # fmt: skip
         # Greedy below vLLM's 1e-5: the engine's argmax; its logprobs would be of the
@@ -731,18 +724,39 @@ class TitanLoraBackend:
             stop_tokens=(*(params.stop_tokens or ()), *(self.eos_ids if params.stop_eos else ())),
             seed=params.seed,
         )
-        out = self.engine.sample(handle, prompt, gp, ignore_eos=True)
-        seqs = [
-            SampledSeq(
-                np.asarray(s["tokens"], dtype=np.int32),
-                np.zeros(len(s["tokens"]), np.float32)
-                if greedy
-                else np.asarray(s["logprobs"], dtype=np.float32),
-                "stop" if s["finish"] == "stop" else "length",
+        scored = prompt_logprobs or topk_prompt_logprobs > 0
+        out = self.engine.sample(handle, prompt, gp, ignore_eos=True,
+                                 prompt_logprobs=topk_prompt_logprobs if scored else None)  # fmt: skip
+        tok = self._tokenizer
+
+        def decode(ids: list[int]) -> str:
+            assert tok is not None  # check_sample refused stop strings without it
+            return tok.decode(ids, skip_special_tokens=False)
+
+        seqs = []
+        for s in out:
+            toks, lps, finish = s["tokens"], s["logprobs"], s["finish"]
+            if params.stop_strings:
+                end = stop_string_end(toks, tuple(params.stop_strings), decode)
+                if end is not None:
+                    toks, lps, finish = toks[:end], lps[:end], "stop"
+            seqs.append(
+                SampledSeq(
+                    np.asarray(toks, dtype=np.int32),
+                    np.zeros(len(toks), np.float32) if greedy else np.asarray(lps, np.float32),
+                    "stop" if finish == "stop" else "length",
+                )
             )
-            for s in out
-        ]
-        return SampleResult(seqs)
+        if not scored:
+            return SampleResult(seqs)
+        top = out[0]["prompt_top"]
+        k = topk_prompt_logprobs
+        ids = np.asarray([t[0] for t in top], np.int32).reshape(len(prompt) - 1, k)
+        vals = np.asarray([t[1] for t in top], np.float32).reshape(len(prompt) - 1, k)
+        return _prompt_result(SampleResult(seqs), len(prompt),
+                              np.asarray(out[0]["prompt"], np.float32), ids, vals,
+                              prompt_logprobs=prompt_logprobs, topk=k,
+                              last_n=prompt_logprobs_last_n)  # fmt: skip
 
     def _gen(self) -> Generator:
         if not self.generators:
@@ -796,7 +810,8 @@ class TitanLoraBackend:
         if self.engine is not None:
             return self._engine_sample(handle, prompt, num_samples, params,
                                        prompt_logprobs=prompt_logprobs,
-                                       topk_prompt_logprobs=topk_prompt_logprobs)  # fmt: skip
+                                       topk_prompt_logprobs=topk_prompt_logprobs,
+                                       prompt_logprobs_last_n=prompt_logprobs_last_n)  # fmt: skip
         if params.stop_strings and self._tokenizer is None:
             raise bad_request("sampling_params.stop", "stop strings need the served tokenizer")
         gen = self._gen()
@@ -840,17 +855,37 @@ class TitanLoraBackend:
         if scores is None:
             return SampleResult(seqs)
         lp, top_ids, top_lp = scores
-        skip = 1 + (len(prompt) - 1 - prompt_logprobs_last_n if prompt_logprobs_last_n else 0)
-        plp = np.concatenate([[np.nan], lp]).astype(np.float32)
-        plp[:skip] = np.nan  # positions not scored
-        topk = None
-        if topk_prompt_logprobs:
-            ids = np.zeros((len(prompt), topk_prompt_logprobs), np.int32)
-            lps = np.full((len(prompt), topk_prompt_logprobs), proto.TOPK_EMPTY_LOGPROB, np.float32)
-            ids[1:], lps[1:] = top_ids, top_lp
-            ids[:skip], lps[:skip] = 0, proto.TOPK_EMPTY_LOGPROB
-            topk = (ids, lps)
-        return SampleResult(seqs, plp if prompt_logprobs else None, topk)
+        return _prompt_result(SampleResult(seqs), len(prompt), lp, top_ids, top_lp,
+                              prompt_logprobs=prompt_logprobs, topk=topk_prompt_logprobs,
+                              last_n=prompt_logprobs_last_n)  # fmt: skip
+
+
+def _prompt_result(
+    result: SampleResult,
+    P: int,
+    lp: np.ndarray,
+    top_ids: np.ndarray | None,
+    top_lp: np.ndarray | None,
+    *,
+    prompt_logprobs: bool,
+    topk: int,
+    last_n: int | None,
+) -> SampleResult:
+    """A prompt's scores ([P-1] logprobs of prompt[1:], [P-1, k] top ids and logprobs) as
+    the wire's fields, one home for both samplers: position 0 (and, with last_n, every
+    position before the last n) not scored: NaN, top-k ids 0 and TOPK_EMPTY_LOGPROB."""
+    skip = 1 + (P - 1 - last_n if last_n else 0)
+    plp = np.concatenate([[np.nan], lp]).astype(np.float32)
+    plp[:skip] = np.nan  # positions not scored
+    top = None
+    if topk:
+        assert top_ids is not None and top_lp is not None
+        ids = np.zeros((P, topk), np.int32)
+        lps = np.full((P, topk), proto.TOPK_EMPTY_LOGPROB, np.float32)
+        ids[1:], lps[1:] = top_ids, top_lp
+        ids[:skip], lps[:skip] = 0, proto.TOPK_EMPTY_LOGPROB
+        top = (ids, lps)
+    return SampleResult(result.sequences, plp if prompt_logprobs else None, top)
 
 
 # Ratio thresholds when a request gives none: Tinker's 0.8 / 1.2 for ppo/cispo/gspo; the

@@ -141,10 +141,13 @@ class EngineSampler:
         params: SamplingParams,
         *,
         ignore_eos: bool = False,
+        prompt_logprobs: int | None = None,
     ) -> list[dict[str, Any]]:
         """params.n samples of `prompt` from adapter `handle` (None: the base model):
         [{"tokens", "logprobs", "finish"}]. `ignore_eos`: stop at params.stop_tokens only
-        (not at the EOS of the engine's model config)."""
+        (not at the EOS of the engine's model config). `prompt_logprobs` = k: the prompt
+        scored under the same adapter in the same engine call, each sample then also has
+        "prompt" and "prompt_top" (rl/vllm_server.py)."""
         check_generator_capacity((len(prompt) + params.max_tokens) * params.n, self.kv_tokens)
         lora = None
         if handle is not None:
@@ -155,7 +158,7 @@ class EngineSampler:
             if lora is None:
                 raise ServiceError(404, "sampler weights are not loaded")
         try:
-            return self._submit(lora, prompt, params, ignore_eos)
+            return self._submit(lora, prompt, params, ignore_eos, prompt_logprobs)
         finally:
             if handle is not None:
                 with self._lock:
@@ -174,6 +177,7 @@ class EngineSampler:
         prompt: list[int],
         params: SamplingParams,
         ignore_eos: bool,
+        prompt_logprobs: int | None = None,
     ) -> list[dict[str, Any]]:
         p = _Pending(
             {
@@ -187,6 +191,7 @@ class EngineSampler:
                 "stop_token_ids": list(params.stop_tokens),
                 "ignore_eos": ignore_eos,
                 "lora": lora,
+                "prompt_logprobs": prompt_logprobs,
             }
         )
         with self._cv:

@@ -112,9 +112,11 @@ def test_two_adapters_in_one_engine_batch_each_get_their_own_tokens(vllm_engine,
 
 def test_multi_turn_episodes_reuse_the_conversation_prefix(vllm_engine):
     """ChainSum over 3 turns through rl.multiturn.run_episodes: vLLM's episodes equal the
-    built-in generator's (greedy, same conversations), and from the second turn on the engine's
-    prefix cache holds each conversation's earlier blocks (32 positions each)."""
-    from rl.multiturn import ChainSum, run_episodes
+    built-in generator's (greedy, same conversations), from the second turn on the engine's
+    prefix cache holds each conversation's earlier blocks (32 positions each), and the
+    episodes' training rows put vLLM's logprobs on the model's tokens only."""
+    from rl.envs import ChainSum
+    from rl.multiturn import run_episodes
 
     engine, model, view = vllm_engine
     env = ChainSum(turns=3)
@@ -148,6 +150,25 @@ def test_multi_turn_episodes_reuse_the_conversation_prefix(vllm_engine):
     assert [e.reward for e in theirs] == [e.reward for e in ours]
     assert sum(m for e in theirs for m in e.model_mask) == 3 * 3 * 3
     assert cached[0] == 0 and all(c >= 32 * len(tasks) for c in cached[1:]), cached
+    # Sampled episodes as the RL loop trains them (rl.loop.RLRun.episode_rollout + collate):
+    # the loss mask is the model's turns, where vLLM's sampling logprobs sit at the positions
+    # predicting them (the training forward over the whole conversation agrees within
+    # float32 noise); the replies' positions hold none. (Greedy's logprobs are of the
+    # truncated distribution, all 0: docs/vllm.md.)
+    from rl.loop import RLRun
+    from rl.trainer import collate
+
+    sampled = run_episodes(
+        vllm_gen, env, tasks, **{**kw, "params": SamplingParams(max_tokens=3, seed=3)}
+    )  # type: ignore[arg-type]
+    c = collate([RLRun.episode_rollout(e) for e in sampled], 0, torch.device("cpu"))
+    assert int(c.mask.sum()) == sum(len(e.logprobs) for e in sampled) == 27
+    for b, e in enumerate(sampled):
+        pi = token_logprobs(model, torch.tensor([e.tokens]))[0]
+        want = [i - 1 for i, m in enumerate(e.model_mask) if m]
+        assert c.mask[b].nonzero().flatten().tolist() == want
+        assert torch.allclose(c.sampling_logprobs[b, want], pi[want], atol=1e-3)
+        assert not c.sampling_logprobs[b][c.mask[b] == 0].any()
 
 
 def test_tis_correction_changes_the_update_on_the_real_gap(vllm_engine):

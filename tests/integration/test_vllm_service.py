@@ -1,8 +1,9 @@
 """`tools.serve --sampler vllm`: two tenants' LoRA sampling clients (tinker SDK) sample in one
 vLLM engine batch, each getting exactly the greedy tokens its adapter gives alone (the engine
 sampling it alone, and our own KV-cache generator on the same sampler weights: a second
-server, `--sampler titanscale`, over the same storage); another tenant's weights are a 404,
-damaged weights a 422 (never the base), what the engine cannot give a 400 naming the field.
+server, `--sampler titanscale`, over the same storage), and the same stop-string cuts and
+prompt logprobs (top-k too) as that generator; another tenant's weights are a 404, damaged
+weights a 422 (never the base).
 
 The server starts its own engine (~15-60 s); the file replaces the seam-level test of
 service/vllm_sampler.py, whose assertions it keeps (one batch, own tokens, unknown weights
@@ -125,6 +126,51 @@ def _batches(server) -> list[tuple[int, int, tuple[str, ...]]]:
             for n, k, h in BATCH.findall(server.log_text())]  # fmt: skip
 
 
+def _stop_inside(tokens: list[int]) -> str:
+    """A two-character stop string from the middle of `tokens`' text (the served tokenizer,
+    loaded here as the server loads it)."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from data.tokenizer import resolve_tokenizer
+    from recipe.loader import effective_shape, load_recipe
+    from tests.helpers.service_server import ROOT, TINY
+
+    vocab = effective_shape(load_recipe(ROOT / "recipes/debug.toml", TINY)).vocab_size
+    tok = Tokenizer.from_file(
+        str(Path(resolve_tokenizer("embedded", vocab_size=vocab)) / "tokenizer.json")
+    )
+    text = tok.decode(tokens[:4], skip_special_tokens=False)
+    head = tok.decode(tokens[:2], skip_special_tokens=False)
+    # past the first two tokens' text, so the cut comes after a token or more
+    return text[len(head) : len(head) + 2] if len(text) >= len(head) + 2 else text[-2:]
+
+
+def _prompt_scores(sampler, ids: list[int], k: int = 3):
+    """(prompt logprobs via compute_logprobs, the sample's prompt logprobs and top-k)."""
+    plain = sampler.compute_logprobs(types.ModelInput.from_ints(ids)).result()
+    res = sampler.sample(types.ModelInput.from_ints(ids), 1, GREEDY,
+                         include_prompt_logprobs=True, topk_prompt_logprobs=k).result()  # fmt: skip
+    return plain, res.prompt_logprobs, res.topk_prompt_logprobs
+
+
+def _same_scores(ours, theirs) -> None:
+    """Our generator's prompt scores against the engine's: the same positions scored, logprobs
+    within float32 noise of two code bases (1e-3, as tests/integration/test_vllm_engine.py),
+    the same top-k tokens where their logprobs are apart by more than that."""
+    for a, b in zip(ours[:2], theirs[:2], strict=True):
+        assert a[0] is None and b[0] is None and len(a) == len(b)
+        assert max(abs(x - y) for x, y in zip(a[1:], b[1:], strict=True)) < 1e-3, (a, b)
+    assert ours[2][0] is None and theirs[2][0] is None
+    for ra, rb in zip(ours[2][1:], theirs[2][1:], strict=True):
+        assert len(ra) == len(rb) == 3
+        assert max(abs(x[1] - y[1]) for x, y in zip(ra, rb, strict=True)) < 1e-3, (ra, rb)
+        lps = [lp for _, lp in ra]
+        if min(x - y for x, y in zip(lps, lps[1:], strict=False)) > 2e-3:  # no near-tie
+            assert [t for t, _ in ra] == [t for t, _ in rb], (ra, rb)
+
+
 def test_two_tenants_share_an_engine_batch_and_get_their_own_tokens(tmp_path):
     _engine_env()
     t0 = time.monotonic()
@@ -191,17 +237,16 @@ def test_two_tenants_share_an_engine_batch_and_get_their_own_tokens(tmp_path):
         with pytest.raises(tinker.APIStatusError) as e:
             clients["a"].create_sampling_client(model_path=bad).result()
         assert e.value.status_code == 422, str(e.value)
-        # What the engine cannot give as our generator does: a 400 naming the field.
+        # Stop strings and prompt logprobs, as our generator gives them (compared with the
+        # reference server below): a stop string inside the adapter's greedy continuation cuts
+        # it where the generator would stop; prompt logprobs under the adapter.
         prompt = types.ModelInput.from_ints(PROMPTS["a"][0])
-        for params, field in (
-            (types.SamplingParams(max_tokens=2, stop=["ab"]), "sampling_params.stop"),
-        ):
-            with pytest.raises(tinker.APIStatusError) as e:
-                samplers["a"].sample(prompt, 1, params).result()
-            assert e.value.status_code == 400 and field in str(e.value), str(e.value)
-        with pytest.raises(tinker.APIStatusError) as e:
-            samplers["a"].compute_logprobs(prompt).result()
-        assert e.value.status_code == 400 and "prompt_logprobs" in str(e.value), str(e.value)
+        stop = _stop_inside(alone["a"][0])
+        cut = samplers["a"].sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0,
+                                   stop=[stop])).result().sequences[0]  # fmt: skip
+        assert cut.stop_reason == "stop" and len(cut.tokens) < 6, (stop, cut)
+        assert list(cut.tokens) == alone["a"][0][: len(cut.tokens)]
+        scored = _prompt_scores(samplers["a"], PROMPTS["a"][1])
         # Longer than the served context: refused before it is queued.
         with pytest.raises(tinker.APIStatusError) as e:
             samplers["a"].sample(prompt, 1, types.SamplingParams(max_tokens=10**6)).result()
@@ -222,6 +267,12 @@ def test_two_tenants_share_an_engine_batch_and_get_their_own_tokens(tmp_path):
             ours = [_tokens([smp.sample(types.ModelInput.from_ints(p), 1, GREEDY)])[0]
                     for p in PROMPTS[t]]  # fmt: skip
             assert ours == alone[t], (t, ours, alone[t])
+            if t == "a":
+                mine = smp.sample(types.ModelInput.from_ints(PROMPTS["a"][0]), 1,
+                                  types.SamplingParams(max_tokens=6, temperature=0.0,
+                                                       stop=[stop])).result().sequences[0]  # fmt: skip
+                assert list(mine.tokens) == list(cut.tokens) and mine.stop_reason == "stop"
+                _same_scores(_prompt_scores(smp, PROMPTS["a"][1]), scored)
             sc.close("success").result()
     finally:
         assert ref.stop() == 0, ref.log_text()[-3000:]

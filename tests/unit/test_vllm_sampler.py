@@ -1,8 +1,9 @@
 """service/vllm_sampler.py without vLLM: a stand-in engine records what `EngineSampler` sends.
 Concurrent requests of two adapters go in one engine call (logged and kept in `batches`),
 unknown weights 404, a request beyond the engine's KV cache 413, a rank above the engine's
-400, a folder the engine refuses 422; the backend's engine path refuses stop strings and
-prompt logprobs with a 400 naming the field and zeroes greedy logprobs (the generator's)."""
+400, a folder the engine refuses 422; the backend's engine path cuts samples at stop strings
+with the served tokenizer (a 400 without one), lays the engine's prompt logprobs out as the
+wire's fields and zeroes greedy logprobs (the generator's)."""
 
 from __future__ import annotations
 
@@ -42,8 +43,20 @@ class FakeEngine:
             raise EngineError(f"vLLM engine: add_lora: bad folder {kw['path']}")
         if op == "generate":
             return [[{"tokens": [len(r["prompt"]), 7], "logprobs": [-0.5, -0.25],
-                      "finish": "length"}] for r in kw["requests"]]  # fmt: skip
+                      "finish": "length", **self._scored(r)}] for r in kw["requests"]]  # fmt: skip
         return True
+
+    @staticmethod
+    def _scored(r: dict[str, Any]) -> dict[str, Any]:
+        """A scored request: position t's own logprob -t/10, its top k ids 100+t+j with
+        logprob -j/100 (rl/vllm_server.py's layout)."""
+        k = r.get("prompt_logprobs")
+        if k is None:
+            return {}
+        P = len(r["prompt"])
+        return {"prompt": [-t / 10 for t in range(1, P)],
+                "prompt_top": [[[100 + t + j for j in range(k)], [-j / 100 for j in range(k)]]
+                               for t in range(1, P)]}  # fmt: skip
 
 
 class Pad:
@@ -136,23 +149,41 @@ def test_a_sampler_freed_mid_request_leaves_the_engine_after_it(sampler, tmp_pat
     assert not (tmp_path / "engine" / "sampler-1").exists()
 
 
-def test_backend_engine_path_refuses_what_the_engine_cannot_give(sampler):
+def test_backend_engine_path_stop_strings_prompt_logprobs_and_greedy(sampler):
     from service.titan_backend import TitanLoraBackend
     from service.types import SamplingParams as SP
 
-    s, _ = sampler
+    s, eng = sampler
     b = TitanLoraBackend.__new__(TitanLoraBackend)
-    b.engine, b.eos_ids = s, (2,)
-    for kw, field in (
-        ({"prompt_logprobs": True}, "prompt_logprobs"),
-        ({"prompt_logprobs": False, "topk_prompt_logprobs": 3}, "topk_prompt_logprobs"),
-    ):
-        with pytest.raises(ServiceError) as e:
-            b.sample(None, [1, 2], 1, SP(max_tokens=2), **kw)
-        assert e.value.status == 400 and e.value.field == field
+    b.engine, b.eos_ids, b._tokenizer = s, (2,), None
     with pytest.raises(ServiceError) as e:
         b.sample(None, [1, 2], 1, SP(max_tokens=2, stop_strings=("x",)), prompt_logprobs=False)
-    assert e.value.field == "sampling_params.stop"
+    assert e.value.status == 400 and e.value.field == "sampling_params.stop"
+    # the stand-in engine samples [len(prompt), 7]: with prompt [1, 2] that decodes "b", "h"
+    b._tokenizer = SimpleNamespace(decode=lambda ids, **_: "".join(chr(96 + i) for i in ids))
+    cut = b.sample(None, [1, 2], 1, SP(max_tokens=2, stop_strings=("b",)), prompt_logprobs=False)
+    (seq,) = cut.sequences
+    assert (
+        seq.tokens.tolist() == [2] and seq.logprobs.tolist() == [-0.5] and seq.stop_reason == "stop"
+    )
+    whole = b.sample(None, [1, 2], 1, SP(max_tokens=2, stop_strings=("hb", "q")),
+                     prompt_logprobs=False).sequences[0]  # fmt: skip
+    assert whole.tokens.tolist() == [2, 7] and whole.stop_reason == "length"
+    # prompt logprobs: the engine is asked for k and its answer laid out as the wire's
+    res = b.sample(None, [1, 2, 3], 1, SP(max_tokens=2), prompt_logprobs=True,
+                   topk_prompt_logprobs=2)  # fmt: skip
+    assert eng.calls[-1][1]["requests"][0]["prompt_logprobs"] == 2
+    np.testing.assert_allclose(res.prompt_logprobs, [np.nan, -0.1, -0.2], equal_nan=True)
+    ids, lps = res.topk_prompt
+    assert ids.tolist() == [[0, 0], [101, 102], [102, 103]]
+    np.testing.assert_allclose(lps, [[-99999.0, -99999.0], [0, -0.01], [0, -0.01]])
+    last = b.sample(None, [1, 2, 3], 1, SP(max_tokens=2), prompt_logprobs=True,
+                    prompt_logprobs_last_n=1)  # fmt: skip
+    np.testing.assert_allclose(last.prompt_logprobs, [np.nan, np.nan, -0.2], equal_nan=True)
+    assert last.topk_prompt is None
+    plain = b.sample(None, [1, 2], 1, SP(max_tokens=2), prompt_logprobs=False)
+    assert eng.calls[-1][1]["requests"][0]["prompt_logprobs"] is None
+    assert plain.prompt_logprobs is None
     greedy = b.sample(None, [1, 2], 1, SP(max_tokens=2, temperature=0.0), prompt_logprobs=False)
     warm = b.sample(None, [1, 2], 1, SP(max_tokens=2, temperature=1.0), prompt_logprobs=False)
     assert np.array_equal(greedy.sequences[0].logprobs, [0.0, 0.0])  # the generator's point mass
