@@ -3,20 +3,31 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# The vLLM engine's own environment (.venv-vllm): the `vllm` tests need it, and fail without.
-bash scripts/setup.sh --vllm
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+if [ $# -gt 0 ]; then
+    bash scripts/setup.sh --vllm
+    exec .venv/bin/python -m pytest -q -rs --durations=15 "$@"
+fi
+# The vLLM engine's own environment (.venv-vllm) installs in the background (about 4 minutes
+# on a fresh machine, mostly downloading and unpacking) while lint, the unit tier and the
+# integration tier's first tests run; the `vllm` tests wait for its exit code
+# (tests/conftest.py: _vllm_setup_done) and fail if it failed.
+setup_dir=$(mktemp -d)
+export TITANSCALE_VLLM_SETUP_RC=$setup_dir/vllm-setup.rc
+( rc=0; bash scripts/setup.sh --vllm > "$TITANSCALE_VLLM_SETUP_RC.log" 2>&1 || rc=$?
+  echo $rc > "$TITANSCALE_VLLM_SETUP_RC.tmp" && mv "$TITANSCALE_VLLM_SETUP_RC.tmp" "$TITANSCALE_VLLM_SETUP_RC" ) &
+setup_pid=$!
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
-if [ $# -gt 0 ]; then
-    exec .venv/bin/python -m pytest -q -rs --durations=15 "$@"
-fi
-# The unit tier on both cores (pure tests: two xdist workers halve its wall time). The
-# integration tier in two passes: the tests not marked `serial` on two workers, a whole file
-# per worker (`--dist loadfile`: a module's server or training run is built once), then the
-# `serial` ones alone (multiproc / slurm, deadlines, filled disks, signals, benchmarks: see
-# SERIAL_FILES in tests/conftest.py). Each pass prints its 20 slowest tests.
-.venv/bin/python -m pytest -q -rs --durations=20 -n 2 tests/unit
-.venv/bin/python -m pytest -q -rs --durations=20 -n 2 --dist loadfile -m "not serial" tests/integration
-.venv/bin/python -m pytest -q -rs --durations=20 -m serial tests/integration
+# The unit tier on both cores. The integration tier in two passes: the tests not marked
+# `serial` on two workers (`--dist loadgroup`: a whole file per worker, so a module's server
+# or training run is built once; the vLLM files together, one engine; see _xdist_group in
+# tests/conftest.py), then the `serial` ones alone (deadlines, filled disks, signals,
+# benchmarks, the Slurm lab: SERIAL_FILES in tests/conftest.py). Each pass prints its 30
+# slowest tests.
+.venv/bin/python -m pytest -q -rs --durations=30 -n 2 tests/unit
+.venv/bin/python -m pytest -q -rs --durations=30 -n 2 --dist loadgroup -m "not serial" tests/integration
+wait "$setup_pid"
+[ "$(cat "$TITANSCALE_VLLM_SETUP_RC")" = 0 ] || { tail -20 "$TITANSCALE_VLLM_SETUP_RC.log"; exit 1; }
+.venv/bin/python -m pytest -q -rs --durations=30 -m serial tests/integration

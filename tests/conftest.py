@@ -118,27 +118,93 @@ def _isolated_root_logging():
 
 
 # The integration tier runs in two passes (scripts/test.sh): everything not `serial` on two
-# xdist workers (whole files per worker, so module-scoped servers and runs are built once),
-# then the `serial` tests alone. Serial: several processes of their own (multiproc, slurm) or a
-# claim a second worker's load would distort (a deadline, a filled disk, a signal's timing,
-# a benchmark's figures). A file that proves one of those belongs in this list.
+# xdist workers with `--dist loadgroup`, then the `serial` tests alone. Serial: a claim a
+# second worker's load would distort (a deadline, a filled disk, a signal's timing, a
+# benchmark's figures) or the Slurm lab (8 ranks and 4 slurmd on 2 cores, requeues timed by
+# Slurm). Multi-process tests run on the workers too: measured per test (CPU seconds, own
+# and children's, TITANSCALE_TEST_CPU_LOG below) the serial pass used about one core of two.
 SERIAL_FILES = frozenset({
     "test_bench.py", "test_peers.py", "test_kernel_bench_cpu.py", "test_gpu_check_smoke.py",
     "test_reliability_ckpt_full_tmpfs.py", "test_reliability_checkpoint_crash.py",
     "test_service_shutdown.py", "test_service_admission.py", "test_service_load.py",
     "test_stop_request.py", "test_readme_commands.py", "test_reliability_train_extremes.py",
 })  # fmt: skip
+# Files whose tests share an expensive session fixture run on one worker (built once):
+# fsdp2_run and fast_reference above.
+SHARED_GROUPS = {
+    "test_multiproc_layouts.py": "fsdp2_run",
+    "test_reliability_faults.py": "fsdp2_run",
+    "test_placed_mesh_multiproc.py": "fsdp2_run",
+}
+
+
+def _xdist_group(item) -> str:
+    """The worker-sharing unit under `--dist loadgroup`: the whole file (its module fixtures
+    are built once), every vLLM test together (one engine per session), and SHARED_GROUPS."""
+    if item.get_closest_marker("vllm"):
+        return "vllm"
+    return SHARED_GROUPS.get(item.path.name, item.path.name)
 
 
 def pytest_collection_modifyitems(config, items):
-    """`serial` on every multiproc / slurm / vllm test and on the files in SERIAL_FILES (the
-    vllm tests share one engine per session: on two workers each would start its own)."""
+    """`serial` on the Slurm tests and the files in SERIAL_FILES; an xdist group on every
+    test (`_xdist_group`)."""
     for item in items:
-        name = item.path.name if hasattr(item, "path") else ""
-        if name in SERIAL_FILES or any(
-            item.get_closest_marker(m) for m in ("multiproc", "slurm", "vllm")
-        ):
+        if item.path.name in SERIAL_FILES or item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.serial)
+        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
+
+
+@pytest.fixture(autouse=True)
+def _vllm_setup_done(request):
+    """scripts/test.sh installs .venv-vllm in the background while the other tests run and
+    names, in $TITANSCALE_VLLM_SETUP_RC, the file its exit code lands in: a `vllm` test waits
+    for it (about 4 minutes from a fresh machine's start) and fails on a failed install."""
+    rc_file = os.environ.get("TITANSCALE_VLLM_SETUP_RC")
+    if not rc_file or not request.node.get_closest_marker("vllm"):
+        return
+    import time
+
+    rc = Path(rc_file)
+    deadline = time.monotonic() + 1800
+    while not rc.exists() and time.monotonic() < deadline:
+        time.sleep(2)
+    code = rc.read_text().strip() if rc.exists() else "none after 30 minutes"
+    if code != "0":
+        log = Path(str(rc) + ".log")
+        tail = log.read_text()[-2000:] if log.exists() else ""
+        pytest.fail(f"bash scripts/setup.sh --vllm failed (exit {code}):\n{tail}")
+
+
+_CPU_LOG = os.environ.get("TITANSCALE_TEST_CPU_LOG")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With $TITANSCALE_TEST_CPU_LOG set, one JSON line per test: its wall seconds (setup,
+    call, teardown) and the CPU seconds it used, its own and its finished child processes'
+    (what the suite's time on two cores is made of: a test using one core while the other
+    idles can share the machine)."""
+    if not _CPU_LOG:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu() -> float:
+        a = resource.getrusage(resource.RUSAGE_SELF)
+        b = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+    t0, c0 = time.monotonic(), cpu()
+    yield
+    wall, used = time.monotonic() - t0, cpu() - c0
+    with open(_CPU_LOG, "a") as f:
+        f.write(
+            json.dumps({"test": item.nodeid, "wall_s": round(wall, 2), "cpu_s": round(used, 2)})
+            + "\n"
+        )
 
 
 def pytest_configure(config):
