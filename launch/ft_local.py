@@ -55,8 +55,12 @@ def group_command(plan: GroupsPlan, python: str = sys.executable) -> list[str]:
 
 
 def group_env(base: dict[str, str], group: int, lighthouse: str) -> dict[str, str]:
+    """The launcher's environment plus the group's id and the lighthouse; this checkout
+    first on PYTHONPATH (the groups run in the caller's folder, where the recipe's relative
+    paths mean what they mean to train.py)."""
     env = {k: v for k, v in base.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(REPLICA_GROUP_ID=str(group), TORCHFT_LIGHTHOUSE=lighthouse)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), base.get("PYTHONPATH")) if p)
     return env
 
 
@@ -65,7 +69,7 @@ def _start(plan: GroupsPlan, g: int, lighthouse: str) -> subprocess.Popen:
     folder.mkdir(parents=True, exist_ok=True)
     log = open(folder / "torchrun.log", "a")  # noqa: SIM115 (the child holds it)
     # Own session: a group's torchrun and ranks are stopped together, never the launcher.
-    return subprocess.Popen(group_command(plan), cwd=REPO_ROOT, env=group_env(dict(os.environ), g, lighthouse),
+    return subprocess.Popen(group_command(plan), env=group_env(dict(os.environ), g, lighthouse),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
 

@@ -2,17 +2,17 @@
 
 One torchrun is one replica group (an HSDP replica: FSDP inside the group, torchft's
 Manager averaging gradients across the live groups). Nothing of the protocol is ours:
-- `TitanscaleFTTrainer` = our Trainer extensions (TitanscaleTrainer) over torchtitan's
-  `FaultTolerantTrainer`, whose __init__ builds the `TorchFTManager`, hands the dataloader
-  the global data-parallel coordinates (`get_dp_info`: replica id x group dp + dp rank),
-  installs the FSDP all-reduce hook over torchft's managed process group, and passes the
-  manager to the optimizer (torchft.Optimizer: start_quorum at zero_grad, should_commit at
-  step) and to the checkpointer.
-- `FTCheckpointManager` = our atomic, verified checkpointer (runtime.checkpoint) over
-  torchtitan's `TorchFTCheckpointManager`: registers the state torchft sends a healing
-  group, writes a per-group dataloader checkpoint every step (so a restarted group resumes
-  its own share of the stream), and lets only the participating rank-0 group write the full
-  checkpoint, which is an ordinary DCP checkpoint (loadable without torchft).
+- `TitanscaleFTTrainer`: TitanscaleTrainer plus the additions torchtitan's FaultTolerantTrainer
+  makes, each at the current Trainer's seams (that class's own __init__ is a stale copy of
+  Trainer.__init__ and is not used): the `TorchFTManager`, the dataloader's share of the
+  global stream (`dp_info` = torchtitan's `get_dp_info`), the FSDP all-reduce hook over
+  torchft's managed process group, torchft.Optimizer (quorum at zero_grad, should_commit
+  at step).
+- `FTCheckpointManager`: our atomic, verified checkpointer (runtime.checkpoint) over
+  torchtitan's `TorchFTCheckpointManager`: a per-group dataloader checkpoint every step (a
+  restarted group resumes its own share of the stream), only the participating rank-0
+  group writes the full checkpoint (an ordinary DCP checkpoint, loadable without torchft);
+  the state torchft sends a healing group is `heal_state` (local shards, no collective).
 - `fault_tolerance_config`: our `[fault_tolerance]` section onto torchtitan's
   `FaultTolerance` config; `torchft_env`: onto torchft's environment variables (timeouts).
 
