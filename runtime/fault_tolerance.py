@@ -30,6 +30,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from core.errors import ConfigError, shown
+from recipe.loader import replica_groups
 from recipe.schema import Recipe
 
 REPLICA_ENV = "REPLICA_GROUP_ID"
@@ -39,12 +40,6 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 # does not pass them.
 QUORUM_TIMEOUT_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"
 TIMEOUT_ENV = "TORCHFT_TIMEOUT_SEC"
-
-
-def replica_groups(recipe: Recipe) -> int:
-    """The recipe's replica groups (fault_tolerance.replica_groups, else
-    parallel.dp_replicate)."""
-    return recipe.fault_tolerance.replica_groups or recipe.parallel.dp_replicate
 
 
 def replica_id(env: Mapping[str, str], groups: int) -> int:

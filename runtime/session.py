@@ -34,6 +34,7 @@ from recipe.loader import (
     check_trainable_fault_tolerance,
     effective_shape,
     load_recipe,
+    replica_groups,
 )
 from recipe.schema import Recipe
 from runtime import faults
@@ -416,7 +417,7 @@ def _prepare(recipe: Recipe) -> Job:
 
         # One torchrun is one replica group: its layout is one HSDP replica (dp_replicate
         # 1, FSDP over the group's ranks); the groups are torchft's, not the mesh's.
-        groups = rft.replica_groups(recipe)
+        groups = replica_groups(recipe)
         ft_group = rft.replica_id(os.environ, groups)
         recipe = replace(
             recipe,
@@ -516,7 +517,7 @@ def run(job: Job, trainer_cls: type | None = None, **trainer_kwargs: Any) -> dic
         from runtime import fault_tolerance as rft
 
         trainer_cls = rft.trainer_class()
-        rid = rft.replica_id(os.environ, rft.replica_groups(job.recipe))
+        rid = rft.replica_id(os.environ, replica_groups(job.recipe))
         trainer_kwargs["ft"] = rft.fault_tolerance_config(job.recipe, rid, cpu=job.platform.is_cpu)
     trainer = (trainer_cls or TitanscaleTrainer)(job.config, fabric=fabric, **trainer_kwargs)
     try:

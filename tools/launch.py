@@ -258,8 +258,7 @@ def launch_local(args: argparse.Namespace, recipe) -> int:
     """--local: a [fault_tolerance] recipe's replica groups on this machine
     (launch.ft_local), after the checks train.py makes before any process starts."""
     from launch.ft_local import GroupsPlan, run_groups
-    from recipe.loader import check_trainable_fault_tolerance
-    from runtime.fault_tolerance import replica_groups
+    from recipe.loader import check_trainable_fault_tolerance, replica_groups
 
     if not recipe.fault_tolerance.enabled:
         raise ConfigError(
