@@ -133,6 +133,13 @@ def check_launch(recipe: Recipe, cluster: Cluster, opts: LaunchOptions) -> tuple
     layout = check_recipe(recipe, world)
     if opts.serve_args is None:
         check_trainable_fault_tolerance(recipe)  # refused here, not after the queue wait
+        if recipe.fault_tolerance.enabled:
+            raise ConfigError(
+                "the Slurm script for torchft replica groups is not built; run them on one "
+                "machine with tools.launch --local (docs/fault_tolerance.md)",
+                file=recipe.source,
+                key="fault_tolerance.enabled",
+            )
     if not 1 <= opts.signal_seconds <= 65535:  # sbatch --signal's limit
         raise ConfigError(
             f"expected seconds from 1 to 65535, got {opts.signal_seconds}", key="--signal-seconds"

@@ -181,16 +181,32 @@ def replica_groups(recipe: Recipe) -> int:
 
 
 def check_trainable_fault_tolerance(recipe: Recipe) -> None:
-    """train.py and tools.launch: [fault_tolerance] validates and tools.predict prices it, but
-    train.py does not run replica groups yet; refused so that no run trains every group alone
-    while the user believes they are replicas (docs/fault_tolerance.md, Status)."""
-    if recipe.fault_tolerance.enabled:
-        raise ConfigError(
-            "train.py does not run torchft replica groups yet (docs/fault_tolerance.md, "
-            "Status); set it to false",
-            file=recipe.source,
-            key="fault_tolerance.enabled",
-        )
+    """train.py and tools.launch: the [fault_tolerance] runs that are built and tested
+    (pretraining with FSDP inside each replica group, every step synchronous); the rest
+    validates and tools.predict prices it, but is refused, naming the key, rather than run
+    unverified (docs/fault_tolerance.md, Status)."""
+    ft = recipe.fault_tolerance
+    if not ft.enabled:
+        return
+    par = recipe.parallel
+    refused = [
+        (par.pp > 1, "parallel.pp", "pipeline parallelism"),
+        (par.tp > 1, "parallel.tp", "tensor parallelism"),
+        (par.cp > 1, "parallel.cp", "context parallelism"),
+        (par.ep > 1, "parallel.ep", "expert parallelism"),
+        (par.auto, "parallel.auto", "a planned layout"),
+        (recipe.finetune.mode != "off", "finetune.mode", "fine-tuning"),
+        (ft.semi_sync != "off", "fault_tolerance.semi_sync", "semi-synchronous training"),
+    ]
+    for bad, key, what in refused:
+        if bad:
+            raise ConfigError(
+                f"fault tolerance is built for FSDP-only pretraining with every step "
+                f"synchronous; {what} under torchft replica groups is not (docs/"
+                "fault_tolerance.md, Status)",
+                file=recipe.source,
+                key=key,
+            )
 
 
 def check_fault_tolerance(recipe: Recipe, layout: Layout) -> None:

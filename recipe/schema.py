@@ -814,8 +814,9 @@ class FaultToleranceSection:
         default=False,
         metadata=doc(
             "Train as `replica_groups` torchft replica groups (torchtitan's "
-            "experiments/torchft): a group that dies is restarted alone and heals from a "
-            "live group; needs the torchft package."
+            "experiments/torchft components, runtime/fault_tolerance.py): a group that dies "
+            "is restarted alone and heals from a live group. Start them with "
+            "`tools.launch --local`; FSDP-only pretraining, every step synchronous."
         ),
     )
     replica_groups: int = field(
@@ -828,8 +829,8 @@ class FaultToleranceSection:
     lighthouse: str = field(
         default="",
         metadata=doc(
-            "torchft lighthouse address (http://host:port); '' = tools.launch starts one on "
-            "the first node, port 29510."
+            "torchft lighthouse address (http://host:port) for groups started by hand; "
+            "TORCHFT_LIGHTHOUSE wins (tools.launch --local starts one and sets it)."
         ),
     )
     min_replicas: int = field(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from recipe.loader import (
     check_trainable_fault_tolerance,
     effective_shape,
     load_recipe,
+    replica_groups,
 )
 from recipe.schema import Recipe
 from runtime import faults
@@ -410,6 +411,20 @@ def _prepare(recipe: Recipe) -> Job:
     if recipe.parallel.auto:
         recipe, plan = apply_auto_plan(recipe, cluster)
     check_trainable_fault_tolerance(recipe)
+    ft_group = None
+    if recipe.fault_tolerance.enabled:
+        from runtime import fault_tolerance as rft
+
+        # One torchrun is one replica group: its layout is one HSDP replica (dp_replicate
+        # 1, FSDP over the group's ranks); the groups are torchft's, not the mesh's.
+        groups = replica_groups(recipe)
+        ft_group = rft.replica_id(os.environ, groups)
+        recipe = replace(
+            recipe,
+            parallel=replace(recipe.parallel, dp_replicate=1),
+            fault_tolerance=replace(recipe.fault_tolerance, replica_groups=groups),
+        )
+        rft.torchft_env(recipe, os.environ)
     layout = check_recipe(recipe, world_size)
     check_pipeline_step(layout.pp)
     if recipe.parallel.async_tp and platform.is_cpu and layout.tp > 1:
@@ -461,6 +476,9 @@ def _prepare(recipe: Recipe) -> Job:
     config = build_trainer_config(
         recipe, layout, platform=platform, kernels=kernels, tokenizer_path=tokenizer_path
     )
+    if ft_group is not None:
+        config = rft.as_fault_tolerant(config, recipe, ft_group)
+        config.dump_folder = rft.group_dump_folder(recipe.output_dir, ft_group)
     check_checkpoint_fit(recipe, config)
     # RL / [[adapters]]: the token budget, or one line saying what the job needs (memory).
     tokens = choose_microbatch_tokens(recipe, layout, platform) if posttrain_load(recipe) else 0
@@ -495,6 +513,12 @@ def run(job: Job, trainer_cls: type | None = None, **trainer_kwargs: Any) -> dic
         f"{' (emulated)' if job.kernels.emulated else ''} ({job.kernels.precision})"
     )
     fabric = job.cluster.fabric() if job.cluster else None
+    if trainer_cls is None and job.recipe.fault_tolerance.enabled:
+        from runtime import fault_tolerance as rft
+
+        trainer_cls = rft.trainer_class()
+        rid = rft.replica_id(os.environ, replica_groups(job.recipe))
+        trainer_kwargs["ft"] = rft.fault_tolerance_config(job.recipe, rid, cpu=job.platform.is_cpu)
     trainer = (trainer_cls or TitanscaleTrainer)(job.config, fabric=fabric, **trainer_kwargs)
     try:
         trainer.train()

@@ -14,6 +14,15 @@ nodes (the base FSDP2-sharded over all of them, rank 0 serving HTTP; docs/servic
 checkpoints in <out>/service; `--serve-arg` passes tools.serve's options (e.g.
 `--serve-arg=--host=0.0.0.0 --serve-arg=--api-key-file=/shared/keys.txt`). The resource is
 planned (parallel/serve.py) and its options checked before anything is submitted.
+
+`--local` runs a [fault_tolerance] recipe on this machine instead (no Slurm, no --cluster):
+
+    python -m tools.launch --local --recipe R --set fault_tolerance.enabled=true \\
+        --set fault_tolerance.replica_groups=2 --nproc-per-group 2
+
+a torchft lighthouse and one torchrun per replica group; a group that dies is restarted
+alone (launch/ft_local.py). The Slurm script for replica groups is not built: fault
+tolerance is refused there (docs/fault_tolerance.md).
 """
 
 from __future__ import annotations
@@ -39,8 +48,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_recipe_arg(p, required=True)
-    add_cluster_arg(p, required=True)
-    p.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
+    add_cluster_arg(p, help="cluster profile TOML or a name in clusters/ (not with --local)")
+    p.add_argument("--nodes", type=int, default=None, help="nodes to allocate (not with --local)")
+    p.add_argument(
+        "--local",
+        action="store_true",
+        help="[fault_tolerance] recipes: run the lighthouse and one torchrun per replica group "
+        "on this machine, restarting a dead group alone",
+    )
+    p.add_argument(
+        "--nproc-per-group", type=int, default=1, help="with --local: ranks per replica group"
+    )
+    p.add_argument(
+        "--max-group-restarts",
+        type=int,
+        default=3,
+        help="with --local: group restarts in all before the launch gives up",
+    )
     p.add_argument("--partition", default="", help="Slurm partition")
     p.add_argument("--time", default="", help="time limit (Slurm format, e.g. 04:00:00)")
     p.add_argument("--account", default="", help="Slurm account")
@@ -141,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     from recipe.loader import load_recipe, resolve_recipe_path
 
     recipe = load_recipe(args.recipe, args.overrides)
+    if args.local:
+        return launch_local(args, recipe)
+    for key, value in (("--cluster", args.cluster), ("--nodes", args.nodes)):
+        if value is None:
+            raise ConfigError("required (or --local for a fault-tolerant run here)", key=key)
     cluster = load_cluster(args.cluster)
     cluster_path = resolve_cluster_path(args.cluster).resolve()
     # Checked before Path.resolve (a NUL byte raises there): the folder is written into the
@@ -231,12 +260,47 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    run(main)
+def launch_local(args: argparse.Namespace, recipe) -> int:
+    """--local: a [fault_tolerance] recipe's replica groups on this machine
+    (launch.ft_local), after the checks train.py makes before any process starts."""
+    from launch.ft_local import GroupsPlan, run_groups
+    from recipe.loader import check_trainable_fault_tolerance, replica_groups
 
+    if not recipe.fault_tolerance.enabled:
+        raise ConfigError(
+            "--local runs replica groups: set fault_tolerance.enabled = true",
+            file=recipe.source,
+            key="fault_tolerance.enabled",
+        )
+    check_trainable_fault_tolerance(recipe)
+    for key, n, lo in (("--nproc-per-group", args.nproc_per_group, 1),
+                       ("--max-group-restarts", args.max_group_restarts, 0)):  # fmt: skip
+        if n < lo:
+            raise ConfigError(f"expected an integer >= {lo}, got {n}", key=key)
+    groups = replica_groups(recipe)
+    if groups < 2:
+        raise ConfigError(
+            f"fault tolerance needs at least 2 replica groups, got {groups}",
+            file=recipe.source,
+            key="fault_tolerance.replica_groups",
+        )
+    train_args = ["--recipe", args.recipe] if args.recipe else []
+    for o in args.overrides:
+        train_args += ["--set", o]
+    out = args.out or recipe.output_dir
+    if args.out:
+        train_args += ["--set", f"job.output_dir={out}"]
+    plan = GroupsPlan(groups=groups, nproc=args.nproc_per_group,
+                      min_replicas=recipe.fault_tolerance.min_replicas,
+                      train_args=tuple(train_args), out=str(Path(out).resolve()),
+                      max_restarts=args.max_group_restarts)  # fmt: skip
+    if args.dry_run:
+        from launch.ft_local import group_command
 
-# tools.serve options the launcher sets itself (the recipe, <out>/service, the overrides).
-LAUNCHER_SERVE_OPTIONS = ("--recipe", "--storage", "--set")
+        for g in range(groups):
+            print(f"REPLICA_GROUP_ID={g} " + " ".join(group_command(plan)))
+        return 0
+    return run_groups(plan)
 
 
 def check_serve_arg(a: str) -> None:
@@ -254,3 +318,11 @@ def check_serve_arg(a: str) -> None:
             "<out>/service, --set)",
             key="--serve-arg",
         )
+
+
+# tools.serve options the launcher sets itself (the recipe, <out>/service, the overrides).
+LAUNCHER_SERVE_OPTIONS = ("--recipe", "--storage", "--set")
+
+
+if __name__ == "__main__":
+    run(main)

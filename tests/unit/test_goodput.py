@@ -145,19 +145,35 @@ def test_predict_prints_both_goodputs_at_4096_gpus(capsys):
     assert gp_["per_replica_recovery"]["efficiency"] > w["efficiency"]
 
 
-def test_train_refuses_fault_tolerance_until_it_runs_groups(tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("sets", "env", "key"),
+    [
+        # Outside tools.launch --local: no replica group id, one line naming it.
+        ([], {}, "REPLICA_GROUP_ID"),
+        ([], {"REPLICA_GROUP_ID": "2"}, "REPLICA_GROUP_ID"),  # 2 groups: 0 or 1
+        # Layouts torchft replica groups are not built for: refused by key.
+        (["parallel.tp=2"], {"REPLICA_GROUP_ID": "0"}, "parallel.tp"),
+        (["fault_tolerance.semi_sync=diloco"], {"REPLICA_GROUP_ID": "0"},
+         "fault_tolerance.semi_sync"),
+    ],
+)  # fmt: skip
+def test_train_refuses_fault_tolerance_it_does_not_run(tmp_path, capsys, monkeypatch, sets, env,
+                                                        key):  # fmt: skip
     from tests.helpers.runs import train_main_error
 
-    code, err = train_main_error(
-        ["--set", f"job.output_dir={tmp_path}", "--set", "fault_tolerance.enabled=true",
-         "--set", "fault_tolerance.replica_groups=2"],
-        capsys,
-    )  # fmt: skip
+    monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    args = ["--set", f"job.output_dir={tmp_path}", "--set", "fault_tolerance.enabled=true",
+            "--set", "fault_tolerance.replica_groups=2"]  # fmt: skip
+    for s in sets:
+        args += ["--set", s]
+    code, err = train_main_error(args, capsys)
     assert code == 2
-    assert len(err) == 1 and "fault_tolerance.enabled" in err[0] and "not run torchft" in err[0]
+    assert len(err) == 1 and key in err[0], err
 
 
-def test_launch_refuses_fault_tolerance_before_the_queue():
+def test_slurm_launch_refuses_fault_tolerance_before_the_queue():
     from parallel.cluster import load_cluster
     from tests.helpers.job_scripts import render_job
     from tests.helpers.runs import ROOT
