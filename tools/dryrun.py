@@ -983,8 +983,11 @@ def simulate(job: DryRunJob, rank: int, boundary: _Boundary) -> dict[str, Any]:
         for p in params:
             p.grad = torch.zeros_like(p)
         trainer.optimizers.step()
-        # As the step leaves them: freed, or kept and zeroed under CUDA graphs.
-        trainer.optimizers.zero_grad(set_to_none=cfg.training.disable_cuda_graphs)
+        # As the step leaves them: freed, or kept and zeroed under CUDA graphs (RL's step
+        # layer frees them: StepEngine.optim_step's zero_grad()).
+        trainer.optimizers.zero_grad(
+            set_to_none=cfg.training.disable_cuda_graphs or job.recipe.rl.enabled
+        )
         trainer.metrics_processor.should_log = lambda step: False  # no loss value to log
         trainer.step = 1
         memory = _memory_tracker_class()()
