@@ -74,8 +74,11 @@ def run_case(label: str, commit: str) -> dict:
         "seconds": round(seconds, 1),
     }
     post = (p or {}).get("posttrain") or {}
-    row["predict_gib_per_gpu"] = post.get("memory_gib_per_gpu")
-    row["predict_breakdown_gib"] = post.get("memory_breakdown_gib")
+    row["predict_section"] = "posttrain" if post else "top level (no posttrain section)"
+    row["predict_gib_per_gpu"] = post.get("memory_gib_per_gpu", (p or {}).get("memory_gib_per_gpu"))
+    row["predict_breakdown_gib"] = post.get(
+        "memory_breakdown_gib", (p or {}).get("memory_breakdown_gib")
+    )
     if perr:
         row["predict_error"] = perr
     r = (out or {}).get("ranks", [{}])[0] if out else {}
@@ -108,7 +111,8 @@ def render(rows: list[dict]) -> str:
                 f"| {r['label']} | fails: {r['error']} | | | | {pred} | {r['seconds']:.0f} |"
             )
             continue
-        phases = ", ".join(f"{k} {v:.1f}" for k, v in r["posttrain"]["phases_gib"].items())
+        steps = (r.get("posttrain") or {}).get("phases_gib", {"Trainer step": r["peak_gib"]})
+        phases = ", ".join(f"{k} {v:.1f}" for k, v in steps.items())
         out.append(
             f"| {r['label']} | {r['peak_gib']:.1f} | {r['planned_gib']:.1f} | "
             f"{r['error_pct']:+.1f}% | {phases} | {pred} | {r['seconds']:.0f} |"
