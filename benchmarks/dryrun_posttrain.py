@@ -41,7 +41,15 @@ CASES: dict[str, tuple[str, str, list[str]]] = {
         AD8,
         "hgx_h100_ib",
         ["finetune.adapter_schedule=turns"],
-    ),  # fmt: skip
+    ),
+    # single-adapter LoRA recipes: torchtitan's Trainer with the LoRA converter (what they
+    # train; tools.predict has no post-training section for them: its top-level figure)
+    "sft_llama3_8b_lora (Trainer path)": ("recipes/sft_llama3_8b_lora.toml", "hgx_h100_ib", []),
+    "sft_qwen3_30b_a3b_lora (Trainer path)": (
+        "recipes/sft_qwen3_30b_a3b_lora.toml",
+        "hgx_h100_ib",
+        [],
+    ),
 }
 
 
