@@ -1092,6 +1092,8 @@ def planned(job: DryRunJob, rank: int) -> dict[str, Any]:
         comp = estimate_rank(w, pp_rank)
         out["planned_gib_compiled"] = round(comp.allocated / GIB, 3)
     if job.microbatch_tokens:
+        # The step layer runs eager (no compiled figure: tools.launch takes nothing off).
+        out.pop("planned_gib_compiled", None)
         out.update(_planned_posttrain(job, w))
     return out
 

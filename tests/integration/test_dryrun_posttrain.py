@@ -15,7 +15,8 @@ Besides those:
   (P/2) and AdamW's two moments of it (P), the unsharded output projection FSDP gathers for
   the head's backward (V x d), the generator's float32 copy (P), two RoPE caches;
   async RL adds the probe's copy and the staged gathered weights, both P float32, live
-  during the update (rl/loop.py: the generator thread's pending update);
+  during the update (rl/loop.py: the generator thread's pending update); rl.generator =
+  "vllm" holds the same update without the generator's copy (the engine is its own process);
 - [[adapters]] (one process, 2 adapters of 2 rows x 64 tokens): the frozen base (P) and
   its RoPE cache; the adapters and their AdamW state are under 2 MiB. "batched" runs both
   adapters' rows in one microbatch, "turns" one adapter's at a time: the difference is the
@@ -94,6 +95,14 @@ def test_rl_update_peak_is_the_hand_count():
     extra = (a["peak_gib"] - r["peak_gib"]) * 1024
     assert 2 * generator / MiB <= extra <= 2 * generator / MiB + 4, extra
     assert a["posttrain"]["staged_weights_gib"] * 1024 == pytest.approx(generator / MiB, abs=1.0)
+
+    # rl.generator = "vllm": the engine is its own process; the trainer's device holds the
+    # same update without the generator's copy (and the planner's side leaves it out too).
+    v = dry_run("rl.generator=vllm")
+    less = (r["peak_gib"] - v["peak_gib"]) * 1024
+    assert less == pytest.approx(generator / MiB, abs=2.0), less
+    assert not v["planned"]["planned"].get("generator_copies")
+    assert not v["posttrain"]["resident_gib"]["generator_copies"]
 
 
 ADAPTER_SETS = ["parallel.world_size=1", "model.layers=1", "model.vocab_size=32768"]
