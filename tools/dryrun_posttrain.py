@@ -1,8 +1,9 @@
-"""The dry run of one RL update on the post-training step layer (tools.dryrun's RL path).
+"""The dry run of one post-training update on the step layer: an RL update, an [[adapters]] round.
 
-tools.dryrun builds the policy as RL training builds it (torchtitan's Trainer: model,
-FSDP2, AdamW) on fake tensors at the job's world size; this module then steps what one
-update of rl/loop.py allocates on the trainer's device, with the loop's own objects:
+tools.dryrun's path for `rl.enabled` and `[[adapters]]` recipes (docs/dryrun.md). RL:
+tools.dryrun builds the policy as RL training builds it (torchtitan's Trainer: model, FSDP2,
+AdamW) on fake tensors at the job's world size; `RLUpdate` then steps what one update of
+rl/loop.py allocates on the trainer's device, with the loop's own objects:
 
 - the generator side (rl.generator = "native"): rl.loop.native_generator's copies (one;
   async adds the probe), built before the step and counted as resident; a KL reference
@@ -27,6 +28,9 @@ Values are fake: a scalar read (`float(loss)`, `bool(bad.any())`) gives 0 / Fals
 finite, nothing-wrong branch (`scalar_reads`). rl.generator = "vllm": the engine is its own
 process with its own memory (vLLM's gpu_memory_utilization), not on this device: only the
 push's gathered weights are stepped here.
+
+[[adapters]] (`simulate_adapters`): posttrain.adapters.AdapterJob's own frozen base and
+per-adapter engines (no data, checkpoints or metrics), then one round of its schedule.
 """
 
 from __future__ import annotations
