@@ -230,33 +230,10 @@ class AdapterJob:
         """`mesh`: a 1-D DeviceMesh over the job's processes (None: one process).
         `microbatch_tokens`: the token budget (0: training.microbatch_tokens, else every
         adapter's rows in one microbatch)."""
-        if schedule not in ("turns", "batched"):
-            raise ValueError(f"schedule must be 'turns' or 'batched', got {schedule!r}")
-        self.recipe = recipe
-        self.model_config = model_config
+        self._init_base(recipe, model_config, device=device, schedule=schedule, mesh=mesh,
+                        microbatch_tokens=microbatch_tokens)  # fmt: skip
         self.state_dict_adapter = state_dict_adapter
-        self.device = torch.device(device)
-        self.schedule = schedule
         self.tokenizer_path = tokenizer_path
-        tr = recipe.training
-        rows = max(a.local_batch_size or tr.local_batch_size for a in recipe.adapters)
-        self.microbatch_tokens = microbatch_tokens or tr.microbatch_tokens or rows * tr.seq_len
-        torch.manual_seed(tr.seed)
-        with torch.device(self.device):
-            self.model = model_config.build()
-            self.model.init_states()
-        if recipe.checkpoint.load_from:
-            load_base(self.model, recipe.checkpoint.load_from, file=recipe.source)
-        self.model.train()
-        for p in self.model.parameters():  # the converter froze them; make it a guarantee
-            p.requires_grad_(False)
-        self.mesh = mesh if mesh is not None and mesh.size() > 1 else None
-        self.group = self.mesh.get_group() if self.mesh is not None else None
-        self.rank = self.mesh.get_local_rank() if self.mesh is not None else 0
-        self.world = self.mesh.size() if self.mesh is not None else 1
-        if self.mesh is not None:
-            shard_base(self.model, self.mesh)
-        self.scale = recipe.lora.alpha / recipe.lora.rank
         self.renderer: ChatRenderer = make_renderer(tokenizer_path, recipe.data.chat_template)
         self.out = recipe.output_dir
         os.makedirs(self.out, exist_ok=True)
@@ -271,20 +248,44 @@ class AdapterJob:
             for a in self.adapters
         }
 
+    def _init_base(self, recipe: Recipe, model_config: Any, *, device: str, schedule: str,
+                   mesh: Any, microbatch_tokens: int, load: bool = True) -> None:  # fmt: skip
+        """The frozen base on its device (FSDP-sharded over `mesh`), the schedule and the token
+        budget: what every adapter steps on (`load` False: the base's weights are not read,
+        tools.dryrun_posttrain's fake tensors)."""
+        if schedule not in ("turns", "batched"):
+            raise ValueError(f"schedule must be 'turns' or 'batched', got {schedule!r}")
+        self.recipe = recipe
+        self.model_config = model_config
+        self.device = torch.device(device)
+        self.schedule = schedule
+        tr = recipe.training
+        rows = max(a.local_batch_size or tr.local_batch_size for a in recipe.adapters)
+        self.microbatch_tokens = microbatch_tokens or tr.microbatch_tokens or rows * tr.seq_len
+        torch.manual_seed(tr.seed)
+        with torch.device(self.device):
+            self.model = model_config.build()
+            self.model.init_states()
+        if load and recipe.checkpoint.load_from:
+            load_base(self.model, recipe.checkpoint.load_from, file=recipe.source)
+        self.model.train()
+        for p in self.model.parameters():  # the converter froze them; make it a guarantee
+            p.requires_grad_(False)
+        self.mesh = mesh if mesh is not None and mesh.size() > 1 else None
+        self.group = self.mesh.get_group() if self.mesh is not None else None
+        self.rank = self.mesh.get_local_rank() if self.mesh is not None else 0
+        self.world = self.mesh.size() if self.mesh is not None else 1
+        if self.mesh is not None:
+            shard_base(self.model, self.mesh)
+        self.scale = recipe.lora.alpha / recipe.lora.rank
+
     def _new_adapter(self, spec: AdapterSection) -> AdapterState:
         from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
         from data.loader import PackedStream
 
         tr, d = self.recipe.training, self.recipe.data
-        weights = init_adapter(self.model, spec.seed)
-        # The recipe's optimizer and schedule at this adapter's lr / warmup / steps.
-        opt, sched = recipe_optimizer(self.recipe, weights, lr=spec.lr,
-                                      warmup_steps=spec.warmup_steps, steps=spec.steps)  # fmt: skip
-        engine = StepEngine(self.model, opt, sched, microbatch_tokens=self.microbatch_tokens,
-                            max_norm=tr.max_norm, replicated_group=self.group,
-                            named_params=list(weights.named_parameters()),
-                            dp_group=self.group, label=f"adapter {spec.name}")  # fmt: skip
+        weights, opt, sched, engine = self._adapter_engine(spec)
         stream = PackedStream(
             source=spec.source,
             tokenizer=HuggingFaceTokenizer(tokenizer_path=self.tokenizer_path),
@@ -307,6 +308,18 @@ class AdapterJob:
                              on_load=lambda: setattr(a, "batches", _batches(a.stream, bs))),
         )  # fmt: skip
         return a
+
+    def _adapter_engine(self, spec: AdapterSection) -> tuple[AdapterWeights, Any, Any, StepEngine]:
+        """An adapter's weights (its seed), the recipe's optimizer and schedule at its lr /
+        warmup / steps, and its step engine (also what tools.dryrun_posttrain steps)."""
+        weights = init_adapter(self.model, spec.seed)
+        opt, sched = recipe_optimizer(self.recipe, weights, lr=spec.lr,
+                                      warmup_steps=spec.warmup_steps, steps=spec.steps)  # fmt: skip
+        engine = StepEngine(self.model, opt, sched, microbatch_tokens=self.microbatch_tokens,
+                            max_norm=self.recipe.training.max_norm, replicated_group=self.group,
+                            named_params=list(weights.named_parameters()),
+                            dp_group=self.group, label=f"adapter {spec.name}")  # fmt: skip
+        return weights, opt, sched, engine
 
     # -- one step --------------------------------------------------------------------------
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,40 @@ def check(job: Any) -> None:
         require_engine(file=f, key="rl.generator")
 
 
+def loss_config(rl: Any) -> LossConfig:
+    """The built-in losses' settings from the recipe's [rl] section."""
+    return LossConfig(
+        clip_low=rl.clip_low, clip_high=rl.clip_high, kl_coef=rl.kl_coef, tis_cap=rl.tis_cap
+    )
+
+
+def fresh_model(config: Any, device: Any) -> torch.nn.Module:
+    """An unsharded copy of the trainer's model architecture (weights loaded later): the
+    generator's and the KL reference's (torchtitan Trainer.Config `config`)."""
+    cfg = config.model_spec.model
+    with torch.device(device):
+        m = cfg.build()
+    m.init_states(buffer_device=device)
+    return m
+
+
+def native_generator(config: Any, device: Any, rl: Any, pad_id: int) -> Generator:
+    """The built-in generator over a fresh copy in rl.generator_dtype (weights loaded later)."""
+    dtype = torch.bfloat16 if rl.generator_dtype == "bfloat16" else torch.float32
+    return Generator(fresh_model(config, device), dtype=dtype, pad_id=pad_id)
+
+
+def on_policy(rl: Any, has_probe: bool, lag: torch.Tensor) -> bool:
+    """Whether an update takes the one-forward path (RLRun.on_policy says why)."""
+    return (
+        not has_probe
+        and rl.mode == "sync"
+        and rl.kl_coef <= 0
+        and rl.loss in BUILTIN_LOSSES
+        and bool((lag == 0).all())
+    )
+
+
 class RolloutFailure(RuntimeError):
     """A generation or reward failed with rl.on_error = "fail"."""
 
@@ -101,9 +135,7 @@ class RLRun:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         rl = self.rl
-        self.loss_cfg = LossConfig(
-            clip_low=rl.clip_low, clip_high=rl.clip_high, kl_coef=rl.kl_coef, tis_cap=rl.tis_cap
-        )
+        self.loss_cfg = loss_config(rl)
         self.loss_fn: LossFn = (
             load_loss(rl.custom_loss)  # behind the hook guard: one line naming it
             if rl.loss == "custom"
@@ -149,16 +181,10 @@ class RLRun:
 
     # -- pieces ------------------------------------------------------------------------
     def _fresh_model(self) -> torch.nn.Module:
-        """An unsharded copy of the trainer's model architecture (weights loaded later)."""
-        cfg = self.job.config.model_spec.model
-        with torch.device(self.policy.device):
-            m = cfg.build()
-        m.init_states(buffer_device=self.policy.device)
-        return m
+        return fresh_model(self.job.config, self.policy.device)
 
     def _build_generator(self, model: torch.nn.Module) -> Generator:
-        dtype = torch.bfloat16 if self.rl.generator_dtype == "bfloat16" else torch.float32
-        gen = Generator(self._fresh_model(), dtype=dtype, pad_id=self.eos or 0)
+        gen = native_generator(self.job.config, self.policy.device, self.rl, self.eos or 0)
         gen.update_weights(full_state_dict(model), version=0)
         return gen
 
@@ -399,14 +425,7 @@ class RLRun:
         (rows separable; a custom loss may couple them). TRL skips the same pass when
         num_iterations = 1. Saves one forward of the batch per update (~19% of a CPU update,
         benchmarks/peers.md)."""
-        rl = self.rl
-        return (
-            self.probe is None
-            and rl.mode == "sync"
-            and rl.kl_coef <= 0
-            and rl.loss in BUILTIN_LOSSES
-            and bool((lag == 0).all())
-        )
+        return on_policy(self.rl, self.probe is not None, lag)
 
     def train_on(self, batch: Batch, step: int) -> dict[str, float]:
         if not batch.rollouts:

@@ -74,6 +74,8 @@ class DryRunJob:
     notes: list[str] = field(default_factory=list)
     # How it was asked for: a worker process re-derives the same job from these.
     spec: list[str] = field(default_factory=list)
+    # rl / [[adapters]]: the step layer's token budget per microbatch (0: not post-training).
+    microbatch_tokens: int = 0
 
     @property
     def pp_group_size(self) -> int:
@@ -157,11 +159,12 @@ def _fewer_microbatches(recipe, layout, n: int, notes: list[str]):
     return r
 
 
-def _rl_microbatch(recipe: Any, layout: Any, cluster: Any, notes: list[str]) -> Any:
+def _rl_microbatch(recipe: Any, layout: Any, cluster: Any, notes: list[str]) -> tuple[Any, int]:
     """RL trains on the step layer (runtime.steps), one microbatch of at most
     `training.microbatch_tokens` tokens (0: the largest the memory model fits on the
-    profile's GPU) and `local_batch_size` rows at a time, not the Trainer's whole local
-    batch: the Trainer step is dry-run with that microbatch's rows."""
+    profile's GPU) and `local_batch_size` rows at a time: (the recipe with that
+    microbatch's rows as its local batch, the token budget). The update itself is stepped
+    by tools.dryrun_posttrain."""
     import copy
 
     from parallel.memory import fit_microbatch_tokens, posttrain_load
@@ -172,15 +175,30 @@ def _rl_microbatch(recipe: Any, layout: Any, cluster: Any, notes: list[str]) -> 
     assert pt is not None  # rl.enabled
     w = workload_from_recipe(recipe, layout)
     tokens = tr.microbatch_tokens or fit_microbatch_tokens(w, pt, cluster.hbm_bytes, cluster.gpu)
-    rows = max(1, min(tr.local_batch_size, (tokens or tr.seq_len) // tr.seq_len))
+    tokens = tokens or tr.seq_len  # nothing fits: one row (the dry run shows by how much)
+    rows = max(1, min(tr.local_batch_size, tokens // tr.seq_len))
     r = copy.deepcopy(recipe)
     r.training.local_batch_size = rows
-    notes.append(
-        f"rl: one step-layer microbatch of {rows} row(s) x {tr.seq_len} tokens "
-        f"({tokens:,}-token budget); the generator copies and KV cache are priced by "
-        "parallel.memory.posttrain_memory, not measured here"
-    )
-    return r
+    notes.append(f"rl: step-layer microbatches of {rows} row(s) x {tr.seq_len} tokens "
+                 f"({tokens:,}-token budget)")  # fmt: skip
+    return r, tokens
+
+
+def _adapters_budget(recipe: Any, layout: Any, cluster: Any, notes: list[str]) -> int:
+    """[[adapters]]: the step layer's token budget as the job chooses it
+    (runtime.steps.choose_microbatch_tokens: training.microbatch_tokens, else the largest
+    the memory model fits on the profile's GPU)."""
+    from parallel.memory import fit_microbatch_tokens, posttrain_load
+    from parallel.workload import workload_from_recipe
+
+    tr = recipe.training
+    pt = posttrain_load(recipe)
+    assert pt is not None  # [[adapters]]
+    w = workload_from_recipe(recipe, layout)
+    tokens = tr.microbatch_tokens or fit_microbatch_tokens(w, pt, cluster.hbm_bytes, cluster.gpu)
+    tokens = tokens or tr.seq_len
+    notes.append(f"[[adapters]]: {len(recipe.adapters)} adapters, {tokens:,}-token budget")
+    return tokens
 
 
 def prepare(
@@ -237,9 +255,12 @@ def prepare(
             recipe = planned
             notes.append(f"parallel.auto: the planner's plan, {plan.describe()}")
         layout = check_recipe(recipe, world)
+        budget = 0
         if recipe.rl.enabled:
-            recipe = _rl_microbatch(recipe, layout, cluster, notes)
+            recipe, budget = _rl_microbatch(recipe, layout, cluster, notes)
             layout = check_recipe(recipe, world)
+        elif recipe.adapters:
+            budget = _adapters_budget(recipe, layout, cluster, notes)
         if microbatches is not None:
             recipe = _fewer_microbatches(recipe, layout, microbatches, notes)
             layout = check_recipe(recipe, world)
@@ -248,7 +269,7 @@ def prepare(
     spec += [f"--cluster={cluster_name}"] if cluster_name else []
     spec += [f"--nodes={nodes}"] if nodes is not None else []
     spec += [f"--microbatches={microbatches}"] if microbatches is not None else []
-    job = DryRunJob(recipe, cluster, world, layout, [], notes, spec)
+    job = DryRunJob(recipe, cluster, world, layout, [], notes, spec, budget)
     chosen = list(ranks) if ranks else [0]
     for r in chosen:
         if not 0 <= r < world:
@@ -269,21 +290,28 @@ def prepare(
 
 
 class _Patches:
-    """Attribute replacements undone in reverse order on exit."""
+    """Attribute (and table entry) replacements undone in reverse order on exit."""
 
     def __init__(self) -> None:
-        self._undo: list[tuple[Any, str, Any]] = []
+        self._undo: list[Any] = []
 
     def set(self, obj: Any, name: str, value: Any) -> None:
         if not hasattr(obj, name):
             raise RuntimeError(f"dry run: expected {obj!r}.{name} (torch 2.14 / torchtitan 0.3.0)")
-        self._undo.append((obj, name, getattr(obj, name)))
+        old = getattr(obj, name)
+        self._undo.append(lambda: setattr(obj, name, old))
         setattr(obj, name, value)
+
+    def set_item(self, table: dict[Any, Any], key: Any, value: Any) -> None:
+        if key not in table:
+            raise RuntimeError(f"dry run: expected an entry for {key} (torch 2.14)")
+        old = table[key]
+        self._undo.append(lambda: table.__setitem__(key, old))
+        table[key] = value
 
     def restore(self) -> None:
         while self._undo:
-            obj, name, old = self._undo.pop()
-            setattr(obj, name, old)
+            self._undo.pop()()
 
 
 class _Boundary:
@@ -535,6 +563,18 @@ def _memory_tracker_class():
             self._names: dict[int, str] = {}
             self._stack: list[Any] = []
             self.peak_where = ""
+            # Post-training updates run in phases (tools.dryrun_posttrain): each phase's
+            # peak, GiB, in order.
+            self.phases: dict[str, float] = {}
+            self.live_after: dict[str, float] = {}  # GiB live when each phase ended
+            self._phase_peak = 0
+
+        def end_phase(self, name: str) -> None:
+            """Record the peak since the previous phase ended as `name`'s; the next phase
+            starts from what is live now."""
+            self.phases[name] = self._phase_peak / GIB
+            self._phase_peak = sum(s[_TOTAL_KEY] for s in self._curr_mem_snap.values())
+            self.live_after[name] = self._phase_peak / GIB
 
         def name_modules(self, parts: list[Any]) -> None:
             """Module names for `peak_where` (stage-qualified under PP)."""
@@ -581,6 +621,7 @@ def _memory_tracker_class():
             self._peak_mem_snap = self.get_tracker_snapshot()
             self._peak_mem = {d: s[_TOTAL_KEY] for d, s in self._peak_mem_snap.items()}
             self._depth = 1
+            self._phase_peak = sum(s[_TOTAL_KEY] for s in self._curr_mem_snap.values())
             from torch._guards import active_fake_mode
 
             self._fake_mode_on_entry = active_fake_mode()
@@ -620,6 +661,8 @@ def _memory_tracker_class():
             else:
                 ref = _MemRefType.ACT
             tree_map_only(torch.Tensor, lambda t: self._track(ref, t), res)
+            now = sum(s[_TOTAL_KEY] for s in self._curr_mem_snap.values())
+            self._phase_peak = max(self._phase_peak, now)
             for dev, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
                     self._peak_mem[dev] = snap[_TOTAL_KEY]
@@ -919,6 +962,10 @@ def simulate(job: DryRunJob, rank: int, boundary: _Boundary) -> dict[str, Any]:
 
     from parallel.job_checks import planning_caps
 
+    if job.recipe.adapters:  # not torchtitan's Trainer: posttrain.adapters' own job
+        from tools.dryrun_posttrain import simulate_adapters
+
+        return simulate_adapters(job, rank, boundary)
     caps = planning_caps(job.cluster.gpu)
     t0 = time.perf_counter()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % job.cluster.gpus_per_node),
@@ -936,11 +983,20 @@ def simulate(job: DryRunJob, rank: int, boundary: _Boundary) -> dict[str, Any]:
         for p in params:
             p.grad = torch.zeros_like(p)
         trainer.optimizers.step()
-        # As the step leaves them: freed, or kept and zeroed under CUDA graphs.
-        trainer.optimizers.zero_grad(set_to_none=cfg.training.disable_cuda_graphs)
+        # As the step leaves them: freed, or kept and zeroed under CUDA graphs (RL's step
+        # layer frees them: StepEngine.optim_step's zero_grad()).
+        trainer.optimizers.zero_grad(
+            set_to_none=cfg.training.disable_cuda_graphs or job.recipe.rl.enabled
+        )
         trainer.metrics_processor.should_log = lambda step: False  # no loss value to log
         trainer.step = 1
         memory = _memory_tracker_class()()
+        update = None
+        if job.recipe.rl.enabled:  # one RL update on the step layer, not train_step
+            from tools.dryrun_posttrain import RLUpdate
+
+            update = RLUpdate(job, trainer, cfg)
+            memory.track_external(*update.resident())
         memory.track_external(*trainer.model_parts, *trainer.optimizers.optimizers)
         memory.name_modules(trainer.model_parts)
         comms = _collective_counter_class()(axis_groups(job.layout, rank, job.recipe.parallel.ep))
@@ -955,9 +1011,17 @@ def simulate(job: DryRunJob, rank: int, boundary: _Boundary) -> dict[str, Any]:
             return out
 
         patches.set(FSDPParamGroup, "post_backward", tagged_post_backward)
+        posttrain = None
         try:
+            if update is not None:
+                from tools.dryrun_posttrain import scalar_reads
+
+                scalar_reads(patches)
             with memory, comms:
-                trainer.train_step(trainer.batch_generator(trainer.dataloader))
+                if update is None:
+                    trainer.train_step(trainer.batch_generator(trainer.dataloader))
+                else:
+                    posttrain = update.run(memory)
         finally:
             patches.restore()
         after = memory.figures("current")
@@ -982,6 +1046,7 @@ def simulate(job: DryRunJob, rank: int, boundary: _Boundary) -> dict[str, Any]:
         "peak_where": memory.peak_where,
         "after_step": {k: round(v, 3) for k, v in after.items()},
         "collectives": collectives,
+        "posttrain": posttrain,
         "seconds": {"build": round(built, 1), "total": round(time.perf_counter() - t0, 1)},
     }
 
@@ -1026,7 +1091,45 @@ def planned(job: DryRunJob, rank: int) -> dict[str, Any]:
     if w.compile:
         comp = estimate_rank(w, pp_rank)
         out["planned_gib_compiled"] = round(comp.allocated / GIB, 3)
+    if job.microbatch_tokens:
+        # The step layer runs eager (no compiled figure: tools.launch takes nothing off).
+        out.pop("planned_gib_compiled", None)
+        out.update(_planned_posttrain(job, w))
     return out
+
+
+def _planned_posttrain(job: DryRunJob, w: Any) -> dict[str, Any]:
+    """RL: tools.predict's post-training figure (parallel.memory.posttrain_memory: the
+    trainer with one microbatch of the budget, the step layer's logits, the generator
+    copies, the reference and the KV cache), eager, as the dry run steps it."""
+    from dataclasses import replace
+
+    from parallel.job_checks import planning_caps
+    from parallel.memory import (
+        estimate_rank,
+        posttrain_load,
+        posttrain_memory,
+        runtime_overhead_gib,
+    )
+
+    pt = posttrain_load(job.recipe, job.microbatch_tokens)
+    assert pt is not None
+    if not planning_caps(job.cluster.gpu).is_cuda:  # CPU ranks: dense attention's scores
+        pt = replace(pt, dense_attention_len=job.recipe.training.seq_len)
+    if job.recipe.rl.generator == "vllm":  # the engine's memory is its own process's
+        pt = replace(pt, generator_copies=0, generation=False)
+    est = posttrain_memory(w.with_(compile=False), pt)
+    terms = {k: round(v, 3) for k, v in est.breakdown_gib().items()}
+    terms["runtime_overhead"] = runtime_overhead_gib(job.cluster.gpu)
+    return {
+        "planned_gib": round(est.allocated / GIB, 3),
+        "planned": terms,
+        "planned_reserved_gib": round(est.reserved_gib, 3),
+        "planned_required_gib": round(est.required_gib_on(job.cluster.gpu), 3),
+        "planned_trainer_step_gib": round(
+            estimate_rank(w.with_(compile=False), 0).allocated / GIB, 3
+        ),
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -1056,6 +1159,7 @@ def compare(measured: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
         "planned": {k: v for k, v in plan.items() if k != "planned_gib"},
         "collectives": colls,
         "kernels": {"linear": measured["linear"], "attention": measured["attention"]},
+        **({"posttrain": measured["posttrain"]} if measured.get("posttrain") else {}),
         "seconds": measured["seconds"],
     }
 
@@ -1192,6 +1296,8 @@ def render(result: dict[str, Any]) -> str:
             ("unsharded params + grads", None, p["unsharded_params_grads"]),
             ("activations + temporaries", m["activations_gib"],
              p["activations"] + p["workspace"] + p["logits"] + p["fp8"]),
+            *[(k.replace("_", " "), None, p[k])
+              for k in ("generator_copies", "reference_copy", "kv_cache") if p.get(k)],
             ("total (allocated)", m["total_gib"], r["planned_gib"]),
             ("+ fragmentation (planner)", None, p["allocator_fragmentation"]),
             ("+ outside allocator (planner)", None, p["runtime_overhead"]),
@@ -1200,6 +1306,13 @@ def render(result: dict[str, Any]) -> str:
             sa = f"{a:10.2f}" if a is not None else f"{'':>10}"
             sb = f"{b:10.2f}" if b is not None else f"{'':>10}"
             out.append(f"  {name:<28}{sa}{sb}")
+        post = r.get("posttrain")
+        if post:
+            for name, gib in post["phases_gib"].items():
+                out.append(f"  peak of phase: {name:<40}{gib:10.2f}")
+            for name, gib in post["resident_gib"].items():
+                out.append(f"  measured {name.replace('_', ' '):<40}{gib:10.2f}")
+            out += [f"  {n}" for n in post["notes"]]
         out.append(f"  {'collectives (per step)':<28}{'count':>8}{'GiB':>9}{'model count':>13}"
                    f"{'model GiB':>11}")  # fmt: skip
         for k, c in r["collectives"].items():

@@ -39,6 +39,21 @@ EXPLAINED: dict[tuple[str, int], str] = {
     "(benchmarks/dryrun.md, MoE section): GPT-OSS's sinks and expert biases are not counted "
     "tensor by tensor",
 }
+# RL recipes step one update on the step layer (tools.dryrun_posttrain) against tools.predict's
+# post-training figure: async RL also holds the staged, gathered float32 weights while it
+# trains (benchmarks/dryrun.md, "Post-training step"), which the memory model does not count.
+EXPLAINED[("rl_llama3_8b", 0)] = (
+    "planner 62.8 GiB against 91.4 measured (-31%): async RL's staged float32 weights "
+    "(29.9 GiB) and one prompt's 8 samples of KV cache beyond the token budget are not in "
+    "parallel.memory.posttrain_memory (benchmarks/dryrun.md)"
+)
+# Recipes whose dry run fails, with what it found (strict: the test fails once they step).
+FAILS: dict[str, str] = {
+    "rl_qwen3_30b_a3b": "the native generator's fresh copy of an EP model (parallel.ep = 2) "
+    "carries torchtitan's all-to-all dispatcher with no EP mesh: its first forward fails "
+    "(token_dispatcher.py: 'NoneType' object has no attribute 'get_group'); found by the "
+    "RL dry run, not yet checked in a real run (benchmarks/dryrun.md)",
+}
 MEMORY_TOL_PCT = 10.0
 # MoE GPU recipes whose dry run costs more than the suite can pay (DeepSeek-V3 671B at 256
 # ranks: 684 s on 2 cores; GPT-OSS 120B and Qwen3 235B: over a minute each) or is not yet
@@ -57,7 +72,11 @@ def dry_run(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
                           text=True, timeout=3000)  # fmt: skip
 
 
-@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=FAILS[n])) if n in FAILS else n
+     for n in SHIPPED],
+)  # fmt: skip
 def test_shipped_recipe_builds_and_steps_at_its_world_size(name):
     recipe = load_recipe(str(ROOT / "recipes" / f"{name}.toml"))
     proc = dry_run(f"--recipe=recipes/{name}.toml", *EXTRA.get(name, []))
@@ -82,7 +101,9 @@ def test_shipped_recipe_builds_and_steps_at_its_world_size(name):
         # stage volume (the model's one home for it), within 5%, without pipelining.
         fsdp = r["collectives"].get("fsdp.all_gather")
         lora = recipe.finetune.mode == "lora"  # adapters' gathers: priced by issue 23's terms
-        if pp == 1 and not lora and fsdp and fsdp["predicted_gib"]:
+        # An RL update gathers the weights for each of its passes and for the push to the
+        # generator (tools.dryrun_posttrain); the perf model's volume is a Trainer step's.
+        if pp == 1 and not lora and not recipe.rl.enabled and fsdp and fsdp["predicted_gib"]:
             # MoE under EP: the experts are gathered on torchtitan's efsdp groups.
             efsdp = r["collectives"].get("efsdp.all_gather", {"measured_gib": 0.0})
             measured = fsdp["measured_gib"] + efsdp["measured_gib"]

@@ -17,6 +17,7 @@ import pytest
 import torch.distributed  # noqa: F401  (registers torch.ops._c10d_functional, as in the dry run)
 
 WHERE = "tools/dryrun.py"
+FILES = ("tools/dryrun.py", "tools/dryrun_posttrain.py")  # every file that patches
 
 # (module, attribute path, how the dry run relies on it)
 TORCH_PRIVATE: list[tuple[str, str, str]] = [
@@ -70,6 +71,10 @@ TORCH_PRIVATE: list[tuple[str, str, str]] = [
     # a CPU recipe's float32 grouped GEMM (MoE experts) past CUDA's meta rule
     ("torch._meta_registrations", "_meta_grouped_mm_common", "patched (wrapped: float32 on CPU)"),
     ("torch._meta_registrations", "_create_grouped_mm_output_tensor", "called"),
+    # tools/dryrun_posttrain.py: the step layer's value reads on fake tensors give 0
+    ("torch._subclasses.fake_impls", "op_implementations_dict",
+     "entry replaced (_local_scalar_dense: 0 instead of DataDependentOutputException)"),
+    ("torch._subclasses.fake_tensor", "DataDependentOutputException", "caught"),
     # torchtitan, patched by the same fake world
     ("torchtitan.tools.utils", "get_local_device", "patched"),
     ("torchtitan.distributed.utils", "set_determinism", "patched"),
@@ -118,14 +123,17 @@ def test_private_name_the_dry_run_uses_exists(module, path, how):
 
 
 def test_every_patch_in_the_dry_run_is_listed():
-    """Each `set(<module>, "<name>", ...)` patch in tools/dryrun.py names an attribute this
-    list guards (a new patch without a guard fails here)."""
+    """Each `set(<module>, "<name>", ...)` patch and `set_item(<module>.<table>, ...)` table
+    entry in the dry run's files names an attribute this list guards (a new patch without a
+    guard fails here)."""
     import re
 
     from tests.helpers.runs import ROOT
 
-    src = (ROOT / WHERE).read_text()
+    src = "\n".join((ROOT / f).read_text() for f in FILES)
     patched = set(re.findall(r"\.set\(\s*[\w.]+,\s*\"(\w+)\"", src))
+    patched |= set(re.findall(r"\.set_item\(\s*[\w.]+\.(\w+),", src))
+    assert "op_implementations_dict" in patched  # the scan sees table patches
     listed = {p.split(".")[-1] for _, p, _ in TORCH_PRIVATE}
     # Public torch names patched by the dry run (guarded by torch's API, not by this list).
     public = {"rms_norm"}
