@@ -93,6 +93,14 @@ def native_generator(config: Any, device: Any, rl: Any, pad_id: int) -> Generato
     return Generator(fresh_model(config, device), dtype=dtype, pad_id=pad_id)
 
 
+def push_like(generator: Any) -> dict[str, torch.Tensor] | None:
+    """The tensors a weight push is cast to as it is gathered (rl.policy.full_state_dict):
+    the built-in generator's own (its probe shares its dtypes), so no float32 copy of a
+    bfloat16 generator's weights is ever staged; None (as trained) for vLLM, whose engine
+    takes the trainer's tensors."""
+    return generator.model.state_dict() if isinstance(generator, Generator) else None
+
+
 def on_policy(rl: Any, has_probe: bool, lag: torch.Tensor) -> bool:
     """Whether an update takes the one-forward path (RLRun.on_policy says why)."""
     return (
@@ -374,7 +382,7 @@ class RLRun:
         }
 
     def push_weights(self, version: int) -> None:
-        sd = full_state_dict(self.policy.model)
+        sd = full_state_dict(self.policy.model, like=push_like(self.generator))
         self.generator.stage_weights(sd, version)
         if self.probe is not None:
             self.probe.update_weights(sd, version)

@@ -21,12 +21,19 @@ def token_logprobs(
 
 
 def full_state_dict(
-    model: torch.nn.Module, trainable_only: bool = False
+    model: torch.nn.Module,
+    trainable_only: bool = False,
+    like: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The model's weights as plain tensors (FSDP/TP DTensors gathered), detached.
 
     trainable_only: only parameters with requires_grad (a LoRA adapter's), the small update
     a generator needs when the base is frozen.
+    like: the receiving model's state dict; each floating tensor is cast, as it is gathered,
+    to the dtype of its counterpart there (what load_state_dict would cast it to), so the
+    whole copy exists only in the receiver's dtypes: a bfloat16 generator's push is half the
+    float32 copy that the RL dry run measured as a synchronous update's peak (29.9 GiB on
+    Llama 3 8B), while float32 buffers (MoE expert biases) stay float32.
     """
     from torch.distributed.tensor import DTensor
 
@@ -40,5 +47,7 @@ def full_state_dict(
         if wanted is not None and k not in wanted:
             continue
         t = v.full_tensor() if isinstance(v, DTensor) else v
+        if like is not None and k in like and t.is_floating_point():
+            t = t.to(like[k].dtype)
         out[k] = t.detach()
     return out

@@ -116,12 +116,13 @@ class RLUpdate:
     def run(self, memory: Any) -> dict[str, Any]:
         """push -> generation -> update (sync), or the update inside the generation with
         the staged weights live (async); each phase's peak in `memory.phases`."""
+        from rl.loop import push_like
         from rl.policy import full_state_dict
 
         rl = self.rl
         memory.end_phase("start")  # what the update starts from: states, copies
-        sd = full_state_dict(self.model)
         gen = self.generators[0] if self.generators else None
+        sd = full_state_dict(self.model, like=push_like(gen))
         if gen is not None:
             gen.stage_weights(sd, 1)
             for probe in self.generators[1:]:
