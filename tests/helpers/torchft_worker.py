@@ -102,6 +102,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script
     from tools.cli import run  # exits past gloo's worker threads (tools.cli.exit_process)
 
     run(main)
