@@ -177,6 +177,8 @@ PROOF = {
     "rl_min": ("recipes/rl_debug.toml", RL),
     "rl_max": ("recipes/rl_debug.toml", RL_MAX),
     "rl_mid": ("recipes/rl_debug.toml", RL_MID),
+    # rl.max_turns matters only in a multi-turn environment: one model turn per episode.
+    "rl_multiturn": ("recipes/rl_multiturn_debug.toml", [*RL_COMMON, "rl.max_turns=1"]),
     "sft": ("recipes/sft_debug.toml", SFT_RUN),
     "adapters": ("recipes/sft_debug.toml", ADAPTERS_RUN),
 }
