@@ -124,7 +124,7 @@ def _isolated_root_logging():
 # Slurm). Multi-process tests run on the workers too: measured per test (CPU seconds, own
 # and children's, TITANSCALE_TEST_CPU_LOG below) the serial pass used about one core of two.
 SERIAL_FILES = frozenset({
-    "test_bench.py", "test_peers.py", "test_kernel_bench_cpu.py", "test_gpu_check_smoke.py",
+    "test_bench.py", "test_kernel_bench_cpu.py", "test_gpu_check_smoke.py",
     "test_reliability_ckpt_full_tmpfs.py", "test_reliability_checkpoint_crash.py",
     "test_service_shutdown.py", "test_service_admission.py", "test_service_load.py",
     "test_stop_request.py", "test_readme_commands.py", "test_reliability_train_extremes.py",
