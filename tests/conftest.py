@@ -146,9 +146,12 @@ def _xdist_group(item) -> str:
     return SHARED_GROUPS.get(item.path.name, item.path.name)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
     """`serial` on the Slurm tests and the files in SERIAL_FILES; an xdist group on every
-    test (`_xdist_group`)."""
+    test (`_xdist_group`). tryfirst: xdist's worker plugin, registered after this conftest,
+    would otherwise run first (pluggy calls the latest registration first) and see no group:
+    the tests were then dealt out one by one, module fixtures built on both workers."""
     for item in items:
         if item.path.name in SERIAL_FILES or item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.serial)

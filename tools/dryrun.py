@@ -1024,28 +1024,40 @@ def simulate(job: DryRunJob, rank: int, boundary: _Boundary) -> dict[str, Any]:
                     posttrain = update.run(memory)
         finally:
             patches.restore()
-        after = memory.figures("current")
-        peak = memory.figures("peak")
+        # Read before trainer.close(): "after_step" is what the step left allocated.
+        after, peak = memory.figures("current"), memory.figures("peak")
         sched = getattr(trainer, "pp_schedule", None)
         held = getattr(sched, "_stages", None) or [getattr(sched, "_stage", None)]
         stages = sorted(s.stage_index for s in held if s is not None) if sched else [0]
-        collectives = {
-            f"{axis}.{kind}": {"count": int(c), "gib": round(b / GIB, 3)}
-            for (axis, kind), (c, b) in sorted(comms.by_axis.items())
-        }
         trainer.close()
+    return rank_entry(job, rank, job.pp_rank(rank), stages, kernels, (peak, after),
+                      memory.peak_where, comms, posttrain, built, t0)  # fmt: skip
+
+
+def rank_entry(job: Any, rank: int, pp_rank: int, stages: list[int], kernels: Any,
+               figures: tuple[dict[str, float], dict[str, float]], peak_where: Any,
+               comms: Any, posttrain: dict[str, Any] | None, built: float,
+               t0: float) -> dict[str, Any]:  # fmt: skip
+    """One rank's entry of the report (the pretraining step's and the post-training
+    updates' alike, tools.dryrun_posttrain): `figures` = the memory tracker's (peak,
+    current) read right after the step, its collectives by axis from `comms`, the build
+    and total seconds since `t0`."""
+    peak, after = figures
     return {
         "rank": rank,
         "world_size": job.world_size,
-        "pp_rank": job.pp_rank(rank),
+        "pp_rank": pp_rank,
         "stages": stages,
         "linear": kernels.linear,
         "attention": kernels.attention,
         "peak_gib": round(peak["total_gib"], 3),
         "peak": {k: round(v, 3) for k, v in peak.items()},
-        "peak_where": memory.peak_where,
+        "peak_where": peak_where,
         "after_step": {k: round(v, 3) for k, v in after.items()},
-        "collectives": collectives,
+        "collectives": {
+            f"{axis}.{kind}": {"count": int(c), "gib": round(b / GIB, 3)}
+            for (axis, kind), (c, b) in sorted(comms.by_axis.items())
+        },
         "posttrain": posttrain,
         "seconds": {"build": round(built, 1), "total": round(time.perf_counter() - t0, 1)},
     }

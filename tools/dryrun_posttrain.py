@@ -333,33 +333,18 @@ def simulate_adapters(job: Any, rank: int, boundary: Any) -> dict[str, Any]:
                 memory.end_phase(f"round ({aj.schedule}, {len(aj.adapters)} adapters)")
         finally:
             patches.restore()
-        after, peak = memory.figures("current"), memory.figures("peak")
+        figures = memory.figures("peak"), memory.figures("current")
         size = sum(p.numel() * p.element_size() for a in aj.adapters for p in a.params.values())
-        collectives = {
-            f"{axis}.{kind}": {"count": int(c), "gib": round(b / GIB, 3)}
-            for (axis, kind), (c, b) in sorted(comms.by_axis.items())
-        }
     rows = [a.batch_size for a in aj.adapters]
-    return {
-        "rank": rank,
-        "world_size": job.world_size,
-        "pp_rank": 0,
-        "stages": [0],
-        "linear": kernels.linear,
-        "attention": kernels.attention,
-        "peak_gib": round(peak["total_gib"], 3),
-        "peak": {k: round(v, 3) for k, v in peak.items()},
-        "peak_where": memory.peak_where,
-        "after_step": {k: round(v, 3) for k, v in after.items()},
-        "collectives": collectives,
-        "posttrain": {
-            "phases_gib": {k: round(v, 3) for k, v in memory.phases.items() if k != "start"},
-            "resident_gib": {"adapters": round(size / GIB, 3)},
-            "notes": [
-                f"[[adapters]]: one {aj.schedule} round of {len(rows)} adapters ({rows} rows "
-                f"of {job.recipe.training.seq_len} tokens) on the frozen base, "
-                f"{aj.microbatch_tokens:,}-token microbatches (posttrain.adapters.AdapterJob)"
-            ],
-        },
-        "seconds": {"build": round(built, 1), "total": round(time.perf_counter() - t0, 1)},
+    posttrain = {
+        "phases_gib": {k: round(v, 3) for k, v in memory.phases.items() if k != "start"},
+        "resident_gib": {"adapters": round(size / GIB, 3)},
+        "notes": [
+            f"[[adapters]]: one {aj.schedule} round of {len(rows)} adapters ({rows} rows "
+            f"of {job.recipe.training.seq_len} tokens) on the frozen base, "
+            f"{aj.microbatch_tokens:,}-token microbatches (posttrain.adapters.AdapterJob)"
+        ],
     }
+    return dr.rank_entry(
+        job, rank, 0, [0], kernels, figures, memory.peak_where, comms, posttrain, built, t0
+    )
