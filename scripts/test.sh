@@ -21,13 +21,13 @@ setup_pid=$!
 .venv/bin/ruff format --check .
 .venv/bin/mypy
 # The unit tier on both cores. The integration tier in two passes: the tests not marked
-# `serial` on two workers (`--dist loadgroup`: a whole file per worker, so a module's server
-# or training run is built once; the vLLM files together, one engine; see _xdist_group in
-# tests/conftest.py), then the `serial` ones alone (deadlines, filled disks, signals,
+# `serial`, multi-process and vLLM ones included, on two workers (`--dist loadfile`: a whole
+# file per worker, so a module's server or training run is built once), then the `serial`
+# ones alone (deadlines, filled disks, signals,
 # benchmarks, the Slurm lab: SERIAL_FILES in tests/conftest.py). Each pass prints its 30
 # slowest tests.
 .venv/bin/python -m pytest -q -rs --durations=30 -n 2 tests/unit
-.venv/bin/python -m pytest -q -rs --durations=30 -n 2 --dist loadgroup -m "not serial" tests/integration
+.venv/bin/python -m pytest -q -rs --durations=30 -n 2 --dist loadfile -m "not serial" tests/integration
 wait "$setup_pid"
 [ "$(cat "$TITANSCALE_VLLM_SETUP_RC")" = 0 ] || { tail -20 "$TITANSCALE_VLLM_SETUP_RC.log"; exit 1; }
 .venv/bin/python -m pytest -q -rs --durations=30 -m serial tests/integration

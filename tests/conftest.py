@@ -118,7 +118,8 @@ def _isolated_root_logging():
 
 
 # The integration tier runs in two passes (scripts/test.sh): everything not `serial` on two
-# xdist workers with `--dist loadgroup`, then the `serial` tests alone. Serial: a claim a
+# xdist workers with `--dist loadfile` (a whole file per worker: its module fixtures are
+# built once), then the `serial` tests alone. Serial: a claim a
 # second worker's load would distort (a deadline, a filled disk, a signal's timing, a
 # benchmark's figures) or the Slurm lab (8 ranks and 4 slurmd on 2 cores, requeues timed by
 # Slurm). Multi-process tests run on the workers too: measured per test (CPU seconds, own
@@ -129,33 +130,13 @@ SERIAL_FILES = frozenset({
     "test_service_shutdown.py", "test_service_admission.py", "test_service_load.py",
     "test_stop_request.py", "test_readme_commands.py", "test_reliability_train_extremes.py",
 })  # fmt: skip
-# Files whose tests share an expensive session fixture run on one worker (built once):
-# fsdp2_run and fast_reference above.
-SHARED_GROUPS = {
-    "test_multiproc_layouts.py": "fsdp2_run",
-    "test_reliability_faults.py": "fsdp2_run",
-    "test_placed_mesh_multiproc.py": "fsdp2_run",
-}
 
 
-def _xdist_group(item) -> str:
-    """The worker-sharing unit under `--dist loadgroup`: the whole file (its module fixtures
-    are built once), every vLLM test together (one engine per session), and SHARED_GROUPS."""
-    if item.get_closest_marker("vllm"):
-        return "vllm"
-    return SHARED_GROUPS.get(item.path.name, item.path.name)
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
-    """`serial` on the Slurm tests and the files in SERIAL_FILES; an xdist group on every
-    test (`_xdist_group`). tryfirst: xdist's worker plugin, registered after this conftest,
-    would otherwise run first (pluggy calls the latest registration first) and see no group:
-    the tests were then dealt out one by one, module fixtures built on both workers."""
+    """`serial` on the Slurm tests and the files in SERIAL_FILES."""
     for item in items:
         if item.path.name in SERIAL_FILES or item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.serial)
-        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
 
 
 @pytest.fixture(autouse=True)
