@@ -960,22 +960,12 @@ def simulate(job: DryRunJob, rank: int, boundary: _Boundary) -> dict[str, Any]:
     import torch
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-    from parallel.job_checks import planning_caps
-
     if job.recipe.adapters:  # not torchtitan's Trainer: posttrain.adapters' own job
         from tools.dryrun_posttrain import simulate_adapters
 
         return simulate_adapters(job, rank, boundary)
-    caps = planning_caps(job.cluster.gpu)
     t0 = time.perf_counter()
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % job.cluster.gpus_per_node),
-                      WORLD_SIZE=str(job.world_size))  # fmt: skip
-    with (
-        tempfile.TemporaryDirectory(prefix="dryrun-") as out_dir,
-        fake_world(job.world_size, rank, caps, boundary),
-    ):
-        # Inside: the FP8 / MXFP8 converters check the (emulated) GPU when built.
-        cfg, kernels = _trainer_config(job, caps, out_dir)
+    with rank_world(job, rank, boundary) as (cfg, kernels):
         trainer = _trainer_class()(cfg)
         built = time.perf_counter() - t0
         # Steady state: AdamW's moments exist before the step (created at step 1).
@@ -1032,6 +1022,24 @@ def simulate(job: DryRunJob, rank: int, boundary: _Boundary) -> dict[str, Any]:
         trainer.close()
     return rank_entry(job, rank, job.pp_rank(rank), stages, kernels, (peak, after),
                       memory.peak_where, comms, posttrain, built, t0)  # fmt: skip
+
+
+@contextlib.contextmanager
+def rank_world(job: Any, rank: int, boundary: Any) -> Iterator[tuple[Any, Any]]:
+    """`rank`'s launch environment, a scratch output folder and the fake world at the job's
+    size; yields torchtitan's config and the kernels for it, built inside (the FP8 / MXFP8
+    converters check the emulated GPU when built). The pretraining step's and the
+    post-training rounds' (tools.dryrun_posttrain) one entry."""
+    from parallel.job_checks import planning_caps
+
+    caps = planning_caps(job.cluster.gpu)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % job.cluster.gpus_per_node),
+                      WORLD_SIZE=str(job.world_size))  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory(prefix="dryrun-") as out_dir,
+        fake_world(job.world_size, rank, caps, boundary),
+    ):
+        yield _trainer_config(job, caps, out_dir)
 
 
 def rank_entry(job: Any, rank: int, pp_rank: int, stages: list[int], kernels: Any,

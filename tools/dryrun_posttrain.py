@@ -300,22 +300,12 @@ def adapter_job(job: Any, config: Any) -> Any:
 def simulate_adapters(job: Any, rank: int, boundary: Any) -> dict[str, Any]:
     """One round of every adapter (finetune.adapter_schedule: "turns" or "batched") on the
     frozen base, as AdapterJob.train runs it: tools.dryrun.simulate's entry for the rank."""
-    import os
-    import tempfile
     import time
 
-    from parallel.job_checks import planning_caps
     from tools import dryrun as dr
 
-    caps = planning_caps(job.cluster.gpu)
     t0 = time.perf_counter()
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % job.cluster.gpus_per_node),
-                      WORLD_SIZE=str(job.world_size))  # fmt: skip
-    with (
-        tempfile.TemporaryDirectory(prefix="dryrun-") as out_dir,
-        dr.fake_world(job.world_size, rank, caps, boundary),
-    ):
-        cfg, kernels = dr._trainer_config(job, caps, out_dir)
+    with dr.rank_world(job, rank, boundary) as (cfg, kernels):
         aj = adapter_job(job, cfg)
         built = time.perf_counter() - t0
         memory = dr._memory_tracker_class()()
