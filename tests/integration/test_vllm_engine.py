@@ -3,7 +3,9 @@
 One engine for the session (tests/conftest.py `vllm_engine`, float32, heads padded 16 -> 64
 for vLLM's CPU kernels). References are independent of vLLM: the KV-cache generator and the
 training forward on the torchtitan model (greedy tokens, logprobs), a formula for the bytes of
-a PEFT adapter, and the engine's own one-adapter answers for the multi-LoRA batch.
+a PEFT adapter, and the engine's own one-adapter answers for the multi-LoRA batch (also
+through the service's EngineSampler with more adapters than the engine's LoRA slots). Every
+test of the session engine lives in this file: under `--dist loadfile` one worker starts it.
 """
 
 from __future__ import annotations
@@ -215,3 +217,56 @@ def test_tis_correction_changes_the_update_on_the_real_gap(vllm_engine):
     plain, corrected = grad(0.0, mu), grad(2.0, mu)
     assert not torch.equal(plain, corrected)
     assert torch.equal(grad(0.0, old), grad(2.0, old))  # no gap: the correction is the identity
+
+
+def test_more_adapters_than_engine_slots_in_one_call(vllm_engine, tmp_path):
+    """EngineSampler on the session engine (2 LoRA slots, 2 cached): 3 adapters sampled in one
+    engine call each give their own greedy tokens (vLLM runs them in turns and reloads the
+    evicted one from its folder); a dropped adapter is a 404, a request beyond the KV cache
+    a 413."""
+    import threading
+
+    from posttrain.lora import export_peft
+    from rl.generator import SamplingParams
+    from service.errors import ServiceError
+    from service.vllm_sampler import EngineSampler
+    from tests.helpers.vllm_models import ALPHA, RANK, random_adapter
+
+    engine, model, view = vllm_engine
+    greedy = SamplingParams(max_tokens=6, top_p=1e-9)
+    sampler = EngineSampler(engine, view, window_s=0.5, first_id=10_000)  # ids of its own
+    try:
+        alone = {}
+        for i in range(3):
+            folder = tmp_path / f"a{i}"
+            export_peft(str(folder), model_config=view.model_config,
+                        adapter=random_adapter(model, 40 + i),
+                        state_dict_adapter=view.state_dict_adapter, rank=RANK, alpha=ALPHA)  # fmt: skip
+            sampler.add_adapter(f"h{i}", str(folder))
+            alone[f"h{i}"] = sampler.sample(f"h{i}", [1, 5, 7, 9], greedy)[0]["tokens"]
+        assert len({tuple(v) for v in alone.values()}) == 3, alone
+        got: dict[str, list[int]] = {}
+        start = threading.Barrier(3)
+
+        def client(h: str) -> None:
+            start.wait()
+            got[h] = sampler.sample(h, [1, 5, 7, 9], greedy)[0]["tokens"]
+
+        threads = [threading.Thread(target=client, args=(h,)) for h in alone]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        assert sampler.batch_sizes[-1] == 3 and sorted(sampler.batches[-1]) == sorted(alone)
+        assert got == alone
+        sampler.drop_adapter("h0")
+        with pytest.raises(ServiceError) as e:
+            sampler.sample("h0", [1, 5, 7, 9], greedy)
+        assert e.value.status == 404
+        with pytest.raises(ServiceError) as e:
+            sampler.sample(None, [1, 5, 7, 9], SamplingParams(max_tokens=10**7))
+        assert e.value.status == 413
+        for h in ("h1", "h2"):
+            sampler.drop_adapter(h)
+    finally:
+        sampler.close()

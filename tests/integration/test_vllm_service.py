@@ -7,8 +7,9 @@ weights a 422 (never the base).
 
 The server starts its own engine (~15-60 s); the file replaces the seam-level test of
 service/vllm_sampler.py, whose assertions it keeps (one batch, own tokens, unknown weights
-404, oversize 413: the last two on the session engine, tests/conftest.py `vllm_engine`, with
-more adapters than its 2 LoRA slots in one engine call).
+404, oversize 413: the last two, with more adapters than the engine's 2 LoRA slots in one
+engine call, on the session engine in tests/integration/test_vllm_engine.py: one file holds
+every test of the session engine, so `--dist loadfile` starts it on one worker, not two).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from tests.helpers.service_server import (  # noqa: E402
 )
 
 pytestmark = [pytest.mark.vllm]
-SEAM_PROMPT = [1, 5, 7, 9]
 
 # Each tenant's adapter memorises its own 12-token sequence (disjoint tokens): greedy from a
 # prefix then continues it with a wide margin, so batching cannot flip a near-tie.
@@ -40,59 +40,6 @@ SEQS = {"a": SEQ, "b": [11, 450, 90, 1500, 33, 600, 1800, 72, 250, 1300, 8, 999]
 PROMPTS = {t: [s[:4], s[:6]] for t, s in SEQS.items()}
 GREEDY = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
 BATCH = re.compile(r"service\.engine_batch requests=(\d+) adapters=(\d+) handles=(\S+)")
-
-
-def test_more_adapters_than_engine_slots_in_one_call(vllm_engine, tmp_path):
-    """EngineSampler on the session engine (2 LoRA slots, 2 cached): 3 adapters sampled in one
-    engine call each give their own greedy tokens (vLLM runs them in turns and reloads the
-    evicted one from its folder); a dropped adapter is a 404, a request beyond the KV cache
-    a 413."""
-    import threading
-
-    from posttrain.lora import export_peft
-    from rl.generator import SamplingParams
-    from service.errors import ServiceError
-    from service.vllm_sampler import EngineSampler
-    from tests.helpers.vllm_models import ALPHA, RANK, random_adapter
-
-    engine, model, view = vllm_engine
-    greedy = SamplingParams(max_tokens=6, top_p=1e-9)
-    sampler = EngineSampler(engine, view, window_s=0.5, first_id=10_000)  # ids of its own
-    try:
-        alone = {}
-        for i in range(3):
-            folder = tmp_path / f"a{i}"
-            export_peft(str(folder), model_config=view.model_config,
-                        adapter=random_adapter(model, 40 + i),
-                        state_dict_adapter=view.state_dict_adapter, rank=RANK, alpha=ALPHA)  # fmt: skip
-            sampler.add_adapter(f"h{i}", str(folder))
-            alone[f"h{i}"] = sampler.sample(f"h{i}", SEAM_PROMPT, greedy)[0]["tokens"]
-        assert len({tuple(v) for v in alone.values()}) == 3, alone
-        got: dict[str, list[int]] = {}
-        start = threading.Barrier(3)
-
-        def client(h: str) -> None:
-            start.wait()
-            got[h] = sampler.sample(h, SEAM_PROMPT, greedy)[0]["tokens"]
-
-        threads = [threading.Thread(target=client, args=(h,)) for h in alone]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(120)
-        assert sampler.batch_sizes[-1] == 3 and sorted(sampler.batches[-1]) == sorted(alone)
-        assert got == alone
-        sampler.drop_adapter("h0")
-        with pytest.raises(ServiceError) as e:
-            sampler.sample("h0", SEAM_PROMPT, greedy)
-        assert e.value.status == 404
-        with pytest.raises(ServiceError) as e:
-            sampler.sample(None, SEAM_PROMPT, SamplingParams(max_tokens=10**7))
-        assert e.value.status == 413
-        for h in ("h1", "h2"):
-            sampler.drop_adapter(h)
-    finally:
-        sampler.close()
 
 
 def _engine_env() -> None:
