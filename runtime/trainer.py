@@ -6,7 +6,9 @@
 - `should_continue_training` (launch.stop_request.StopOnRequest): checkpoints and stops when
   the Slurm job script asks (time limit near), so the requeued job resumes there.
 - `train`: writes a `start` event (resumed step, restart count) and, at the end, the
-  steady-state summary; runs the step watchdog (runtime.watchdog) around the loop.
+  steady-state summary; runs the step watchdog (runtime.watchdog) around the loop. One
+  process skips the loop's closing 2 s sleep "for other ranks to complete" (there are none:
+  `without_exit_sleep`).
 - `train_step`: marks step begin/end for the watchdog; a collective timeout becomes a
   `RankTimeoutError` naming the rank that stopped answering and its groups. After the step's
   batches are fetched: the `batch` fault seam and, on logged steps, this rank's arrival for
@@ -21,7 +23,9 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -39,6 +43,41 @@ from runtime.metrics import TitanscaleMetrics
 from runtime.steps import watched_step
 from runtime.stragglers import Arrivals
 from runtime.watchdog import StepWatchdog, default_store
+
+EXIT_SLEEP_S = 2  # torchtitan/trainer.py, end of Trainer.train: `time.sleep(2)` on rank 0
+
+
+class _TimeWithoutExitSleep:
+    """The `time` module, except that torchtitan's closing sleep returns at once."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        if seconds != EXIT_SLEEP_S:
+            time.sleep(seconds)
+
+
+@contextmanager
+def without_exit_sleep(world_size: int) -> Iterator[None]:
+    """torchtitan's Trainer.train ends with rank 0 sleeping 2 s "for other ranks to complete".
+    A one-process run has no other rank: the sleep was 2 s of every `python train.py` and of
+    the ~60 single-process runs of the test suite. For the loop's duration the trainer
+    module's `time` is a proxy whose sleep(2) returns at once (the module reads `time` only
+    for that sleep and perf_counter). Several ranks keep it: rank 0 may host the store the
+    others still read. tests/unit/test_trainer_exit_sleep.py checks torchtitan still has the
+    statement and that one process skips it."""
+    import torchtitan.trainer as tt
+
+    if world_size > 1 or tt.time is not time:
+        yield
+        return
+    tt.time = _TimeWithoutExitSleep()  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        tt.time = time
 
 
 class TitanscaleTrainer(StopOnRequest, Trainer):
@@ -217,7 +256,8 @@ class TitanscaleTrainer(StopOnRequest, Trainer):
                 log_every=self.config.metrics.log_freq,
             )
         try:
-            super().train()
+            with without_exit_sleep(self.parallel_dims.world_size):
+                super().train()
         finally:
             self.watchdog.stop()
         metrics = self.metrics_processor
