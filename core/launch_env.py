@@ -19,6 +19,11 @@ from dataclasses import dataclass
 
 from core.errors import ConfigError, shown
 
+# A torchft replica group's variables (launch.ft_local.group_vars sets them, the Slurm job
+# script passes them to each group's step, runtime.fault_tolerance reads them).
+REPLICA_ENV = "REPLICA_GROUP_ID"
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+
 # Larger than any job (about 100k GPUs today): a bound, so "WORLD_SIZE=10**30" is refused
 # with a message instead of sizing meshes and buffers from it.
 MAX_WORLD_SIZE = 2**20

@@ -7,8 +7,9 @@ anything but 0 or 2 (killed, crashed) is restarted alone, up to `max_restarts` t
 while the others train on; it heals from a live group (runtime.fault_tolerance). Exit 2 from
 a group (bad input, one line already printed) stops every group: a restart would repeat it.
 
-The Slurm job script with one job step per group is not built (docs/fault_tolerance.md);
-`tools.launch` refuses fault tolerance there.
+The one home of what a replica group's ranks are given (`group_vars`) and of how the
+lighthouse is started (`start_lighthouse`): the Slurm job script's group steps
+(launch/sbatch.py) and lighthouse step (tools.lighthouse) use the same two functions.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from core.launch_env import LIGHTHOUSE_ENV, REPLICA_ENV
+
+if TYPE_CHECKING:  # torchft's import costs seconds: only where a lighthouse starts
+    from torchft.coordination import LighthouseServer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # A lighthouse forms a quorum once every known group has joined or this long has passed:
@@ -54,12 +61,30 @@ def group_command(plan: GroupsPlan, python: str = sys.executable) -> list[str]:
             str(REPO_ROOT / "train.py"), *plan.train_args]  # fmt: skip
 
 
+def group_vars(group: int, lighthouse: str) -> dict[str, str]:
+    """What every rank of replica group `group` is given beyond its torchrun's variables:
+    its group id and the lighthouse's address (runtime.fault_tolerance reads both)."""
+    return {REPLICA_ENV: str(group), LIGHTHOUSE_ENV: lighthouse}
+
+
+def start_lighthouse(min_replicas: int, port: int = 0) -> LighthouseServer:
+    """torchft's lighthouse on every interface (`port` 0: a free one). A quorum forms once
+    every known group has joined or JOIN_TIMEOUT_MS has passed."""
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(
+        bind=f"[::]:{port or free_port()}",
+        min_replicas=min_replicas,
+        join_timeout_ms=JOIN_TIMEOUT_MS,
+    )
+
+
 def group_env(base: dict[str, str], group: int, lighthouse: str) -> dict[str, str]:
-    """The launcher's environment plus the group's id and the lighthouse; this checkout
-    first on PYTHONPATH (the groups run in the caller's folder, where the recipe's relative
-    paths mean what they mean to train.py)."""
+    """The launcher's environment plus `group_vars`; this checkout first on PYTHONPATH (the
+    groups run in the caller's folder, where the recipe's relative paths mean what they mean
+    to train.py)."""
     env = {k: v for k, v in base.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(REPLICA_GROUP_ID=str(group), TORCHFT_LIGHTHOUSE=lighthouse)
+    env.update(group_vars(group, lighthouse))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), base.get("PYTHONPATH")) if p)
     return env
 
@@ -86,11 +111,7 @@ def _stop(p: subprocess.Popen) -> None:
 def run_groups(plan: GroupsPlan) -> int:
     """Start the lighthouse and the groups; restart a dead group alone; 0 when every group
     finished, 2 when one refused its input, 1 when restarts ran out."""
-    from torchft.coordination import LighthouseServer
-
-    lh = LighthouseServer(
-        bind=f"[::]:{free_port()}", min_replicas=plan.min_replicas, join_timeout_ms=JOIN_TIMEOUT_MS
-    )
+    lh = start_lighthouse(plan.min_replicas)
     addr = lh.address()
     print(f"lighthouse {addr}; {plan.groups} replica groups x {plan.nproc} ranks", flush=True)
     procs = {g: _start(plan, g, addr) for g in range(plan.groups)}

@@ -12,6 +12,15 @@ in that order as master, so global ranks r*G..r*G+G-1 sit on the r-th node in to
 and nodes under one leaf switch hold consecutive ranks. A SIGUSR1 some minutes before the
 time limit asks the run to checkpoint and stop, then requeues the job; on restart train.py
 resumes from the latest checkpoint in the same output folder.
+
+A `[fault_tolerance]` recipe gets torchft replica groups instead of one torchrun over all
+nodes (launch/ft_groups.sh): the lighthouse as a job step on the first node in topology
+order (tools.lighthouse), then one `srun` job step per replica group on its own run of
+consecutive nodes of that order (launch.topology.replica_group_nodes: a group stays under
+its own leaf switches), each node running torchrun with the group's variables
+(launch.ft_local.group_vars, as `tools.launch --local` gives them). A group's step that
+exits non-zero is re-launched alone, up to `max_group_restarts` times, while the other
+steps run on; the script ends when every group's step has.
 """
 
 from __future__ import annotations
@@ -35,8 +44,14 @@ from core.safe_text import (
     check_word,
 )
 from launch.fabric_env import FabricEnv, fabric_env
+from launch.ft_local import group_vars
 from launch.topology import leaf_switches_needed
-from recipe.loader import check_recipe, check_trainable_fault_tolerance
+from recipe.loader import (
+    check_recipe,
+    check_trainable_fault_tolerance,
+    replica_group_recipe,
+    replica_groups,
+)
 from recipe.schema import Recipe
 
 if TYPE_CHECKING:  # the profile schema lives in parallel.cluster
@@ -76,6 +91,9 @@ class LaunchOptions:
     # A model resource instead of a training run: tools.serve's options (tools.launch
     # --serve); None: train.py.
     serve_args: tuple[str, ...] | None = None
+    # [fault_tolerance] runs: re-launches of each replica group's job step before that
+    # group is given up (the others train on without it).
+    max_group_restarts: int = 3
 
 
 _TIME = re.compile(r"(?:([0-9]{1,6})-)?([0-9]{1,9})(?::([0-9]{1,9}))?(?::([0-9]{1,9}))?")
@@ -134,12 +152,7 @@ def check_launch(recipe: Recipe, cluster: Cluster, opts: LaunchOptions) -> tuple
     if opts.serve_args is None:
         check_trainable_fault_tolerance(recipe)  # refused here, not after the queue wait
         if recipe.fault_tolerance.enabled:
-            raise ConfigError(
-                "the Slurm script for torchft replica groups is not built; run them on one "
-                "machine with tools.launch --local (docs/fault_tolerance.md)",
-                file=recipe.source,
-                key="fault_tolerance.enabled",
-            )
+            warnings += check_replica_groups(recipe, cluster, opts)
     if not 1 <= opts.signal_seconds <= 65535:  # sbatch --signal's limit
         raise ConfigError(
             f"expected seconds from 1 to 65535, got {opts.signal_seconds}", key="--signal-seconds"
@@ -182,6 +195,42 @@ def check_launch(recipe: Recipe, cluster: Cluster, opts: LaunchOptions) -> tuple
     if not recipe.checkpoint.resume and opts.serve_args is None:
         warnings.append("checkpoint.resume = false: a requeued job will not resume")
     return layout, warnings
+
+
+def check_replica_groups(recipe: Recipe, cluster: Cluster, opts: LaunchOptions) -> list[str]:
+    """A [fault_tolerance] job: whole nodes per replica group (one job step each), each
+    group's recipe valid on its share (what train.py checks in every group); warnings."""
+    groups = replica_groups(recipe)
+    if opts.nodes % groups:
+        raise ConfigError(
+            f"{opts.nodes} nodes do not split into {groups} replica groups of whole nodes "
+            "(each group is its own job step on its own nodes)",
+            file=recipe.source,
+            key="fault_tolerance.replica_groups",
+        )
+    if opts.max_group_restarts < 0:
+        raise ConfigError(
+            f"expected an integer >= 0, got {opts.max_group_restarts}", key="--max-group-restarts"
+        )
+    per_group = opts.nodes // groups
+    group_world = per_group * procs_per_node(cluster)
+    check_recipe(replica_group_recipe(recipe), group_world, replica_group=True)
+    npl = cluster.topology.nodes_per_leaf
+    if npl and npl % per_group and per_group % npl:
+        return [
+            f"replica groups of {per_group} nodes do not tile leaf switches of {npl} nodes: "
+            "some group spans one leaf switch more than it needs"
+        ]
+    return []
+
+
+def ports_per_incarnation(recipe: Recipe, opts: LaunchOptions) -> int:
+    """Ports one incarnation of the job uses from PORT0: pre-flight, then the training step's
+    rendezvous or, with replica groups, the lighthouse and one rendezvous per group and
+    attempt (a re-launched step gets a fresh port: emulated nodes share one port space)."""
+    if opts.serve_args is not None or not recipe.fault_tolerance.enabled:
+        return 2
+    return 2 + replica_groups(recipe) * (opts.max_group_restarts + 1)
 
 
 # Slurm partition (a comma list), account and QOS names: sbatch reads #SBATCH lines itself
@@ -405,9 +454,38 @@ def _preflight_lines(opts: LaunchOptions) -> list[str]:
     ]
 
 
+FT_TEMPLATE = Path(__file__).with_name("ft_groups.sh")
+
+
+def _main_lines(recipe: Recipe, opts: LaunchOptions) -> list[str]:
+    """The job's main part: one training step over every node, or the replica groups."""
+    if opts.serve_args is not None or not recipe.fault_tolerance.enabled:
+        return [f"run_step $((PORT0 + 1)) {_cmd(train_args(opts))}", "rc=$?"]
+    groups = replica_groups(recipe)
+    steps = []
+    for g in range(groups):
+        # Double quotes: the lighthouse's address is the shell's $LIGHTHOUSE.
+        env = " ".join(f'"{k}={v}"' for k, v in group_vars(g, "$LIGHTHOUSE").items())
+        steps.append(f"run_group {g} {env} -- {_cmd(train_args(opts))} &")
+        steps.append(f"GROUP_PIDS[{g}]=$!")
+    text = fill_template(
+        FT_TEMPLATE.read_text(),
+        {
+            "groups": str(groups),
+            "group_nodes": str(opts.nodes // groups),
+            "max_restarts": str(opts.max_group_restarts),
+            "min_replicas": str(recipe.fault_tolerance.min_replicas),
+            "group_steps": steps,
+        },
+    )
+    lines = text.splitlines()  # from the fragment's first section line (not its own header)
+    return lines[next(i for i, ln in enumerate(lines) if ln.startswith("# ----")) :]
+
+
 def render_sbatch(recipe: Recipe, cluster: Cluster, layout: Layout, opts: LaunchOptions) -> str:
     """The sbatch script text, from launch/job.sbatch. Call `check_launch` first (it validates
     what this renders)."""
+    span = ports_per_incarnation(recipe, opts)
     return fill_template(
         TEMPLATE.read_text(),
         {
@@ -425,11 +503,27 @@ def render_sbatch(recipe: Recipe, cluster: Cluster, layout: Layout, opts: Launch
             "grace": str(max(30, opts.signal_seconds - 60)),
             "preflight": _preflight_lines(opts),
             "main_comment": (
-                "# ---- train (resumes from the latest checkpoint in the run folder) ----"
+                []  # the replica groups' part has its own
+                if opts.serve_args is None and recipe.fault_tolerance.enabled
+                else ["# ---- train (resumes from the latest checkpoint in the run folder) ----"]
                 if opts.serve_args is None
-                else "# ---- serve: tools.serve over every GPU (rank 0 serves HTTP; a requeue "
-                "serves the same storage) ----"
+                else [
+                    "# ---- serve: tools.serve over every GPU (rank 0 serves HTTP; a requeue "
+                    "serves the same storage) ----"
+                ]  # fmt: skip
             ),
-            "train_args": _cmd(train_args(opts)),
+            "main": _main_lines(recipe, opts),
+            # Ports one incarnation uses, twice that per job id (room for a restart).
+            "port_offset": f"SLURM_JOB_ID * {2 * span} + RESTART * {span}",
+            "group_prefix": (
+                ['GROUP_PREFIX="$LOG_DIR/group-$SLURM_JOB_ID-$RESTART"']
+                if opts.serve_args is None and recipe.fault_tolerance.enabled
+                else []
+            ),
+            "group_files": (
+                f' --replica-groups {replica_groups(recipe)} --group-files "$GROUP_PREFIX"'
+                if opts.serve_args is None and recipe.fault_tolerance.enabled
+                else ""
+            ),
         },
     )

@@ -27,6 +27,7 @@ __all__ = [
     "host_from_address",
     "leaf_of",
     "leaf_switches_needed",
+    "replica_group_nodes",
     "topology_order",
 ]
 
@@ -105,3 +106,14 @@ def leaf_switches_needed(nodes: int, nodes_per_leaf: int) -> int:
     if nodes < 1 or nodes_per_leaf < 1:
         raise ValueError(f"nodes ({nodes}) and nodes_per_leaf ({nodes_per_leaf}) must be >= 1")
     return -(-nodes // nodes_per_leaf)
+
+
+def replica_group_nodes(order: Sequence[str], groups: int) -> list[list[str]]:
+    """torchft replica group g's nodes: the g-th run of len(order) / groups consecutive nodes
+    of the planner's order (`topology_order`), so a group sits under as few leaf switches as
+    the allocation allows (one leaf when a leaf holds whole groups) and its torchrun's node
+    ranks follow the same order. ValueError unless the nodes split evenly."""
+    if groups < 1 or len(order) % groups:
+        raise ValueError(f"{len(order)} nodes do not split into {groups} replica groups")
+    k = len(order) // groups
+    return [list(order[g * k : (g + 1) * k]) for g in range(groups)]

@@ -143,9 +143,12 @@ def recipe_degrees(recipe: Recipe, world_size: int | None = None) -> Layout:
     return resolved
 
 
-def check_recipe(recipe: Recipe, world_size: int | None = None) -> Layout:
+def check_recipe(
+    recipe: Recipe, world_size: int | None = None, *, replica_group: bool = False
+) -> Layout:
     """Cross-section checks. Returns the resolved layout for `world_size` (see
-    `recipe_degrees`). Raises ConfigError naming the key."""
+    `recipe_degrees`). Raises ConfigError naming the key. `replica_group`: `world_size` is
+    one torchft replica group's (`replica_group_recipe`), not the job's."""
     f = recipe.source
     tr = recipe.training
     check_model_fields(recipe)
@@ -167,7 +170,7 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> Layout:
         )
     if not recipe.parallel.auto:
         check_graph_options(recipe, layout)
-    check_fault_tolerance(recipe, layout)
+    check_fault_tolerance(recipe, layout, replica_group=replica_group)
     return layout
 
 
@@ -178,6 +181,18 @@ def replica_groups(recipe: Recipe) -> int:
     if not ft.enabled:
         return 1
     return ft.replica_groups or recipe.parallel.dp_replicate
+
+
+def replica_group_recipe(recipe: Recipe) -> Recipe:
+    """The recipe one torchft replica group trains (one torchrun): one HSDP replica of the
+    model (`dp_replicate` 1, FSDP over the group's ranks), the group count made explicit;
+    the groups are torchft's, not the mesh's. train.py checks it against the group's world
+    size; tools.launch against a group's share of the nodes."""
+    return replace(
+        recipe,
+        parallel=replace(recipe.parallel, dp_replicate=1),
+        fault_tolerance=replace(recipe.fault_tolerance, replica_groups=replica_groups(recipe)),
+    )
 
 
 def check_trainable_fault_tolerance(recipe: Recipe) -> None:
@@ -209,9 +224,10 @@ def check_trainable_fault_tolerance(recipe: Recipe) -> None:
             )
 
 
-def check_fault_tolerance(recipe: Recipe, layout: Layout) -> None:
+def check_fault_tolerance(recipe: Recipe, layout: Layout, *, replica_group: bool = False) -> None:
     """[fault_tolerance] against the layout: at least two replica groups, each an equal
-    share of the world (a group is one HSDP replica), and the loops it is built for."""
+    share of the world (a group is one HSDP replica), and the loops it is built for. With
+    `replica_group` the layout is one group's: its world is a share already."""
     ft = recipe.fault_tolerance
     if not ft.enabled:
         return
@@ -233,7 +249,7 @@ def check_fault_tolerance(recipe: Recipe, layout: Layout) -> None:
             key="fault_tolerance.replica_groups",
         )
     world = layout.world_size
-    if world % groups:
+    if world % groups and not replica_group:
         raise ConfigError(
             f"{groups} replica groups do not split {world} processes evenly",
             file=f,

@@ -816,7 +816,8 @@ class FaultToleranceSection:
             "Train as `replica_groups` torchft replica groups (torchtitan's "
             "experiments/torchft components, runtime/fault_tolerance.py): a group that dies "
             "is restarted alone and heals from a live group. Start them with "
-            "`tools.launch --local`; FSDP-only pretraining, every step synchronous."
+            "`tools.launch` (a Slurm job step per group) or `tools.launch --local`; FSDP-only "
+            "pretraining, every step synchronous."
         ),
     )
     replica_groups: int = field(
@@ -830,7 +831,7 @@ class FaultToleranceSection:
         default="",
         metadata=doc(
             "torchft lighthouse address (http://host:port) for groups started by hand; "
-            "TORCHFT_LIGHTHOUSE wins (tools.launch --local starts one and sets it)."
+            "TORCHFT_LIGHTHOUSE wins (tools.launch starts one and sets it)."
         ),
     )
     min_replicas: int = field(

@@ -30,11 +30,10 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from core.errors import ConfigError, shown
+from core.launch_env import LIGHTHOUSE_ENV, REPLICA_ENV
 from recipe.loader import replica_groups
 from recipe.schema import Recipe
 
-REPLICA_ENV = "REPLICA_GROUP_ID"
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 # torchft.manager reads these before its constructor's arguments (TIMEOUT_SEC_ENV, ...):
 # the one way to set the Manager's timeouts through torchtitan's TorchFTManager, which
 # does not pass them.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from recipe.loader import (
     check_trainable_fault_tolerance,
     effective_shape,
     load_recipe,
+    replica_group_recipe,
     replica_groups,
 )
 from recipe.schema import Recipe
@@ -415,17 +416,11 @@ def _prepare(recipe: Recipe) -> Job:
     if recipe.fault_tolerance.enabled:
         from runtime import fault_tolerance as rft
 
-        # One torchrun is one replica group: its layout is one HSDP replica (dp_replicate
-        # 1, FSDP over the group's ranks); the groups are torchft's, not the mesh's.
-        groups = replica_groups(recipe)
-        ft_group = rft.replica_id(os.environ, groups)
-        recipe = replace(
-            recipe,
-            parallel=replace(recipe.parallel, dp_replicate=1),
-            fault_tolerance=replace(recipe.fault_tolerance, replica_groups=groups),
-        )
+        # One torchrun is one replica group: its layout is one HSDP replica.
+        ft_group = rft.replica_id(os.environ, replica_groups(recipe))
+        recipe = replica_group_recipe(recipe)
         rft.torchft_env(recipe, os.environ)
-    layout = check_recipe(recipe, world_size)
+    layout = check_recipe(recipe, world_size, replica_group=ft_group is not None)
     check_pipeline_step(layout.pp)
     if recipe.parallel.async_tp and platform.is_cpu and layout.tp > 1:
         raise ConfigError(

@@ -21,8 +21,9 @@ planned (parallel/serve.py) and its options checked before anything is submitted
         --set fault_tolerance.replica_groups=2 --nproc-per-group 2
 
 a torchft lighthouse and one torchrun per replica group; a group that dies is restarted
-alone (launch/ft_local.py). The Slurm script for replica groups is not built: fault
-tolerance is refused there (docs/fault_tolerance.md).
+alone (launch/ft_local.py). On Slurm the same recipe gets a script with the lighthouse as a
+job step and one job step per replica group on its own nodes (whole nodes, consecutive in
+switch order), a failed group's step re-launched alone (docs/fault_tolerance.md).
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-group-restarts",
         type=int,
         default=3,
-        help="with --local: group restarts in all before the launch gives up",
+        help="[fault_tolerance] recipes: group restarts before the launch gives up (--local: "
+        "in all; Slurm: per group, each group's job step re-launched alone)",
     )
     p.add_argument("--partition", default="", help="Slurm partition")
     p.add_argument("--time", default="", help="time limit (Slurm format, e.g. 04:00:00)")
@@ -198,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         switch_wait=args.switch_wait,
         extra_sbatch=tuple(args.sbatch_arg),
         serve_args=tuple(args.serve_arg) if args.serve else None,
+        max_group_restarts=args.max_group_restarts,
     )
     if args.serve or args.serve_arg:
         check_serve(args, recipe, cluster)

@@ -8,6 +8,11 @@ the job script's gathering ``srun``. Switch paths come from those addresses, els
 else from the profile's regular topology. With a profile and a recipe the order is
 `parallel.placement.node_order(layout, fabric)` for the job's layout, which also refuses a
 layout whose tp x cp groups cannot stay inside an NVLink domain (exit 1, before training).
+
+`--replica-groups G --group-files PREFIX` (torchft replica groups, one job step each): also
+write replica group g's nodes, one per line in the same order, to PREFIX-g.txt
+(`launch.topology.replica_group_nodes`: consecutive runs of the order, so a group stays
+under its own leaf switches when a leaf holds whole groups).
 """
 
 from __future__ import annotations
@@ -36,7 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     add_cluster_arg(ap)
     add_recipe_arg(ap, help="recipe TOML or a name in recipes/ (the layout to place)")
     add_override_arg(ap)
+    ap.add_argument("--replica-groups", type=int, default=0, help="torchft replica groups")
+    ap.add_argument("--group-files", default="", help="with --replica-groups: PREFIX-g.txt")
     args = ap.parse_args(argv)
+    if bool(args.replica_groups) != bool(args.group_files) or args.replica_groups < 0:
+        raise ConfigError("--replica-groups G and --group-files PREFIX go together (G >= 1)",
+                          key="--replica-groups")  # fmt: skip
     gathered = _read(args.gathered, "GATHERED")
     topo = ""
     if args.scontrol_topology and Path(args.scontrol_topology).exists():
@@ -71,6 +81,19 @@ def main(argv: list[str] | None = None) -> int:
         )
     for i, n in enumerate(order):
         print(f"node_order: node_rank {i}: {n} {paths.get(n, '')}", file=sys.stderr)
+    if args.replica_groups:
+        from launch.topology import leaf_of, replica_group_nodes
+
+        try:
+            groups = replica_group_nodes(order, args.replica_groups)
+        except ValueError as e:
+            raise ConfigError(str(e), key="--replica-groups") from None
+        for g, members in enumerate(groups):
+            Path(f"{args.group_files}-{g}.txt").write_text("".join(f"{n}\n" for n in members))
+            leaves = sorted({leaf_of(paths.get(n, "")) or "?" for n in members})
+            print(f"node_order: replica group {g}: {' '.join(members)} (leaf switches "
+                  f"{' '.join(leaves)})", file=sys.stderr)  # fmt: skip
+    for n in order:
         print(n)
     return 0
 

@@ -6,8 +6,9 @@ registry) and always tears it down with down.sh, which also restores /etc/hosts 
 /etc/slurm. Leaves are interleaved (leaf1 = node1,node3; leaf2 = node2,node4), so node-name
 order (what SLURM_NODEID follows) and switch order differ.
 
-Jobs run the debug recipe on 4 nodes x 2 CPU processes through the generated sbatch script.
-About 4-5 minutes on 2 cores.
+Jobs run the debug recipe on 4 nodes x 2 CPU processes through the generated sbatch script
+(about 4-5 minutes on 2 cores), and a [fault_tolerance] job runs 2 replica groups of 2
+one-process nodes, one group's step killed and re-launched alone (about 100 s).
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import re
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 from core.axes import Layout
+from core.hostlist import expand_hostlist
 from launch.slurm import fabric_from_slurm
 from launch.topology import topology_order
 from parallel.cluster import load_cluster
@@ -255,3 +258,126 @@ def test_requeue_resumes_from_checkpoint_with_the_same_losses(baseline_run, tmp_
     assert sorted(losses) == sorted(base_losses) == list(range(1, 9))
     for step in base_losses:
         assert losses[step] == pytest.approx(base_losses[step], abs=2e-4), step
+
+
+# torchft replica groups on Slurm: 4 nodes of one CPU process each (2 ranks per group, so
+# the 2 real cores are not oversubscribed as 2 groups x 2 nodes x 2 processes would be).
+FT_STEPS = 25
+# Every rank sleeps 1 s per step (runtime.faults' straggler seam): a re-launched group takes
+# ~35 s to start here, and group 0 must still be training when it comes back.
+FT_PACE = "slow:step=1:at=batch:seconds=1"
+FT_SETS = (
+    "fault_tolerance.enabled=true",
+    "fault_tolerance.replica_groups=2",
+    "fault_tolerance.quorum_timeout_s=20",
+    "training.seq_len=64",
+    f"training.steps={FT_STEPS}",
+    "metrics.tensorboard=false",
+)
+
+
+def _ft_rows(out: Path, g: int) -> list[dict]:
+    path = out / f"replica_{g}" / "metrics.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line being written
+    return rows
+
+
+def _ft_steps(rows: list[dict]) -> list[int]:
+    return [r["step"] for r in rows if "step" in r and "loss" in r]
+
+
+def _step_task_pids(token: str, group: int) -> list[int]:
+    """This test's processes of replica group `group` that Slurm started as the group's job
+    step tasks (torchrun and its ranks: SLURM_STEP_ID set), found by their environment; the
+    batch script's srun for the step is left alone, as a crash on a node would leave it."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = set((d / "environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if ({f"FT_TEST_TOKEN={token}".encode(), f"REPLICA_GROUP_ID={group}".encode()} <= env
+                and any(v.startswith(b"SLURM_STEP_ID=") for v in env)):  # fmt: skip
+            pids.append(int(d.name))
+    return pids
+
+
+def test_replica_group_step_is_relaunched_alone(slurm_cluster, tmp_path):
+    """tools.launch renders the torchft script for 2 replica groups of 2 nodes; the lab's
+    leaves are interleaved (leaf1 = node1,node3), so each group must be a leaf's nodes, not
+    consecutive names. Group 1's step tasks are SIGKILLed after step 2: the script re-launches
+    that step alone while group 0's step runs on (one start, its step counter never going
+    back); group 1 heals from group 0 and both end with equal digests."""
+    token = uuid.uuid4().hex
+    profile = tmp_path / "slurmlab_cpu1.toml"
+    text = PROFILE.read_text()
+    for a, b in (('name = "slurmlab_cpu"', 'name = "slurmlab_cpu1"'),
+                 ("gpus_per_node = 2", "gpus_per_node = 1"),
+                 ("nvlink_domain_gpus = 2", "nvlink_domain_gpus = 1")):  # fmt: skip
+        assert a in text
+        text = text.replace(a, b)
+    profile.write_text(text)
+    out = tmp_path / "ft"
+    cmd = [
+        sys.executable, "-m", "tools.launch", "--recipe", str(ROOT / "recipes" / "debug.toml"),
+        "--cluster", str(profile), "--nodes", "4", "--time", "00:15:00", "--no-preflight",
+        "--signal-seconds", "60", "--switch-wait", "00:01:00", "--out", str(out),
+    ]  # fmt: skip
+    for o in FT_SETS:
+        cmd += ["--set", o]
+    env = dict(_slurm_env(), FT_TEST_TOKEN=token, TITANSCALE_FAULT=FT_PACE)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert p.returncode == 0, p.stderr
+    job = re.search(r"submitted job (\d+)", p.stdout).group(1)  # type: ignore[union-attr]
+
+    _wait(job, out, lambda j: 2 in _ft_steps(_ft_rows(out, 1)), 240, "group 1 at step 2")
+    killed = _step_task_pids(token, 1)
+    for pid in killed:
+        os.kill(pid, 9)
+    killed_at = max(_ft_steps(_ft_rows(out, 1)))
+    assert killed, "no task of group 1's step found"
+
+    def rejoined(j):
+        rows = _ft_rows(out, 1)
+        return sum(r.get("event") == "start" for r in rows) == 2 and _ft_steps(rows)[-1] > killed_at
+
+    _wait(job, out, rejoined, 240, "group 1 to rejoin")
+    j = _wait(job, out, lambda j: j.get("JobState") == "COMPLETED", 240, "completion")
+    assert j["ExitCode"] == "0:0" and j["Restarts"] == "0", j
+
+    # Each group is one leaf's nodes (from Slurm's own topology), in the lab's switch order.
+    topo = (out / "logs" / f"topology-{job}-0.txt").read_text()
+    leaves = {m.group(1): set(expand_hostlist(m.group(2)))
+              for m in re.finditer(r"SwitchName=(leaf\d+) .*Nodes=(\S+)", topo)}  # fmt: skip
+    groups = [(out / "logs" / f"group-{job}-0-{g}.txt").read_text().split() for g in (0, 1)]
+    assert groups == [EXPECTED_ORDER[:2], EXPECTED_ORDER[2:]]
+    assert [set(g) for g in groups] == [leaves["leaf1"], leaves["leaf2"]], (groups, leaves)
+    # The script re-launched group 1's step alone (a new step on the same nodes), once.
+    log = (out / "logs" / f"debug-{job}.out").read_text()
+    relaunch = re.findall(r"replica group (\d) exited (\d+); re-launching its step alone", log)
+    assert [g for g, _ in relaunch] == ["1"] and relaunch[0][1] != "0", log
+    assert log.count("replica group 1: job step on node2,node4 (attempt 2)") == 1
+    assert "replica group 0: job step on node1,node3 (attempt 2)" not in log
+    # Group 0 ran in one step from start to end, its step counter never going back.
+    g0, g1 = _ft_rows(out, 0), _ft_rows(out, 1)
+    assert sum(r.get("event") == "start" for r in g0) == 1
+    steps0 = _ft_steps(g0)
+    assert steps0 == list(range(1, FT_STEPS + 1)), steps0
+    # Group 1 healed from group 0: its re-launch went on from the live step, not step 1, and
+    # group 0 stepped while it was away.
+    restart = max(i for i, r in enumerate(g1) if r.get("event") == "start")
+    back = _ft_steps(g1[restart:])[0]
+    assert back > killed_at + 1, (killed_at, back)
+    assert [s for s in steps0 if killed_at < s < back]
+    for r in (0, 1):  # ranks of a group
+        d0, d1 = (json.loads((out / f"replica_{g}" / f"state_digest_rank{r}.json").read_text())
+                  for g in (0, 1))  # fmt: skip
+        assert d0["step"] == d1["step"] == FT_STEPS and d0 == d1
+    print(f"group 1 killed after step {killed_at}, back at step {back}")

@@ -171,15 +171,3 @@ def test_train_refuses_fault_tolerance_it_does_not_run(tmp_path, capsys, monkeyp
     code, err = train_main_error(args, capsys)
     assert code == 2
     assert len(err) == 1 and key in err[0], err
-
-
-def test_slurm_launch_refuses_fault_tolerance_before_the_queue():
-    from parallel.cluster import load_cluster
-    from tests.helpers.job_scripts import render_job
-    from tests.helpers.runs import ROOT
-
-    cluster = load_cluster("hgx_h100_ib")
-    sets = ["fault_tolerance.enabled=true", "fault_tolerance.replica_groups=2"]
-    with pytest.raises(ConfigError, match="fault_tolerance.enabled"):
-        render_job(ROOT / "recipes" / "llama3_8b.toml", cluster, 1, sets)
-    render_job(ROOT / "recipes" / "llama3_8b.toml", cluster, 1)  # without it: renders
