@@ -608,6 +608,12 @@ def rl_generator(job: Any, state_dict: dict[str, torch.Tensor]) -> VllmGenerator
         raise ConfigError(str(e), file=r.source, key="rl.generator") from None
     rl = r.rl
     transport = resolve_sync(rl, cuda=not cpu, world_size=int(job.world_size), file=r.source)
+    if transport == "nccl" and _physical_gpu() in rl.engine_gpus.split(","):
+        raise ConfigError(  # before the engine's minute of start-up
+            f"GPU {_physical_gpu()} is this trainer rank's too: NCCL refuses two ranks on one GPU",
+            file=r.source,
+            key="rl.engine_gpus",
+        )
     folder = tempfile.mkdtemp(prefix="titanscale-vllm-base-", dir=_shm_dir() or None)
     try:
         view.write_folder(folder, state_dict)
@@ -629,14 +635,6 @@ def rl_generator(job: Any, state_dict: dict[str, torch.Tensor]) -> VllmGenerator
         shutil.rmtree(folder, ignore_errors=True)
     sync = None
     if transport == "nccl":
-        mine = _physical_gpu()
-        if mine in rl.engine_gpus.split(","):
-            engine.close()
-            raise ConfigError(
-                f"GPU {mine} is this trainer rank's too: NCCL refuses two ranks on one GPU",
-                file=r.source,
-                key="rl.engine_gpus",
-            )
         try:
             sync = WeightSync.open(
                 engine,
