@@ -209,7 +209,9 @@ def receive_into(
     load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
 ) -> int:
     """`receive` handed to `load` (vLLM's reload_weights), then drained: a loader that
-    stopped early must not leave the sender waiting in a broadcast. Returns the count."""
+    stopped early, or raised (a name the model lacks), must not leave the sender waiting in
+    a broadcast; after a loader's error the remaining buckets are received and dropped, so
+    both sides end the push together and the group stays usable. Returns the count."""
     it = receive(group, man, device)
     count = 0
 
@@ -219,7 +221,12 @@ def receive_into(
             count += 1
             yield pair
 
-    load(counted())
+    try:
+        load(counted())
+    except Exception:
+        for _ in it:  # the rest of the push, dropped; then the loader's error
+            pass
+        raise
     for _ in it:  # whatever the loader left
         count += 1
     if count != len(man["names"]):

@@ -121,6 +121,34 @@ def test_pushes_reach_the_engine_model_bucket_by_bucket():
         gc.collect()  # gloo's objects before the interpreter's exit (tools.cli.exit_process)
 
 
+def test_a_loader_error_ends_the_push_on_both_sides_and_the_group_stays_usable():
+    """The engine's model lacks a name the trainer sends (vLLM's loader raises): the trainer
+    gets the engine's error once every bucket has gone (not the group's timeout, set short
+    here so a hang would fail as one), and the next push succeeds."""
+    from rl.vllm_server import Engine
+
+    model, view = _llama()
+    full = view.tensors(full_state_dict(model))
+    missing = "model.layers.0.mlp.up_proj.weight"
+    worker = _Worker({k: torch.zeros_like(v) for k, v in full.items() if k != missing})
+    server = Engine()
+    server.llm = _LLM(worker)
+    conn = _Conn(server)
+    sync = WeightSync.open(conn, backend="gloo", workers=1, dtype=torch.float32, timeout_s=30)
+    sync.bucket_bytes = 4096
+    try:
+        with pytest.raises(KeyError, match="up_proj"):
+            sync.push(view, full_state_dict(model), 1)
+        worker.params[missing] = torch.zeros_like(full[missing])
+        sync.push(view, full_state_dict(model), 2)
+        assert all(torch.equal(worker.params[k], v) for k, v in full.items())
+    finally:
+        del worker.titanscale_sync, sync
+        import gc
+
+        gc.collect()
+
+
 def test_a_disagreement_fails_on_both_sides_without_hanging():
     store = ws.rendezvous(0, 2, timeout_s=60)
     groups: dict[int, Any] = {}
