@@ -2,8 +2,10 @@
 
 Runs under .venv-vllm's Python (`bash scripts/setup.sh --vllm`), never imported by the trainer:
 vLLM pins its own torch and transformers. It imports only the standard library, torch,
-safetensors and vllm. rl/vllm_engine.py starts it (`python rl/vllm_server.py ADDRESS`, the
-authentication key in TITANSCALE_ENGINE_KEY), connects, and sends one request at a time as
+safetensors, vllm and rl/weight_sync.py (torch only; from its folder, not as the trainer's
+package); its top level is standard library only, so tests/unit/test_weight_sync.py runs its
+handler with a stand-in LLM. rl/vllm_engine.py starts it (`python rl/vllm_server.py ADDRESS`,
+the authentication key in TITANSCALE_ENGINE_KEY), connects, and sends one request at a time as
 plain picklable dicts (lists of ints and floats, strings): no tensors cross the socket.
 
 Requests ({"op": ...}) and what they do:

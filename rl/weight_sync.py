@@ -98,7 +98,7 @@ def _layout(man: dict[str, Any], lo: int, hi: int) -> tuple[list[int], int]:
 def rendezvous(rank: int, world_size: int, *, port: int = 0, timeout_s: float = 300.0) -> Any:
     """The group's TCPStore: rank 0 listens (port 0: a free one, read back as `.port`), the
     others connect to HOST:port."""
-    store = dist.TCPStore(
+    return dist.TCPStore(
         HOST,
         port,
         world_size,
@@ -106,12 +106,12 @@ def rendezvous(rank: int, world_size: int, *, port: int = 0, timeout_s: float = 
         timeout=timedelta(seconds=timeout_s),
         wait_for_workers=False,
     )
-    return store
 
 
 def join(store: Any, backend: str, rank: int, world_size: int, timeout_s: float = 300.0) -> Any:
     """This rank's c10d backend object (no default process group: nothing global is set),
-    checked by a one-element all-reduce on `device`."""
+    checked by a one-element all-reduce on `device_for(backend)`. Blocks until every rank
+    has joined (gloo at construction, NCCL at that first collective)."""
     prefixed = dist.PrefixStore(PREFIX, store)
     timeout = timedelta(seconds=timeout_s)
     if backend == "nccl":
