@@ -761,7 +761,8 @@ class RLSection:
         metadata=doc(
             "generator = 'vllm' on CUDA: the GPUs the engine process uses, as "
             "CUDA_VISIBLE_DEVICES ('6,7'; its tensor-parallel size is their count), none of "
-            "them a trainer rank's; '' = the trainer rank's own GPU, shared."
+            "them a trainer rank's; one trainer rank only; '' = the trainer rank's own GPU, "
+            "shared."
         ),
     )
     sft_warmup_steps: int = field(

@@ -76,25 +76,29 @@ def require_engine(*, file: str | None, key: str) -> str:
 def resolve_sync(rl: Any, *, cuda: bool, world_size: int, file: str | None = None) -> str:
     """rl.weight_sync on this machine: "nccl" or "shm" ("auto": nccl on CUDA with the
     engine on its own GPUs and one trainer rank, else shm). ConfigError names the key when
-    "nccl" cannot work: no CUDA, no GPUs of the engine's own (NCCL refuses two ranks on one
-    GPU), or several trainer ranks (each starts its own engine, so they would share
-    rl.engine_gpus; not built)."""
+    "nccl" cannot work (no CUDA, no GPUs of the engine's own: NCCL refuses two ranks on one
+    GPU), and rl.engine_gpus when it cannot: without CUDA or vLLM, or with several trainer
+    ranks (each starts its own engine, so they would share those GPUs; not built)."""
     want = rl.weight_sync
-    if rl.engine_gpus and (rl.generator != "vllm" or not cuda):
-        why = "rl.generator = 'vllm'" if rl.generator != "vllm" else "CUDA (this machine has none)"
+    if rl.engine_gpus and (rl.generator != "vllm" or not cuda or world_size > 1):
+        why = (
+            "rl.generator = 'vllm'"
+            if rl.generator != "vllm"
+            else "CUDA (this machine has none)"
+            if not cuda
+            else f"one trainer rank (this run has {world_size}, each would start an engine)"
+        )
         raise ConfigError(f"engine GPUs need {why}; expected ''", file=file, key="rl.engine_gpus")
-    ok = rl.generator == "vllm" and cuda and bool(rl.engine_gpus) and world_size == 1
+    ok = rl.generator == "vllm" and cuda and bool(rl.engine_gpus)
     if want == "nccl" and not ok:
         if not cuda:
             why = "CUDA (this machine has no GPU)"
         elif rl.generator != "vllm":
             why = "rl.generator = 'vllm'"
-        elif not rl.engine_gpus:
+        else:
             why = (
                 "the engine on GPUs of its own (rl.engine_gpus; NCCL refuses two ranks on one GPU)"
             )
-        else:
-            why = f"one trainer rank (this run has {world_size}; each would start an engine)"
         raise ConfigError(
             f"'nccl' needs {why}; expected 'auto' or 'shm'", file=file, key="rl.weight_sync"
         )

@@ -186,7 +186,7 @@ def _rl(**kw: Any) -> Any:
         (_rl(), False, 1, "shm"),  # auto on CPU
         (_rl(), True, 1, "shm"),  # auto, the engine sharing the trainer's GPU
         (_rl(engine_gpus="1"), True, 1, "nccl"),
-        (_rl(engine_gpus="1,2"), True, 2, "shm"),  # several trainer ranks: files
+        (_rl(engine_gpus="1,2"), True, 2, "one trainer rank"),  # engines would share them
         (_rl(weight_sync="shm", engine_gpus="1"), True, 1, "shm"),
         (_rl(weight_sync="nccl", engine_gpus="1"), True, 1, "nccl"),
         (_rl(weight_sync="nccl"), False, 1, "CUDA"),
