@@ -746,6 +746,25 @@ class RLSection:
             "process (`bash scripts/setup.sh --vllm` first; docs/vllm.md)."
         ),
     )
+    weight_sync: Literal["auto", "shm", "nccl"] = field(
+        default="auto",
+        metadata=doc(
+            "generator = 'vllm': how full-weight pushes reach the engine. shm: a safetensors "
+            "file in shared memory; nccl: NCCL broadcasts from the trainer's rank to the "
+            "engine's workers (CUDA, and the engine on its own GPUs: rl.engine_gpus); auto: "
+            "nccl when both hold, else shm. LoRA adapter pushes are PEFT folders either way "
+            "(vLLM loads adapters from folders). docs/vllm.md."
+        ),
+    )
+    engine_gpus: str = field(
+        default="",
+        metadata=doc(
+            "generator = 'vllm' on CUDA: the GPUs the engine process uses, as "
+            "CUDA_VISIBLE_DEVICES ('6,7'; its tensor-parallel size is their count), none of "
+            "them a trainer rank's; one trainer rank only; '' = the trainer rank's own GPU, "
+            "shared."
+        ),
+    )
     sft_warmup_steps: int = field(
         default=0,
         metadata=doc(
@@ -797,6 +816,13 @@ class RLSection:
         _positive("max_policy_lag", self.max_policy_lag, allow_zero=True)
         if self.loss == "custom" and not self.custom_loss:
             raise ConfigError("loss = 'custom' needs custom_loss = 'module:function'", key="loss")
+        gpus = self.engine_gpus.split(",") if self.engine_gpus else []
+        if any(not g.strip().isdigit() for g in gpus) or len(set(gpus)) != len(gpus):
+            raise ConfigError(
+                f"expected distinct GPU indices separated by commas ('6,7'), got "
+                f"{self.engine_gpus!r}",
+                key="engine_gpus",
+            )
         if self.env == "chain_sum" and self.reward:
             raise ConfigError(
                 "env 'chain_sum' is multi-turn (its replies give the episode's reward); "

@@ -64,9 +64,12 @@ def check(job: Any) -> None:
                 raise ConfigError(str(e), file=f, key=f"rl.{key}") from None
     # The factory, tasks() and one reward, behind the hook guard (rl.hooks): one line.
     check_env(rl, file=f)
-    if rl.generator == "vllm":
-        from rl.vllm_engine import require_engine
+    from rl.vllm_engine import require_engine, resolve_sync
 
+    platform = getattr(job, "platform", None)  # (a bare namespace in some tests: this host)
+    cuda = torch.cuda.is_available() if platform is None else not platform.is_cpu
+    resolve_sync(rl, cuda=cuda, world_size=int(getattr(job, "world_size", 1)), file=f)
+    if rl.generator == "vllm":
         require_engine(file=f, key="rl.generator")
 
 

@@ -10,8 +10,11 @@ Weights travel as files in shared memory (/dev/shm when it exists): the trainer 
 Hugging Face-named tensors (torchtitan's own state-dict adapter, `to_hf`) to a safetensors file
 and the engine loads it into the running model (`load_weights`), or a PEFT adapter folder
 (posttrain.lora.export_peft) that the engine loads as a LoRA adapter under a new id per version.
-`bytes_sent` counts every byte written for the engine. On GPU, vLLM's collective (NCCL) weight
-update is the path to take instead (docs/vllm.md; not written here: no GPU to test it on).
+`bytes_sent` counts every byte written for the engine. On CUDA with the engine on its own
+GPUs (rl.engine_gpus), full weights may go over NCCL instead (rl.weight_sync, `resolve_sync`):
+the trainer's rank and the engine's workers form one group (rl/weight_sync.py, the protocol
+both sides run) and each push is a manifest over the socket plus bucketed broadcasts; LoRA
+adapters stay PEFT folders (vLLM loads adapters from folders). Unverified on a GPU here.
 
 Failures: a missing environment is a ConfigError naming the setup command (exit 2 before any
 process group); an engine process that dies or stops answering is an `EngineError` (one line,
@@ -38,6 +41,7 @@ import torch
 
 from core.errors import ConfigError
 from rl.generator import Sample, SamplingParams, StagedWeights
+from rl.weight_sync import BUCKET_BYTES
 
 ROOT = Path(__file__).resolve().parent.parent
 SETUP = "bash scripts/setup.sh --vllm"
@@ -69,6 +73,38 @@ def require_engine(*, file: str | None, key: str) -> str:
     return py
 
 
+def resolve_sync(rl: Any, *, cuda: bool, world_size: int, file: str | None = None) -> str:
+    """rl.weight_sync on this machine: "nccl" or "shm" ("auto": nccl on CUDA with the
+    engine on its own GPUs and one trainer rank, else shm). ConfigError names the key when
+    "nccl" cannot work (no CUDA, no GPUs of the engine's own: NCCL refuses two ranks on one
+    GPU), and rl.engine_gpus when it cannot: without CUDA or vLLM, or with several trainer
+    ranks (each starts its own engine, so they would share those GPUs; not built)."""
+    want = rl.weight_sync
+    if rl.engine_gpus and (rl.generator != "vllm" or not cuda or world_size > 1):
+        why = (
+            "rl.generator = 'vllm'"
+            if rl.generator != "vllm"
+            else "CUDA (this machine has none)"
+            if not cuda
+            else f"one trainer rank (this run has {world_size}, each would start an engine)"
+        )
+        raise ConfigError(f"engine GPUs need {why}; expected ''", file=file, key="rl.engine_gpus")
+    ok = rl.generator == "vllm" and cuda and bool(rl.engine_gpus)
+    if want == "nccl" and not ok:
+        if not cuda:
+            why = "CUDA (this machine has no GPU)"
+        elif rl.generator != "vllm":
+            why = "rl.generator = 'vllm'"
+        else:
+            why = (
+                "the engine on GPUs of its own (rl.engine_gpus; NCCL refuses two ranks on one GPU)"
+            )
+        raise ConfigError(
+            f"'nccl' needs {why}; expected 'auto' or 'shm'", file=file, key="rl.weight_sync"
+        )
+    return "nccl" if want == "nccl" or (want == "auto" and ok) else "shm"
+
+
 def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else ""
 
@@ -86,6 +122,8 @@ class EngineConfig:
     # trainer shares the GPU, so not vLLM's default 0.9 (unverified: no GPU run yet).
     gpu_memory_utilization: float = 0.3
     max_num_seqs: int = 256
+    # CUDA_VISIBLE_DEVICES for the engine ('' = inherited); tensor parallel over their count
+    devices: str = ""
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
 
@@ -107,6 +145,8 @@ class VllmEngine:
             VLLM_CPU_OMP_THREADS_BIND=env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
         )
         env.pop("PYTHONPATH", None)  # the trainer's packages are not the engine's
+        if cfg.devices:
+            env["CUDA_VISIBLE_DEVICES"] = cfg.devices
         self.log_path = os.path.join(self.workdir, "engine.log")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (the engine's, closed in close())
         self.proc = subprocess.Popen(
@@ -140,6 +180,7 @@ class VllmEngine:
                 "seed": cfg.seed,
                 "max_num_seqs": cfg.max_num_seqs,
                 "gpu_memory_utilization": cfg.gpu_memory_utilization,
+                "tensor_parallel_size": len(cfg.devices.split(",")) if cfg.devices else 1,
             },
             timeout=cfg.startup_timeout_s,
         )
@@ -289,11 +330,21 @@ class HFView:
         n = a.n_heads
         return n, a.n_kv_heads or n, a.head_dim or self.model_config.dim // n
 
-    def tensors(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def tensors(
+        self,
+        state_dict: dict[str, torch.Tensor],
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> dict[str, torch.Tensor]:
+        """The engine's tensors (float32 on the CPU for files; the engine's dtype on the
+        trainer's GPU for NCCL)."""
         hf = self.state_dict_adapter.to_hf(
             {k: v for k, v in state_dict.items() if ".lora_" not in k}
         )
-        return self.pad({k: v.detach().float().cpu().contiguous() for k, v in hf.items()})
+        return self.pad(
+            {k: v.detach().to(device=device, dtype=dtype).contiguous() for k, v in hf.items()}
+        )
 
     def pad(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """HF or PEFT tensors with heads padded to the served head size (`pad_heads`)."""
@@ -341,9 +392,10 @@ class HFView:
 class VllmGenerator(StagedWeights):
     """The RL loop's generator backed by a `VllmEngine` (rl.generator = "vllm").
 
-    Full-weight updates go to the base model; `adapter=True` updates are a LoRA adapter's
-    tensors only (posttrain.lora names), sent as a PEFT folder and used for every later
-    request. Each sample carries the version of the weights it was drawn with."""
+    Full-weight updates go to the base model (a shared-memory file, or with `sync` a
+    `WeightSync` group's broadcasts); `adapter=True` updates are a LoRA adapter's tensors
+    only (posttrain.lora names), sent as a PEFT folder and used for every later request.
+    Each sample carries the version of the weights it was drawn with."""
 
     def __init__(
         self,
@@ -352,8 +404,9 @@ class VllmGenerator(StagedWeights):
         *,
         lora_rank: int = 0,
         lora_alpha: float = 0.0,
+        sync: WeightSync | None = None,
     ) -> None:
-        self.engine, self.view = engine, view
+        self.engine, self.view, self.sync = engine, view, sync
         self.lora_rank, self.lora_alpha = lora_rank, lora_alpha
         self.version = 0
         self.bytes_sent = 0  # weight bytes written for the engine since construction
@@ -375,6 +428,8 @@ class VllmGenerator(StagedWeights):
         adapter = bool(state_dict) and all(".lora_" in k for k in state_dict)
         if adapter:
             self._send_adapter(state_dict, version)
+        elif self.sync is not None:
+            self.bytes_sent += self.sync.push(self.view, state_dict, version)
         else:
             from safetensors.torch import save_file
 
@@ -452,7 +507,94 @@ class VllmGenerator(StagedWeights):
             return self.engine.call("score", seqs=seqs, starts=[len(p) for p in prompts])
 
     def close(self) -> None:
+        self.sync = None  # the group before the engine: its peer is about to go
         self.engine.close()
+
+
+class WeightSync:
+    """The trainer's end of the collective weight push (rl.weight_sync = "nccl"): rank 0 of
+    a group with the engine's workers (rl/weight_sync.py). Set up once (`open`); each `push`
+    sends the manifest over the engine's socket (the engine's workers then receive) while
+    this thread broadcasts, both running the one protocol module."""
+
+    def __init__(self, engine: Any, backend: str, dtype: torch.dtype, device: torch.device,
+                 group: Any, store: Any) -> None:  # fmt: skip
+        self.engine, self.backend, self.dtype, self.device = engine, backend, dtype, device
+        self.group, self.store = group, store
+        # Bytes per broadcast (rl.weight_sync.plan_buckets): one buffer of this size on each
+        # side at a time, one collective per bucket.
+        self.bucket_bytes = BUCKET_BYTES
+
+    @classmethod
+    def open(
+        cls,
+        engine: Any,
+        *,
+        backend: str,
+        workers: int,
+        dtype: torch.dtype,
+        timeout_s: float = 300.0,
+    ) -> WeightSync:
+        """The group: this process is rank 0 and the TCPStore's master on a free port of
+        127.0.0.1; the engine's `workers` join as ranks 1..workers (the engine's
+        weight_sync_init runs in a side thread: both sides block until all have joined)."""
+        from rl import weight_sync as ws
+
+        world = 1 + workers
+        store = ws.rendezvous(0, world, timeout_s=timeout_s)
+        cfg = {"folder": str(Path(ws.__file__).parent), "port": int(store.port),
+               "world_size": world, "backend": backend, "timeout_s": timeout_s}  # fmt: skip
+        group = _beside(
+            lambda: engine.call("weight_sync_init", config=cfg, timeout=timeout_s),
+            lambda: ws.join(store, backend, 0, world, timeout_s),
+        )[1]
+        return cls(engine, backend, dtype, ws.device_for(backend), group, store)
+
+    def push(self, view: HFView, state_dict: dict[str, torch.Tensor], version: int) -> int:
+        """One full-weight push (the engine's HF names and dtype); returns the bytes sent."""
+        from rl import weight_sync as ws
+
+        tensors = view.tensors(state_dict, dtype=self.dtype, device=self.device)
+        man = ws.manifest(tensors, version, self.bucket_bytes)
+        _beside(
+            lambda: self.engine.call("weight_sync_receive", manifest=man),
+            lambda: ws.send(self.group, tensors, man),
+        )
+        return int(man["bytes"])
+
+
+def _beside(engine_side: Any, ours: Any) -> tuple[Any, Any]:
+    """Run the engine's request in a side thread while this thread does its part of the same
+    collectives (each blocks until the other arrives); the engine's error wins, as it
+    usually explains ours (a timeout)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["ok"] = engine_side()
+        except BaseException as e:  # re-raised in the caller's thread
+            box["err"] = e
+
+    t = threading.Thread(target=run, name="weight-sync-engine", daemon=True)
+    t.start()
+    try:
+        mine = ours()
+    except BaseException:
+        t.join(5.0)
+        if "err" in box:
+            raise box["err"] from None
+        raise
+    t.join()
+    if "err" in box:
+        raise box["err"]
+    return box["ok"], mine
+
+
+def _physical_gpu() -> str:
+    """This process's CUDA device as CUDA_VISIBLE_DEVICES names it (rl.engine_gpus' terms)."""
+    idx = torch.cuda.current_device()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    return visible.split(",")[idx].strip() if visible else str(idx)
 
 
 def rl_generator(job: Any, state_dict: dict[str, torch.Tensor]) -> VllmGenerator:
@@ -468,10 +610,17 @@ def rl_generator(job: Any, state_dict: dict[str, torch.Tensor]) -> VllmGenerator
         view.head_dim = served_head_dim(hd, cpu=cpu)
     except ValueError as e:
         raise ConfigError(str(e), file=r.source, key="rl.generator") from None
+    rl = r.rl
+    transport = resolve_sync(rl, cuda=not cpu, world_size=int(job.world_size), file=r.source)
+    if transport == "nccl" and _physical_gpu() in rl.engine_gpus.split(","):
+        raise ConfigError(  # before the engine's minute of start-up
+            f"GPU {_physical_gpu()} is this trainer rank's too: NCCL refuses two ranks on one GPU",
+            file=r.source,
+            key="rl.engine_gpus",
+        )
     folder = tempfile.mkdtemp(prefix="titanscale-vllm-base-", dir=_shm_dir() or None)
     try:
         view.write_folder(folder, state_dict)
-        rl = r.rl
         engine = VllmEngine(
             EngineConfig(
                 folder,
@@ -479,10 +628,25 @@ def rl_generator(job: Any, state_dict: dict[str, torch.Tensor]) -> VllmGenerator
                 # the model's positions (RoPE's max_seq_len: training.seq_len)
                 max_model_len=int(view.config()["max_position_embeddings"]),
                 seed=rl.seed,
+                devices=rl.engine_gpus,
+                # GPUs of its own: most of their memory; sharing the trainer's: a third
+                gpu_memory_utilization=0.85 if rl.engine_gpus else 0.3,
             ),
             file=r.source,
         )
     finally:
         # the engine has read the folder (its weights are in its memory) or failed
         shutil.rmtree(folder, ignore_errors=True)
-    return VllmGenerator(engine, view)
+    sync = None
+    if transport == "nccl":
+        try:
+            sync = WeightSync.open(
+                engine,
+                backend="nccl",
+                workers=len(rl.engine_gpus.split(",")),
+                dtype=getattr(torch, rl.generator_dtype),
+            )
+        except BaseException:
+            engine.close()
+            raise
+    return VllmGenerator(engine, view, sync=sync)

@@ -2,8 +2,10 @@
 
 Runs under .venv-vllm's Python (`bash scripts/setup.sh --vllm`), never imported by the trainer:
 vLLM pins its own torch and transformers. It imports only the standard library, torch,
-safetensors and vllm. rl/vllm_engine.py starts it (`python rl/vllm_server.py ADDRESS`, the
-authentication key in TITANSCALE_ENGINE_KEY), connects, and sends one request at a time as
+safetensors, vllm and rl/weight_sync.py (torch only; from its folder, not as the trainer's
+package); its top level is standard library only, so tests/unit/test_weight_sync.py runs its
+handler with a stand-in LLM. rl/vllm_engine.py starts it (`python rl/vllm_server.py ADDRESS`,
+the authentication key in TITANSCALE_ENGINE_KEY), connects, and sends one request at a time as
 plain picklable dicts (lists of ints and floats, strings): no tensors cross the socket.
 
 Requests ({"op": ...}) and what they do:
@@ -19,6 +21,10 @@ Requests ({"op": ...}) and what they do:
 - load_weights: a safetensors file of HF-named tensors (full weights or a subset) loaded into
   the running model by the model's own `load_weights`; the prefix cache is reset (its keys
   and values came from the old weights).
+- weight_sync_init: join the trainer's weight-sync group (rl/weight_sync.py, imported from
+  the folder the trainer names: it needs only torch): each worker is rank 1 + its vLLM rank.
+- weight_sync_receive: a manifest (rl.weight_sync.manifest); each worker receives the push
+  over the group and loads it like load_weights (in-place reload, prefix cache reset).
 - add_lora: load a PEFT adapter folder into the engine's LoRA cache now (its rank and
   modules checked by vLLM), rather than at its first request.
 - remove_lora: drop an adapter from the engine's LoRA cache.
@@ -52,6 +58,37 @@ def _load(worker: Any, path: str) -> int:
     return len(sd)
 
 
+def _wire(folder: str) -> Any:
+    """rl/weight_sync.py as `weight_sync` (stdlib + torch only): the same protocol code the
+    trainer sends with. `folder` is added to sys.path in whichever process runs this (the
+    engine's, or a tensor-parallel worker's)."""
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    import weight_sync
+
+    return weight_sync
+
+
+def _sync_init(worker: Any, cfg: dict[str, Any]) -> int:
+    """Runs on each worker: join the trainer's group as rank 1 + the worker's vLLM rank."""
+    ws = _wire(cfg["folder"])
+    rank = 1 + int(getattr(worker, "rank", 0))
+    store = ws.rendezvous(rank, cfg["world_size"], port=cfg["port"], timeout_s=cfg["timeout_s"])
+    group = ws.join(store, cfg["backend"], rank, cfg["world_size"], cfg["timeout_s"])
+    worker.titanscale_sync = (ws, group, store, ws.device_for(cfg["backend"]))
+    return rank
+
+
+def _sync_receive(worker: Any, man: dict[str, Any]) -> int:
+    """Runs on each worker: one push received bucket by bucket straight into vLLM's in-place
+    reload (as `_load`), no file and no whole second copy."""
+    ws, group, _store, device = worker.titanscale_sync
+    return int(ws.receive_into(
+        group, man, device,
+        lambda pairs: worker.model_runner.reload_weights(weights_iterator=iter(pairs)),
+    ))  # fmt: skip
+
+
 def _prompt_scores(out: Any, request: dict[str, Any]) -> dict[str, Any]:
     """A scored request's prompt: vLLM's prompt_logprobs hold, per position t >= 1, the
     prompt's own token and the k most likely ones (each with its rank; the prompt's token is
@@ -78,6 +115,8 @@ class Engine:
         kw: dict[str, Any] = {}
         if torch.cuda.is_available():
             kw["gpu_memory_utilization"] = cfg.get("gpu_memory_utilization", 0.3)
+        if cfg.get("tensor_parallel_size", 1) > 1:
+            kw["tensor_parallel_size"] = cfg["tensor_parallel_size"]
         if cfg.get("max_loras", 0) > 0:
             kw.update(
                 enable_lora=True, max_loras=cfg["max_loras"], max_lora_rank=cfg["max_lora_rank"]
@@ -157,6 +196,14 @@ class Engine:
         self.llm.reset_prefix_cache()
         return int(n)
 
+    def weight_sync_init(self, cfg: dict[str, Any]) -> list[int]:
+        return [int(r) for r in self.llm.collective_rpc(_sync_init, args=(cfg,))]
+
+    def weight_sync_receive(self, manifest: dict[str, Any]) -> int:
+        counts = self.llm.collective_rpc(_sync_receive, args=(manifest,))
+        self.llm.reset_prefix_cache()
+        return int(counts[0])
+
     def add_lora(self, name: str, lora_id: int, path: str) -> bool:
         from vllm.lora.request import LoRARequest
 
@@ -175,6 +222,10 @@ class Engine:
             return self.score(msg["seqs"], msg["starts"])
         if op == "load_weights":
             return self.load_weights(msg["path"])
+        if op == "weight_sync_init":
+            return self.weight_sync_init(msg["config"])
+        if op == "weight_sync_receive":
+            return self.weight_sync_receive(msg["manifest"])
         if op == "add_lora":
             return self.add_lora(msg["name"], msg["id"], msg["path"])
         if op == "remove_lora":

@@ -86,6 +86,40 @@ def test_lora_update_sends_only_the_adapter(vllm_engine):
     assert full.bytes_sent >= base_bytes and sent * 10 < full.bytes_sent
 
 
+def test_collective_push_loads_into_the_running_engine(vllm_engine):
+    """rl.weight_sync = "nccl"'s path with gloo standing in for NCCL (CPU): the trainer's
+    WeightSync broadcasts a perturbed base in 64 KiB buckets, the engine's worker receives it
+    (rl/vllm_server.py, the same rl/weight_sync.py inside vLLM's venv and torch) straight into
+    vLLM's in-place reload; the engine then samples what our generator gives on that model.
+    The original base goes back by file after (the session engine is shared)."""
+    import copy
+    import gc
+
+    from rl.vllm_engine import WeightSync
+
+    engine, model, view = vllm_engine
+    base = base_state(model)
+    gen = torch.Generator().manual_seed(7)
+    moved = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in base.items()}
+    ref = copy.deepcopy(model)
+    ref.load_state_dict(moved, strict=False)
+    sync = WeightSync.open(engine, backend="gloo", workers=1, dtype=torch.float32, timeout_s=120)
+    sync.bucket_bytes = 64 * 1024
+    pushed = VllmGenerator(engine, view, sync=sync)
+    try:
+        assert _native_greedy(ref) != _native_greedy(model)  # the push is visible
+        pushed.update_weights(moved, version=1)
+        assert [s.tokens for s in pushed.generate(PROMPTS, GREEDY)] == _native_greedy(ref)
+        assert pushed.bytes_sent == 4 * sum(v.numel() for v in view.tensors(moved).values())
+    finally:
+        pushed.sync = sync = None  # type: ignore[assignment]
+        gc.collect()  # gloo's objects before the interpreter's exit (tools.cli.exit_process)
+        VllmGenerator(engine, view).update_weights(base, version=0)
+    assert [s.tokens for s in VllmGenerator(engine, view).generate(PROMPTS, GREEDY)] == (
+        _native_greedy(model)
+    )
+
+
 def test_two_adapters_in_one_engine_batch_each_get_their_own_tokens(vllm_engine, tmp_path):
     """Multi-LoRA: requests for two adapters in one engine call (vLLM batches them together)
     each get exactly the greedy tokens that adapter gives alone."""

@@ -44,3 +44,15 @@ def test_rl_schema_errors():
 def test_valid_recipes_pass():
     check([])
     check(["rl.env=letter_sort", "rl.reward=tests.integration._rl_rewards:flaky"])
+
+
+def test_nccl_weight_sync_is_refused_on_a_cpu_machine():
+    from rl.loop import check as rl_check
+
+    recipe = load_recipe("recipes/rl_debug.toml", ["rl.generator=vllm", "rl.weight_sync=nccl"])
+    cpu = SimpleNamespace(is_cpu=True)
+    with pytest.raises(ConfigError, match="'nccl' needs CUDA") as e:
+        rl_check(SimpleNamespace(recipe=recipe, platform=cpu, world_size=1))
+    assert e.value.key == "rl.weight_sync" and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="engine_gpus"):
+        load_recipe("recipes/rl_debug.toml", ["rl.engine_gpus=6,x"])
