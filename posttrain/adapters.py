@@ -446,7 +446,8 @@ class AdapterJob:
     def export(self, a: AdapterState) -> str:
         bind_adapter(self.model, a.params)
         return export_adapter(self.model, self.recipe, a.spec.name, model_config=self.model_config,
-                              state_dict_adapter=self.state_dict_adapter)  # fmt: skip
+                              state_dict_adapter=self.state_dict_adapter,
+                              tokenizer_dir=self.tokenizer_path)  # fmt: skip
 
     # -- the loop --------------------------------------------------------------------------
     def _start(self) -> None:

@@ -35,8 +35,10 @@
   the checksums, off the training thread.
 - Hugging Face (`runtime.hf`): an HF initial load (`initial_load_in_hf`) goes to torchtitan's
   reader unverified (safetensors hold no code); `export_hf` writes the model through
-  torchtitan's `dcp_save(to_hf=True)` into `<export_folder>/step-N.partial`, adds
-  config.json, tokenizer files and a manifest, and renames, after the DCP checkpoint.
+  `runtime.hf.write_hf_weights` (the family's `to_hf` + torch's HuggingFaceStorageWriter, as
+  torchtitan's `dcp_save(to_hf=True)`; the merged LoRA export uses the same function) into
+  `<export_folder>/step-N.partial`, adds config.json, tokenizer files (`finish_export`) and
+  a manifest, and renames, after the DCP checkpoint.
 
 Costs: CRC32 runs at about 1 GB/s per core; each rank checksums only its own files on
 save and 1/world of the files on load (`checkpoint.checksums = false` skips it and keeps
@@ -63,6 +65,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
+from torchtitan.tools.utils import GarbageCollection
 
 from core import jsonio
 from core.atomic import (
@@ -546,7 +549,7 @@ class AtomicCheckpointManager(CheckpointManager):
         assert self.sd_adapter is not None, "this model family has no Hugging Face adapter"
         final = os.path.join(cfg.export_folder, f"step-{step}")
         tmp = final + PARTIAL
-        from runtime.hf import check_export_target, export_run_id
+        from runtime.hf import check_export_target, export_run_id, write_hf_weights
 
         # Never over another run's export of this step (checked at prepare too; again here:
         # another job may have exported since).
@@ -569,7 +572,10 @@ class AtomicCheckpointManager(CheckpointManager):
         }
         key = "checkpoint.export_folder"
         try:
-            CheckpointManager.dcp_save(self, states, tmp, AsyncMode.DISABLED, True, to_hf=True)
+            hf_state = self.sd_adapter.to_hf(states)
+            write_hf_weights(tmp, hf_state, self.sd_adapter.fqn_to_index_mapping)
+            del hf_state
+            GarbageCollection.collect("GC collection after the Hugging Face export.")
         except (Exception, CheckpointException) as e:  # every rank (DCP gathers the errors)
             self._save_failed(e, final, step, states, key=key)
             raise
@@ -597,7 +603,6 @@ class AtomicCheckpointManager(CheckpointManager):
 
         cfg = self.xconfig
         assert self.sd_adapter is not None
-        shutil.rmtree(os.path.join(tmp, "sharded"), ignore_errors=True)
         base = None
         if cfg.export_base_config:
             with open(os.path.join(cfg.export_base_config, "config.json"), "rb") as f:
