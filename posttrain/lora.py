@@ -429,7 +429,7 @@ def export_merged(
     Tied embeddings (Qwen3's small flavors) with an adapter on lm_head: the merged output
     projection is embed + scale * B A, no longer the embedding, so the folder is written
     untied (its own lm_head.weight, tie_word_embeddings = false)."""
-    from runtime.hf import finish_export, hf_config, special_token_ids, write_hf_weights
+    from runtime.hf import finish_export, write_hf_weights
 
     peft, _ = peft_tensors(model_config, adapter, state_dict_adapter)
     hf = state_dict_adapter.to_hf(dict(base))
@@ -443,11 +443,9 @@ def export_merged(
         folder, weights, getattr(state_dict_adapter, "fqn_to_index_mapping", None),
         single_process=True,
     )  # fmt: skip
-    cfg = hf_config(model_config, family, str(dtype).removeprefix("torch."),
-                    token_ids=special_token_ids(tokenizer_dir))  # fmt: skip
-    if untie:
-        cfg["tie_word_embeddings"] = False
-    finish_export(folder, cfg, tokenizer_dir, step=None, run=run)
+    finish_export(folder, model_config=model_config, family=family,
+                  dtype=str(dtype).removeprefix("torch."), tokenizer_dir=tokenizer_dir,
+                  step=None, run=run, untied=untie)  # fmt: skip
     return folder
 
 

@@ -590,15 +590,32 @@ def write_hf_weights(
 
 def finish_export(
     folder: str,
-    config: dict[str, Any],
-    tokenizer_dir: str | None,
     *,
+    model_config: Any,
+    family: str,
+    dtype: str,
+    tokenizer_dir: str | None,
     step: int | None,
     run: str = "",
+    base_config: str = "",
+    untied: bool = False,
 ) -> None:
-    """Write config.json and copy the tokenizer files into an exported weights folder
-    (`write_hf_weights`'s); EXPORT_INFO records the step (None: not a training step's,
-    e.g. a merged adapter export), dtype and the run that wrote it."""
+    """Finish a weights folder `write_hf_weights` wrote (a run's export and a merged adapter
+    export alike): config.json (`hf_config`: the config.json of `base_config`, the folder the
+    run started from, dtype updated; else written from torchtitan's `model_config` with the
+    tokenizer's bos/eos/pad ids; `untied`: tie_word_embeddings false, for a merged model
+    whose lm_head adapter made the output projection its own), the tokenizer files of
+    `tokenizer_dir`, and EXPORT_INFO: the step (None: not a training step's), dtype and the
+    run that wrote it."""
+    base = None
+    if base_config:
+        with open(os.path.join(base_config, "config.json"), "rb") as f:
+            base = jsonio.loads(f.read())
+    config = hf_config(
+        model_config, family, dtype, base=base, token_ids=special_token_ids(tokenizer_dir)
+    )
+    if untied:
+        config["tie_word_embeddings"] = False
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     if tokenizer_dir and os.path.isdir(tokenizer_dir):
