@@ -77,7 +77,8 @@ def measure_full(job, steps: int, skip: int, out: str) -> dict:
     for _ in range(steps):
         t0, c0 = time.perf_counter(), time.process_time()
         x, pos, y = next(a.batches)
-        from runtime.steps import Rows, token_logprobs
+        from runtime.logprobs import token_logprobs
+        from runtime.rows import Rows
 
         loss_fn, _ = aj._ce(y)
         loss = loss_fn(token_logprobs(aj.model, Rows(x, y, pos)))

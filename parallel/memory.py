@@ -511,9 +511,9 @@ def estimate_rank(w: Workload, pp_rank: int, st: Stack | None = None) -> MemoryE
 # Post-training: RL, [[adapters]] and the service run microbatches under a token budget
 # (runtime.steps), next to the generator's model copies and KV cache.
 
-# runtime.steps computes float32 log-softmax over this many tokens at a time.
+# runtime.logprobs computes float32 log-softmax over this many tokens at a time.
 LOGPROB_CHUNK_TOKENS = 1024
-# Budgets tried when choosing one from memory (runtime.steps, tools.predict).
+# Budgets tried when choosing one from memory (runtime.budget, tools.predict).
 MICROBATCH_LADDER = tuple(2**k for k in range(8, 18))  # 256 .. 131072 tokens
 
 

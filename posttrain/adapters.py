@@ -5,7 +5,7 @@ One base (torchtitan's model, LoRA converter applied, every base weight frozen) 
 stream (SFT-rendered, bfd-packed), step engine (runtime.steps: torchtitan's AdamW and the
 recipe's LR schedule at its lr / warmup / steps, the token budget, the non-finite guard),
 verified checkpoints (<output_dir>/adapters/<name>/step-N) and metrics (metrics.jsonl
-records carry "adapter"; TensorBoard, W&B). Rounds run under runtime.steps.StepGuard.
+records carry "adapter"; TensorBoard, W&B). Rounds run under runtime.step_guard.StepGuard.
 Schedules (`finetune.adapter_schedule`, benchmarks/adapters.md): "turns" binds one adapter
 at a time (posttrain.lora.bind_adapter, no copy): each adapter's arithmetic is exactly its
 own; "batched" runs every adapter's rows as one batch with a segmented multi-LoRA matmul,
@@ -47,14 +47,11 @@ from posttrain.lora import (
 )
 from recipe.loader import blame
 from recipe.schema import AdapterSection, Recipe
-from runtime.steps import (
-    Attrs,
-    Rows,
-    StepEngine,
-    StepGuard,
-    recipe_checkpointer,
-    recipe_optimizer,
-)
+from runtime.build import recipe_checkpointer, recipe_optimizer
+from runtime.rows import Rows
+from runtime.stateful import Attrs
+from runtime.step_guard import StepGuard
+from runtime.steps import StepEngine
 
 
 @dataclass
@@ -446,7 +443,8 @@ class AdapterJob:
     def export(self, a: AdapterState) -> str:
         bind_adapter(self.model, a.params)
         return export_adapter(self.model, self.recipe, a.spec.name, model_config=self.model_config,
-                              state_dict_adapter=self.state_dict_adapter)  # fmt: skip
+                              state_dict_adapter=self.state_dict_adapter,
+                              tokenizer_dir=self.tokenizer_path)  # fmt: skip
 
     # -- the loop --------------------------------------------------------------------------
     def _start(self) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from core.jsonio import loads_line
 from data.chat import BadChat, ChatRenderer, Example, decode_masked, parse_record
-from runtime.steps import forward_logits, logprobs_of
+from runtime.logprobs import forward_logits, logprobs_of
 
 
 def load_examples(path: str | Path) -> list[Example]:

@@ -416,17 +416,20 @@ def export_merged(
     scale: float,
     family: str = "llama3",
     dtype: torch.dtype = torch.float32,
+    tokenizer_dir: str | None = None,
+    run: str = "",
 ) -> str:
-    """The merged model (base + adapter) as a Hugging Face folder (model.safetensors +
-    config.json, runtime.hf.hf_config for `family`). `base`: full torchtitan state dict
-    without adapter keys.
+    """The merged model (base + adapter) as a Hugging Face folder, written as a full export is
+    (runtime.hf.write_hf_weights: safetensors sharded per the state-dict adapter's
+    fqn_to_index_mapping or one consolidated file, + index; finish_export: config.json from
+    runtime.hf.hf_config for `family`, tokenizer files, EXPORT_INFO). One process, whole
+    tensors: `base` is the full torchtitan state dict without adapter keys. Committing the
+    folder (manifest, rename) is the caller's (export_adapter).
 
     Tied embeddings (Qwen3's small flavors) with an adapter on lm_head: the merged output
     projection is embed + scale * B A, no longer the embedding, so the folder is written
     untied (its own lm_head.weight, tie_word_embeddings = false)."""
-    from safetensors.torch import save_file
-
-    from runtime.hf import hf_config
+    from runtime.hf import finish_export, write_hf_weights
 
     peft, _ = peft_tensors(model_config, adapter, state_dict_adapter)
     hf = state_dict_adapter.to_hf(dict(base))
@@ -435,23 +438,29 @@ def export_merged(
         hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
     hf = merge_into_hf(hf, peft, scale)
     os.makedirs(folder, exist_ok=True)
-    save_file(
-        {k: v.detach().to(dtype).cpu().contiguous() for k, v in hf.items()},
-        os.path.join(folder, "model.safetensors"),
-    )
-    cfg = hf_config(model_config, family, str(dtype).removeprefix("torch."))
-    if untie:
-        cfg["tie_word_embeddings"] = False
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=1)
+    weights = {k: v.detach().to(dtype).cpu().contiguous() for k, v in hf.items()}
+    write_hf_weights(
+        folder, weights, getattr(state_dict_adapter, "fqn_to_index_mapping", None),
+        single_process=True,
+    )  # fmt: skip
+    finish_export(folder, model_config=model_config, family=family,
+                  dtype=str(dtype).removeprefix("torch."), tokenizer_dir=tokenizer_dir,
+                  step=None, run=run, untied=untie)  # fmt: skip
     return folder
 
 
 def export_adapter(
-    model: nn.Module, recipe: Any, name: str, *, model_config: Any, state_dict_adapter: Any
+    model: nn.Module,
+    recipe: Any,
+    name: str,
+    *,
+    model_config: Any,
+    state_dict_adapter: Any,
+    tokenizer_dir: str | None = None,
 ) -> str:
     """The adapter bound in `model` as a PEFT folder <finetune.export_dir>/<name> (and, with
-    finetune.export_merged, the merged model in its merged/ subfolder). Every rank calls
+    finetune.export_merged, the merged model in its merged/ subfolder, `tokenizer_dir`'s
+    tokenizer files copied in as for a full export). Every rank calls
     (gathering sharded tensors is collective); rank 0 writes, into a hidden sibling that is
     committed whole (core.atomic: manifest, fsync, one rename; a previous export of the same
     name is replaced only once the new one is complete)."""
@@ -477,6 +486,7 @@ def export_adapter(
         "adapter": adapter,
         "state_dict_adapter": state_dict_adapter,
     }
+    run = export_run_id(r.checkpoint_dir)
     parent, leaf = os.path.split(folder.rstrip("/"))
     tmp = os.path.join(parent, f".{leaf}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -489,10 +499,11 @@ def export_adapter(
                 base = fold_expert_adapters(base, experts, scale)
         if base is not None:
             merged = os.path.join(tmp, "merged")
-            export_merged(merged, base=base, scale=scale, family=r.model.family, **kw)
+            export_merged(merged, base=base, scale=scale, family=r.model.family,
+                          tokenizer_dir=tokenizer_dir, run=run, **kw)  # fmt: skip
             write_manifest(merged, folder_crcs(merged))
             fsync_files(merged)
-        mark_export(tmp, export_run_id(r.checkpoint_dir))
+        mark_export(tmp, run)
         write_manifest(tmp, folder_crcs(tmp))
         fsync_files(tmp)
         publish_folder(tmp, folder)

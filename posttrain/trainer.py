@@ -83,6 +83,7 @@ class SFTTrainer(TitanscaleTrainer):
             return None
         folder = export_adapter(self.model_parts[0], r, r.job.name,
                                 model_config=self.config.model_spec.model,
-                                state_dict_adapter=self.state_dict_adapter)  # fmt: skip
+                                state_dict_adapter=self.state_dict_adapter,
+                                tokenizer_dir=self.config.hf_assets_path)  # fmt: skip
         logger.info(f"exported adapter to {folder}")
         return folder

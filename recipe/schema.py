@@ -918,7 +918,8 @@ class FinetuneSection:
         default=False,
         metadata=doc(
             "Also write the merged model (base + scale * B A) as a Hugging Face folder "
-            "(model.safetensors + config.json) next to each adapter."
+            "(safetensors + index, config.json, tokenizer files: the full export's writer, "
+            "runtime.hf.write_hf_weights) in each adapter's merged/ subfolder."
         ),
     )
     eval_every: int = field(

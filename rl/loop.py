@@ -48,6 +48,11 @@ from rl.policy import full_state_dict
 from rl.trainer import PolicyTrainer, Rollout, collate
 from rl.vllm_engine import EngineError
 from runtime import steps
+from runtime.budget import choose_microbatch_tokens
+from runtime.build import recipe_optimizer
+from runtime.rank_mean import mean_over_ranks
+from runtime.rows import split_rows
+from runtime.step_guard import StepGuard
 
 
 def check(job: Any) -> None:
@@ -154,9 +159,7 @@ class RLRun:
         )
         assert rl.loss == "custom" or rl.loss in BUILTIN_LOSSES
         # The token budget for scoring, reference logprobs, forward_backward and generation.
-        self.microbatch_tokens = steps.choose_microbatch_tokens(
-            job.recipe, job.layout, job.platform
-        )
+        self.microbatch_tokens = choose_microbatch_tokens(job.recipe, job.layout, job.platform)
         self.policy = PolicyTrainer(
             model,
             trainer.optimizers,
@@ -280,7 +283,7 @@ class RLRun:
         at most microbatch_tokens positions. Chunk k > 0 samples from seed (seed, k)."""
         lens = [len(p) + params.max_tokens for p in prompts]
         out: list[Any] = []
-        for lo, hi in steps.split_rows(lens, self.microbatch_tokens // params.n):
+        for lo, hi in split_rows(lens, self.microbatch_tokens // params.n):
             seed = params.seed if not lo or params.seed is None else params.seed * 1_000_003 + lo
             for smp in self.generator.generate(prompts[lo:hi], replace(params, seed=seed)):
                 smp.prompt_index += lo
@@ -401,7 +404,7 @@ class RLRun:
 
         pol, eng = self.policy, self.policy.engine
         main = eng.optimizers, eng.lr_schedulers
-        eng.optimizers, eng.lr_schedulers = steps.recipe_optimizer(
+        eng.optimizers, eng.lr_schedulers = recipe_optimizer(
             self.job.recipe, pol.model, lr=self.rl.sft_warmup_lr
         )
         ce = get_loss("cross_entropy")
@@ -448,9 +451,7 @@ class RLRun:
         lag = lag.to(c.versions.device)
         if self.probe is not None:
             rs, T = batch.rollouts, self.rl.temperature
-            spans = steps.split_rows(
-                [len(r.prompt + r.completion) for r in rs], self.microbatch_tokens
-            )
+            spans = split_rows([len(r.prompt + r.completion) for r in rs], self.microbatch_tokens)
             probe = [lp for lo, hi in spans for lp in self.probe.score(
                 [r.prompt for r in rs[lo:hi]], [r.completion for r in rs[lo:hi]], T)]  # fmt: skip
             probe = [[lp[j] for j in r.trained()] for lp, r in zip(probe, rs, strict=True)]
@@ -577,7 +578,7 @@ def _train_run(job: Any, trainer: Any, r: RLRun, start: int) -> dict[str, Any] |
     if eval_stats:
         logger.info(f"rl: held-out before RL: {eval_stats}")
         mp.write_event("rl_eval", step=start, **eval_stats)
-    guard = steps.StepGuard(job.recipe, device=trainer.device)
+    guard = StepGuard(job.recipe, device=trainer.device)
     done = start  # the weights in memory are exactly version `done`
     stopped = False
     try:
@@ -594,7 +595,7 @@ def _train_run(job: Any, trainer: Any, r: RLRun, start: int) -> dict[str, Any] |
                 t_wait = time.perf_counter() - t0
                 # No rollout succeeded on any rank (on_error = "skip"): nothing to train on.
                 # The update is skipped and counted, never trained or logged as a NaN loss.
-                empty = steps.mean_over_ranks({"n": float(len(batch.rollouts))})["n"] == 0
+                empty = mean_over_ranks({"n": float(len(batch.rollouts))})["n"] == 0
                 if not empty:
                     stats = r.train_on(batch, step)
                 done = trainer.step = step
@@ -627,7 +628,7 @@ def _train_run(job: Any, trainer: Any, r: RLRun, start: int) -> dict[str, Any] |
                 **batch.extra,
                 **{k: v for k, v in stats.items() if k not in ("loss", "grad_norm")},
             }
-            extra = steps.mean_over_ranks(extra)
+            extra = mean_over_ranks(extra)
             trainer.checkpointer.save(step, last_step=(step == r.steps))
             if step % rl.eval_every == 0 or step == r.steps:
                 ev = r.evaluate()

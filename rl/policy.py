@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from runtime.steps import Rows, forward_logits, logprobs_of
+from runtime.logprobs import forward_logits, logprobs_of
+from runtime.rows import Rows
 
 __all__ = ["forward_logits", "full_state_dict", "token_logprobs"]
 

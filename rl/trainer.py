@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from rl.losses import LossBatch, LossFn
-from runtime.steps import Rows, StepEngine, shifted_rows
+from runtime.rows import Rows, shifted_rows
+from runtime.steps import StepEngine
 
 
 @dataclass

@@ -5,7 +5,9 @@ converters, loss, optimizer, scheduler, parallelism, checkpoint, AC, compile); t
 adds its own components only at torchtitan's seams: the dataloader
 (`data.loader.TitanscaleDataLoader`), the metrics processor (`runtime.metrics`), the
 checkpoint manager (`runtime.checkpoint.AtomicCheckpointManager`) and the inner-attention
-config chosen by the kernels layer.
+config chosen by the kernels layer. The loops that are not the Trainer's ([[adapters]], RL)
+get their optimizer, LR schedule and checkpoint manager from the recipe here too
+(`recipe_optimizer`, `recipe_checkpointer`), so they are built as the Trainer's are.
 """
 
 from __future__ import annotations
@@ -478,3 +480,40 @@ def build_trainer_config(
         for line in apply_overrides(config, recipe.torchtitan, file=recipe.source):
             logger.info(f"[torchtitan] override: {line}")
     return config
+
+
+# -- the post-training loops' optimizer, schedule and checkpointer (runtime.steps' callers)
+def recipe_optimizer(
+    recipe: Any, module: Any, *, lr: float, warmup_steps: int = -1, steps: int = 0
+) -> tuple[Any, Any]:
+    """torchtitan's AdamW container over `module`'s trainable parameters with the recipe's
+    settings at `lr`, and (steps > 0) its LR schedule (lr_schedule, min_lr_ratio,
+    decay_ratio) over `steps` with `warmup_steps`; None: a constant learning rate."""
+    opt = default_adamw(lr=lr, weight_decay=recipe.training.weight_decay).build(
+        model_parts=[module]
+    )
+    if steps <= 0:
+        return opt, None
+    cfg = dataclasses.replace(lr_scheduler_config(recipe), warmup_steps=max(warmup_steps, 0))
+    return opt, cfg.build(optimizers=opt, training_steps=steps)
+
+
+def recipe_checkpointer(recipe: Any, folder: str, *, steps: int, **states: Any) -> Any:
+    """The verified checkpoint manager (runtime.checkpoint) for one state of a post-training
+    loop over `folder` (step-N subfolders): the recipe's interval (0: `steps`), keep_latest,
+    checksums and async mode (async needs a process group). `states`: model_parts,
+    optimizers, lr_schedulers, dataloader and states, as torchtitan's manager takes them."""
+    import torch.distributed as dist
+
+    ck = recipe.checkpoint
+    async_ok = dist.is_available() and dist.is_initialized()
+    return AtomicCheckpointManager.Config(
+        enable=True,
+        folder=folder,
+        interval=ck.interval or steps,
+        keep_latest_k=ck.keep_latest,
+        last_save_model_only=False,  # every save resumes
+        async_mode=ck.async_mode if async_ok else "disabled",
+        checksums=ck.checksums,
+        recipe_file=recipe.source or "",
+    ).build(sd_adapter=None, **states)

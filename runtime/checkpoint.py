@@ -34,9 +34,12 @@
   `.partial`, as for a synchronous save. Cost: rank 0 alone reads the checkpoint once for
   the checksums, off the training thread.
 - Hugging Face (`runtime.hf`): an HF initial load (`initial_load_in_hf`) goes to torchtitan's
-  reader unverified (safetensors hold no code); `export_hf` writes the model through
-  torchtitan's `dcp_save(to_hf=True)` into `<export_folder>/step-N.partial`, adds
-  config.json, tokenizer files and a manifest, and renames, after the DCP checkpoint.
+  reader unverified (safetensors hold no code); `export_hf`, after the DCP checkpoint,
+  commits `<export_folder>/step-N` as a checkpoint is committed (`.partial`, every rank's
+  errors in one line, manifest, rename). What goes into the folder is runtime/hf.py's, the
+  same as for a merged LoRA export: `write_hf_weights` (the family's `to_hf` + torch's
+  HuggingFaceStorageWriter, as torchtitan's `dcp_save(to_hf=True)`) and `finish_export`
+  (config.json, tokenizer files, EXPORT_INFO).
 
 Costs: CRC32 runs at about 1 GB/s per core; each rank checksums only its own files on
 save and 1/world of the files on load (`checkpoint.checksums = false` skips it and keeps
@@ -63,8 +66,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
+from torchtitan.tools.utils import GarbageCollection
 
-from core import jsonio
 from core.atomic import (
     crc32_file,
     folder_crcs,
@@ -546,7 +549,7 @@ class AtomicCheckpointManager(CheckpointManager):
         assert self.sd_adapter is not None, "this model family has no Hugging Face adapter"
         final = os.path.join(cfg.export_folder, f"step-{step}")
         tmp = final + PARTIAL
-        from runtime.hf import check_export_target, export_run_id
+        from runtime.hf import check_export_target, export_run_id, write_hf_weights
 
         # Never over another run's export of this step (checked at prepare too; again here:
         # another job may have exported since).
@@ -569,7 +572,10 @@ class AtomicCheckpointManager(CheckpointManager):
         }
         key = "checkpoint.export_folder"
         try:
-            CheckpointManager.dcp_save(self, states, tmp, AsyncMode.DISABLED, True, to_hf=True)
+            hf_state = self.sd_adapter.to_hf(states)
+            write_hf_weights(tmp, hf_state, self.sd_adapter.fqn_to_index_mapping)
+            del hf_state
+            GarbageCollection.collect("GC collection after the Hugging Face export.")
         except (Exception, CheckpointException) as e:  # every rank (DCP gathers the errors)
             self._save_failed(e, final, step, states, key=key)
             raise
@@ -593,24 +599,16 @@ class AtomicCheckpointManager(CheckpointManager):
         return final
 
     def _finish_export(self, tmp: str, final: str, step: int, begin: float) -> None:
-        from runtime.hf import export_run_id, finish_export, hf_config, special_token_ids
+        """Rank 0: runtime.hf.finish_export (config.json, tokenizer files, EXPORT_INFO),
+        then the manifest and the rename."""
+        from runtime.hf import export_run_id, finish_export
 
         cfg = self.xconfig
         assert self.sd_adapter is not None
-        shutil.rmtree(os.path.join(tmp, "sharded"), ignore_errors=True)
-        base = None
-        if cfg.export_base_config:
-            with open(os.path.join(cfg.export_base_config, "config.json"), "rb") as f:
-                base = jsonio.loads(f.read())
         dtype = str(self.export_dtype).removeprefix("torch.")
-        config = hf_config(
-            self.sd_adapter.model_config,
-            cfg.export_family,
-            dtype,
-            base=base,
-            token_ids=special_token_ids(cfg.tokenizer_dir),
-        )
-        finish_export(tmp, config, cfg.tokenizer_dir, step=step, run=export_run_id(self.folder))
+        finish_export(tmp, model_config=self.sd_adapter.model_config, family=cfg.export_family,
+                      dtype=dtype, tokenizer_dir=cfg.tokenizer_dir, step=step,
+                      run=export_run_id(self.folder), base_config=cfg.export_base_config)  # fmt: skip
         self._commit(tmp, final, step, self._folder_crcs(tmp), dcp=False)
         logger.info(
             f"Hugging Face export ({dtype}) written to {final} in {time.monotonic() - begin:.1f} s"

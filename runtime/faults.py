@@ -23,7 +23,7 @@ the run checkpoints and stops at its next stop check: a deterministic requeue in
 
 Unset (the normal case) costs one list test per seam. A malformed value is a ConfigError
 before training (`runtime.session.prepare`). The seams are
-`TitanscaleTrainer.forward_backward_step`, `runtime.steps.StepGuard.step` (the post-training
+`TitanscaleTrainer.forward_backward_step`, `runtime.step_guard.StepGuard.step` (the post-training
 loops), `AtomicCheckpointManager.dcp_save` and tools.prepare_data's `on_shard`.
 """
 

@@ -2,8 +2,10 @@
 
 The weights never pass through code of ours: loading is torchtitan's
 `CheckpointManager` with `initial_load_in_hf` (its `HuggingFaceStorageReader` + the family's
-`StateDictAdapter.from_hf`), exporting is its `dcp_save(to_hf=True)` (`to_hf` +
-`HuggingFaceStorageWriter`). What torchtitan does not do is here:
+`StateDictAdapter.from_hf`); exporting is the family's `to_hf` + torch's
+`HuggingFaceStorageWriter`, laid out as torchtitan's `dcp_save(to_hf=True)` lays it out
+(`write_hf_weights`: the one writer of full and merged exports). What torchtitan does not
+do is here:
 
 - `check_load_hf`: before any process group, the folder's config.json is compared with the
   recipe's model (family, layers, widths, heads, vocabulary): a mismatch is one line naming
@@ -519,11 +521,101 @@ def mark_export(folder: str, run: str, **fields: Any) -> None:
         json.dump({**fields, "run": run}, f)
 
 
-def finish_export(
-    folder: str, config: dict[str, Any], tokenizer_dir: str | None, *, step: int, run: str = ""
+# -- Writing the weights: one writer for full and merged exports -------------------------------
+SHARDED_DIR = "sharded"  # the writer's per-rank files before consolidation (removed after)
+
+
+def shard_mapping(fqn_to_index_mapping: dict[str, int] | None, names: Any) -> dict[str, int] | None:
+    """The file index of every tensor in `names` (Hugging Face names): the state-dict
+    adapter's mapping (the shards of the folder the model came from) where it names the
+    tensor, else the last file (a merged export's untied lm_head.weight of a tied model,
+    which the tied folder's index does not name; the writer would fail with a KeyError).
+    None (no mapping): one consolidated file."""
+    if not fqn_to_index_mapping:
+        return None
+    last = max(fqn_to_index_mapping.values())
+    return {n: fqn_to_index_mapping.get(n, last) for n in names}
+
+
+def write_hf_weights(
+    folder: str,
+    hf_state: dict[str, Any],
+    fqn_to_index_mapping: dict[str, int] | None,
+    *,
+    single_process: bool = False,
 ) -> None:
-    """Write config.json and copy the tokenizer files into an exported weights folder;
-    EXPORT_INFO records the step, dtype and the run that wrote it."""
+    """Write `hf_state` (Hugging Face names: the state-dict adapter's `to_hf` output) as
+    safetensors into `folder`, as torchtitan's `dcp_save(to_hf=True)` does: torch's
+    `HuggingFaceStorageWriter`, sharded per `fqn_to_index_mapping` when the adapter has one
+    (model-0000i-of-0000n.safetensors + model.safetensors.index.json), else consolidated
+    into one file (model-00001-of-00001.safetensors + the index).
+
+    Every rank calls (a collective save: DTensors are written by the ranks holding them, the
+    shards consolidated a file per rank), or, with `single_process`, one process holding
+    whole tensors (the merged export on rank 0: `no_dist`, the writer consolidates alone).
+    The per-rank files under `folder/sharded` are removed once consolidated. Committing the
+    folder (config.json: `finish_export`; manifest and rename: core.atomic) is the caller's."""
+    import warnings
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+        consolidate_safetensors_files_on_every_rank,
+    )
+
+    mapping = shard_mapping(fqn_to_index_mapping, hf_state)
+    sharded = os.path.join(folder, SHARDED_DIR)
+    # Collective with a mapping: each rank writes its shards, then consolidates its share of
+    # the output files (torchtitan's layout). One process: the writer consolidates in finish.
+    collective_shards = bool(mapping) and not single_process
+    writer = HuggingFaceStorageWriter(
+        path=sharded if collective_shards else folder,
+        save_distributed=True,
+        fqn_to_index_mapping=mapping,
+        enable_consolidation=not collective_shards,
+    )
+    with warnings.catch_warnings():  # DCP warns that no_dist assumes one process: the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(hf_state, storage_writer=writer, no_dist=single_process)
+    if collective_shards:
+        assert mapping is not None
+        consolidate_safetensors_files_on_every_rank(
+            input_dir=sharded, output_dir=folder, fqn_to_index_mapping=mapping, num_threads=5
+        )  # ends with a barrier: every rank's share is written
+    coordinator = single_process or not dist.is_initialized() or dist.get_rank() == 0
+    if coordinator:
+        shutil.rmtree(sharded, ignore_errors=True)
+
+
+def finish_export(
+    folder: str,
+    *,
+    model_config: Any,
+    family: str,
+    dtype: str,
+    tokenizer_dir: str | None,
+    step: int | None,
+    run: str = "",
+    base_config: str = "",
+    untied: bool = False,
+) -> None:
+    """Finish a weights folder `write_hf_weights` wrote (a run's export and a merged adapter
+    export alike): config.json (`hf_config`: the config.json of `base_config`, the folder the
+    run started from, dtype updated; else written from torchtitan's `model_config` with the
+    tokenizer's bos/eos/pad ids; `untied`: tie_word_embeddings false, for a merged model
+    whose lm_head adapter made the output projection its own), the tokenizer files of
+    `tokenizer_dir`, and EXPORT_INFO: the step (None: not a training step's), dtype and the
+    run that wrote it."""
+    base = None
+    if base_config:
+        with open(os.path.join(base_config, "config.json"), "rb") as f:
+            base = jsonio.loads(f.read())
+    config = hf_config(
+        model_config, family, dtype, base=base, token_ids=special_token_ids(tokenizer_dir)
+    )
+    if untied:
+        config["tie_word_embeddings"] = False
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     if tokenizer_dir and os.path.isdir(tokenizer_dir):

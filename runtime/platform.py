@@ -50,6 +50,7 @@ import resource
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -390,3 +391,13 @@ def _keep_float32(forward):  # noqa: ANN001, ANN202
 
     wrapped.__wrapped__ = forward  # type: ignore[attr-defined]
     return wrapped
+
+
+def device_memory_bytes(platform: Any) -> tuple[float, str]:
+    """(bytes one rank may use, the memory model's device kind): the GPU's memory, or on
+    CPU the host's memory shared by the local processes."""
+    if platform.is_cpu:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return ram / max(launch_env().local_world_size, 1), "cpu"
+    local = launch_env().local_rank
+    return float(torch.cuda.get_device_properties(local).total_memory), platform.device_name

@@ -39,9 +39,9 @@ from recipe.loader import (
 )
 from recipe.schema import Recipe
 from runtime import faults
+from runtime.budget import choose_microbatch_tokens
 from runtime.build import KernelChoice, build_trainer_config, choose_kernels
 from runtime.platform import BRIDGED, Platform, check_pipeline_step
-from runtime.steps import check_posttrain_keys, choose_microbatch_tokens
 
 # Below this much free space in the output folder a checkpoint write is likely to fail
 # half-way; refuse to start instead.
@@ -551,3 +551,50 @@ def create_seed_checkpoint(job: Job, folder: str) -> str:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return os.path.join(os.path.abspath(folder), "step-0")
+
+
+def check_posttrain_keys(recipe: Any, layout: Any) -> None:
+    """Keys a job's path cannot honour: one line each, never ignored. RL trains
+    prompts_per_step x group_size rollouts per rank per update (local_batch_size is its
+    microbatch's row limit); an adapter steps on its local_batch_size rows per process."""
+    path = "rl" if recipe.rl.enabled else "[[adapters]]"
+    f = recipe.source
+    if not recipe.rl.enabled and not recipe.adapters:
+        return  # (training.microbatch_tokens there: recipe.loader.check_finetune)
+    if recipe.validation.enable:
+        raise ConfigError(
+            f"{path} has no validator (torchtitan's runs in the pretraining/SFT Trainer); "
+            "held-out scores come from eval_source / rl.eval_prompts; set "
+            "validation.enable = false",
+            file=f,
+            key="validation.enable",
+        )
+    dp = layout.dp if layout is not None else 1
+    # [[adapters]]: local_batch_size rows per process and step, no accumulation.
+    gbs, ok = recipe.training.global_batch_size, recipe.training.local_batch_size * dp
+    if recipe.rl.enabled:
+        if recipe.finetune.mode != "off" or recipe.adapters:
+            raise ConfigError(
+                "rl trains the full policy (its generator takes full weights); set "
+                "finetune.mode = 'off' and no [[adapters]]",
+                file=f,
+                key="finetune.mode",
+            )
+        for axis in ("tp", "pp", "cp"):
+            if layout is not None and getattr(layout, axis) != 1:
+                # Every rank samples its own prompts: tp/cp peers would see other rows.
+                raise ConfigError(
+                    f"rl runs data parallel only (each rank samples and trains its own "
+                    f"rollouts); {axis} = {getattr(layout, axis)} is not supported, set it to 1",
+                    file=f,
+                    key=f"parallel.{axis}",
+                )
+        ok = recipe.rl.prompts_per_step * recipe.rl.group_size * dp
+    if gbs not in (-1, ok):
+        raise ConfigError(
+            f"{path} steps on its own batch (rl: prompts_per_step x group_size rollouts per "
+            "rank, in microbatches of at most local_batch_size rows; [[adapters]]: "
+            f"local_batch_size rows per process); set -1 or {ok}, got {gbs}",
+            file=f,
+            key="training.global_batch_size",
+        )

@@ -40,9 +40,8 @@ from launch.stop_request import StopOnRequest
 from parallel.fabric import Fabric
 from runtime import faults
 from runtime.metrics import TitanscaleMetrics
-from runtime.steps import watched_step
 from runtime.stragglers import Arrivals
-from runtime.watchdog import StepWatchdog, default_store
+from runtime.watchdog import StepWatchdog, default_store, watched_step
 
 EXIT_SLEEP_S = 2  # torchtitan/trainer.py, end of Trainer.train: `time.sleep(2)` on rank 0
 

@@ -24,12 +24,13 @@ every `min(1 s, timeout / 10)`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torchtitan.tools.logging import logger
@@ -265,3 +266,20 @@ def default_store() -> Any:
         return dist.distributed_c10d._get_default_store()
     except Exception:
         return None
+
+
+@contextlib.contextmanager
+def watched_step(watchdog: Any, n: int, world_size: int) -> Iterator[None]:
+    """Mark step `n` for the watchdog; a collective timeout on several ranks becomes a
+    RankTimeoutError naming the rank that stopped answering (runtime.watchdog)."""
+    watchdog.begin(n)
+    try:
+        yield
+    except Exception as e:
+        watchdog.disarm()  # an exception is on its way: not a hang
+        if world_size > 1 and looks_like_timeout(e):
+            msg = watchdog.collective_failed(n, e)
+            logger.error(msg)
+            raise RankTimeoutError(msg) from e
+        raise
+    watchdog.end()

@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torchtitan.components.loss import IGNORE_INDEX
 
 from parallel.serve import GENERATOR_MAX_ROWS
 from posttrain.lora import (
@@ -69,7 +70,8 @@ from rl.generator import Generator, stop_string_end
 from rl.generator import SamplingParams as GenParams
 from rl.losses import BUILTIN_LOSSES, LossBatch, LossConfig
 from runtime.moe_experts import bind_expert_adapter, expert_adapter_shapes
-from runtime.steps import IGNORE_INDEX, NonFiniteError, Rows, StepEngine
+from runtime.rows import Rows
+from runtime.steps import NonFiniteError, StepEngine
 from service import deadline, proto
 from service.backend import NO_GENERATOR, BaseModelInfo, check_generator_capacity
 from service.errors import ServiceError, bad_request
@@ -243,8 +245,7 @@ def resource_plan(recipe, served: ServedBase | None, resource: Any) -> Any:
     memory, or on CPU the host's memory shared by the local processes), priced with the
     attention kernel the backend is built with."""
     from parallel.serve import plan_resource
-    from runtime.platform import Platform
-    from runtime.steps import device_memory_bytes
+    from runtime.platform import Platform, device_memory_bytes
 
     platform = Platform.detect()
     device_bytes, kind = device_memory_bytes(platform)
@@ -267,8 +268,7 @@ def resource_plans_together(
     """Several bases in one process on this machine's device (`parallel.serve.plan_together`):
     their plans and the device's bytes."""
     from parallel.serve import plan_together
-    from runtime.platform import Platform
-    from runtime.steps import device_memory_bytes
+    from runtime.platform import Platform, device_memory_bytes
 
     platform = Platform.detect()
     device_bytes, kind = device_memory_bytes(platform)

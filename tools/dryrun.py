@@ -186,7 +186,7 @@ def _rl_microbatch(recipe: Any, layout: Any, cluster: Any, notes: list[str]) -> 
 
 def _adapters_budget(recipe: Any, layout: Any, cluster: Any, notes: list[str]) -> int:
     """[[adapters]]: the step layer's token budget as the job chooses it
-    (runtime.steps.choose_microbatch_tokens: training.microbatch_tokens, else the largest
+    (runtime.budget.choose_microbatch_tokens: training.microbatch_tokens, else the largest
     the memory model fits on the profile's GPU)."""
     from parallel.memory import fit_microbatch_tokens, posttrain_load
     from parallel.workload import workload_from_recipe

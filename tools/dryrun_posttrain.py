@@ -71,8 +71,8 @@ def scalar_reads(patches: Any) -> None:
 def _chunk_prompts(rl: Any, seq_len: int, budget: int, max_batch: int) -> tuple[int, int]:
     """(prompts of the generation chunk the loop runs, their length): RLRun.generate splits
     prompts_per_step prompts of `prompt + max_new_tokens` slots under budget // group_size
-    (runtime.steps.split_rows); the generator prefills at most max_batch // n of them."""
-    from runtime.steps import split_rows
+    (runtime.rows.split_rows); the generator prefills at most max_batch // n of them."""
+    from runtime.rows import split_rows
 
     prompt = max(1, seq_len - rl.max_new_tokens)
     slots = prompt + rl.max_new_tokens
@@ -199,7 +199,7 @@ class RLUpdate:
         from rl.loop import loss_config, on_policy
         from rl.losses import BUILTIN_LOSSES, get_loss
         from rl.trainer import PolicyTrainer, Rollout, collate
-        from runtime.steps import split_rows
+        from runtime.rows import split_rows
 
         rl, tr = self.rl, self.job.recipe.training
         budget = self.job.microbatch_tokens

@@ -1,4 +1,4 @@
-"""runtime.steps.mean_over_ranks with ranks reporting different metric keys (a rank whose
+"""runtime.rank_mean.mean_over_ranks with ranks reporting different metric keys (a rank whose
 rollouts all failed trains nothing): each key is the mean over the ranks that report it,
 checked against the hand-computed means on 2 gloo processes."""
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.multiproc
 WORKER = """
 import json, sys
 import torch.distributed as dist
-from runtime.steps import mean_over_ranks
+from runtime.rank_mean import mean_over_ranks
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 mine = {"a": 1.0, "b": 4.0, "kl": 0.5} if rank == 0 else {"a": 3.0, "reward_mean": 0.25}

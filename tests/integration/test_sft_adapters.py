@@ -92,7 +92,7 @@ def test_adapters_in_one_job_equal_each_alone(prepared):
     for name in ("a", "b"):
         folder = s[name]["export"]
         assert os.path.exists(os.path.join(folder, "adapter_model.safetensors"))
-        assert os.path.exists(os.path.join(folder, "merged", "model.safetensors"))
+        assert os.path.exists(os.path.join(folder, "merged", "model.safetensors.index.json"))
         assert os.path.exists(os.path.join(d, f"out-turns-a-b/adapters/{name}"))
     recs = [json.loads(x) for x in (d / "out-turns-a-b" / "metrics.jsonl").read_text().splitlines()]
     assert {r["adapter"] for r in recs if "loss" in r} == {"a", "b"}

@@ -6,7 +6,7 @@ import torch
 
 from data.chat import ChatRenderer, Example
 from posttrain.evaluate import exact_match
-from runtime.steps import forward_logits
+from runtime.logprobs import forward_logits
 from tests.helpers.doc_mask import build_model
 
 

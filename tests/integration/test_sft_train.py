@@ -55,4 +55,4 @@ def test_lora_sft_keeps_base_bit_identical(tmp_path, seed_checkpoint):
     export = out / "export" / "sft_debug"
     assert (export / "adapter_model.safetensors").exists()
     assert json.loads((export / "adapter_config.json").read_text())["r"] == 16
-    assert (export / "merged" / "model.safetensors").exists()
+    assert (export / "merged" / "model.safetensors.index.json").exists()  # runtime.hf writer

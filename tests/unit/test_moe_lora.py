@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.lora import base_state, expert_adapter_state, fold_expert_adapters
+from runtime.logprobs import forward_logits
 from runtime.moe_experts import LoRAGroupedExperts, expert_lora_modules
-from runtime.steps import forward_logits
 from tests.helpers.tiny_llama import tiny_qwen3_moe
 
 

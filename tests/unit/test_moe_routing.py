@@ -16,7 +16,7 @@ from rl.generator import Generator, SamplingParams
 from rl.policy import token_logprobs
 from rl.trainer import PolicyTrainer, Rollout
 from runtime import routing
-from runtime.steps import token_logprobs as rows_logprobs
+from runtime.logprobs import token_logprobs as rows_logprobs
 from tests.helpers.tiny_llama import tiny_qwen3_moe
 
 PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13]]

@@ -12,7 +12,7 @@ from core.errors import ConfigError
 from core.models import model_shape
 from parallel.cluster import load_cluster
 from recipe.loader import check_recipe, load_recipe
-from runtime import steps
+from runtime import budget, platform, session
 
 GIB = 2**30
 
@@ -48,16 +48,16 @@ def test_rl_that_does_not_fit_says_what_it_needs(monkeypatch):
     recipe = load_recipe("recipes/rl_llama3_8b.toml", sets)
     layout = check_recipe(recipe, 8)
     gpu = SimpleNamespace(is_cpu=False, device_name="H100")
-    monkeypatch.setattr(steps, "device_memory_bytes", lambda p: (79.2 * GIB, "H100"))
+    monkeypatch.setattr(platform, "device_memory_bytes", lambda p: (79.2 * GIB, "H100"))
     with pytest.raises(ConfigError) as e:
-        steps.choose_microbatch_tokens(recipe, layout, gpu)
+        budget.choose_microbatch_tokens(recipe, layout, gpu)
     assert e.value.key == "training.microbatch_tokens"
     # The same figure tools.predict reports (one model, two front ends).
     need = pt["memory_gib_per_gpu"]
     assert f"needs {need:.1f} GiB per GPU with 8,192-token microbatches" in str(e.value)
     assert "generator_copies 59.8" in str(e.value) and "has 79.2 GiB" in str(e.value)
     fits = load_recipe("recipes/rl_llama3_8b.toml", [])
-    assert steps.choose_microbatch_tokens(fits, layout, gpu) == 2048
+    assert budget.choose_microbatch_tokens(fits, layout, gpu) == 2048
 
 
 @pytest.mark.parametrize(
@@ -71,7 +71,7 @@ def test_rl_that_does_not_fit_says_what_it_needs(monkeypatch):
 def test_keys_a_path_cannot_honour(recipe, sets, key, text):
     r = load_recipe(f"recipes/{recipe}.toml", sets)
     with pytest.raises(ConfigError) as e:
-        steps.check_posttrain_keys(r, Layout())
+        session.check_posttrain_keys(r, Layout())
     assert e.value.key == key and text in str(e.value) and "\n" not in str(e.value)
 
 
@@ -83,7 +83,7 @@ def test_pretraining_refuses_a_token_budget():
 
 def test_rl_refuses_model_parallel_and_accepts_its_own_batch():
     r = load_recipe("recipes/rl_debug.toml", ["training.global_batch_size=256"])
-    steps.check_posttrain_keys(r, Layout(dp_shard=2))  # 16 prompts x 8 samples x 2 ranks
+    session.check_posttrain_keys(r, Layout(dp_shard=2))  # 16 prompts x 8 samples x 2 ranks
     with pytest.raises(ConfigError) as e:
-        steps.check_posttrain_keys(r, Layout(dp_shard=1, tp=2))
+        session.check_posttrain_keys(r, Layout(dp_shard=1, tp=2))
     assert e.value.key == "parallel.tp"

@@ -20,8 +20,10 @@ from hypothesis import strategies as st
 from core.errors import ConfigError
 from rl.losses import LossBatch, LossConfig, get_loss
 from rl.trainer import PolicyTrainer, Rollout, collate
+from runtime import logprobs as lpmod
 from runtime import steps
-from runtime.steps import NonFiniteError, Rows, split_rows
+from runtime.rows import Rows, split_rows
+from runtime.steps import NonFiniteError
 from tests.helpers.tiny_llama import tiny_llama
 
 TEMPERATURE = 0.8
@@ -139,13 +141,13 @@ def test_outside_gradients_microbatched(base):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_chunked_logprobs_equal_log_softmax(monkeypatch, temperature):
-    monkeypatch.setattr(steps, "CHUNK_TOKENS", 5)  # several chunks and a ragged last one
+    monkeypatch.setattr(lpmod, "CHUNK_TOKENS", 5)  # several chunks and a ragged last one
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 7, 50, generator=g, requires_grad=True)
     targets = torch.randint(0, 50, (3, 7), generator=g)
     targets[1, 4:] = -100
     w = torch.randn(3, 7, generator=g)
-    lp = steps.logprobs_of(logits, targets, temperature)
+    lp = lpmod.logprobs_of(logits, targets, temperature)
     (lp * w).sum().backward()
     got = logits.grad.clone()
     logits.grad = None
@@ -247,5 +249,5 @@ def test_microbatch_count_is_shared_across_ranks(monkeypatch):
     spans = eng.spans(rows)
     assert calls == [2] and len(spans) == 5 and spans[2:] == [(0, 0)] * 3
     lp = eng.logprobs(rows)  # the repeats write nothing
-    ref = steps.token_logprobs(model, rows)
+    ref = lpmod.token_logprobs(model, rows)
     assert torch.allclose(lp, ref, atol=1e-6)

@@ -218,7 +218,7 @@ def test_tools_serve_refuses_several_bases_it_cannot_serve(
 def test_tools_serve_refuses_bases_that_do_not_fit_together(tmp_path, capsys, monkeypatch):
     """Each debug base fits the (faked) device alone, the two together do not: one line
     naming both bases and the numbers, exit 2, before the port is bound or a model built."""
-    import runtime.steps
+    import runtime.platform
     import service.server
     from parallel.serve import MICROBATCH_LADDER, resource_memory
     from tools import serve
@@ -228,7 +228,7 @@ def test_tools_serve_refuses_bases_that_do_not_fit_together(tmp_path, capsys, mo
     r = Resource(adapters=20000)  # resident adapters make each base's resident part large
     least = resource_memory(m, r, MICROBATCH_LADDER[0], m.context)
     device = least.required_gib_on("cpu") * GIB + least.resident  # one fits, two do not
-    monkeypatch.setattr(runtime.steps, "device_memory_bytes", lambda platform: (device, "cpu"))
+    monkeypatch.setattr(runtime.platform, "device_memory_bytes", lambda platform: (device, "cpu"))
     monkeypatch.setattr(service.server, "bind", lambda *a: pytest.fail("port bound"))
     alone = plan_resource(m, r, device, "cpu")
     assert alone.fits
