@@ -49,12 +49,20 @@ from benchmarks.peerbench.config import PAIRS, ROOT, SKYRL_INSTALL
 from benchmarks.peerbench.harness import Ctx, RunFailed, Server, prepare, start_serve
 from benchmarks.peerbench.pairs import dpo_pair, gen_pair, grpo_pair, service_pair, sft_pair
 from benchmarks.peerbench.report import before_of, versions, write_report
-from benchmarks.peerbench.workers import run_worker
+from benchmarks.peerbench.workers import run_worker, worker_loop
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--worker", nargs=2, metavar=("NAME", "ARGS_JSON"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker-loop", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--one-worker-process",
+        action="store_true",
+        help="run every worker of this venv (the TRL / transformers sides, the tinker clients) "
+        "in one shared process: imports paid once, for loss checks (the test); its timings "
+        "are not the benchmark's (train.py, the servers and skyrl-tx keep their processes)",
+    )
     ap.add_argument("--quick", action="store_true", help="smoke test: few steps, 1 repeat")
     ap.add_argument(
         "--repeats",
@@ -84,6 +92,9 @@ def main() -> None:
     if args.worker:
         run_worker(*args.worker)
         return
+    if args.worker_loop:
+        worker_loop()
+        return
     sys.path.insert(0, str(ROOT))
     from benchmarks.bench_data_scale import cpu_name
 
@@ -102,6 +113,40 @@ def main() -> None:
         prepare(ctx)
     except RunFailed as e:
         raise SystemExit(f"peers: the base could not be prepared: {e}") from None
+    vers = versions(args.skyrl_python)
+    out = Path(args.out)
+    if not out.is_absolute():
+        out = ROOT / out
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(pending: list[str]) -> None:
+        """The report of the pairs run so far (after each pair: a long run interrupted
+        keeps what it measured; `pairs_pending` names what it had not run yet)."""
+        loads = ctx.loads or [os.getloadavg()[0]]
+        cmd = "python benchmarks/peers.py " + " ".join(sys.argv[1:])
+        results["meta"] = {
+            "command": cmd.strip(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "wall_minutes": (time.perf_counter() - t_start) / 60,
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({cpu_name()}), "
+            f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, no GPU",
+            "threads": args.threads,
+            "repeats": args.repeats,
+            "quick": args.quick,
+            "one_worker_process": args.one_worker_process,
+            "base_steps": args.base_steps,
+            "load_min": min(loads),
+            "load_max": max(loads),
+            "load_median": statistics.median(loads),
+            "loads": loads,
+            "versions": vers,
+            "skyrl_install": SKYRL_INSTALL,
+            "pairs_pending": pending,
+        }
+        if befores:
+            results["before"] = befores
+        write_report(results, out)
+
     results: dict[str, Any] = {"pairs": {}}
     serve: Server | None = None
     serve_start = 0.0
@@ -131,35 +176,12 @@ def main() -> None:
                 r = {"error": str(e)[-3000:]}
                 print(f"[peers] {name} failed: {r['error']}", flush=True)
             results["pairs"][name] = r
+            write(pairs[pairs.index(name) + 1 :])
             print(json.dumps({name: {k: v for k, v in r.items() if k != "config"}}, default=str)[:1500],
                   flush=True)  # fmt: skip
     finally:
         if serve is not None:
             serve.stop()
-    loads = ctx.loads or [os.getloadavg()[0]]
-    cmd = "python benchmarks/peers.py " + " ".join(sys.argv[1:])
-    results["meta"] = {
-        "command": cmd.strip(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "wall_minutes": (time.perf_counter() - t_start) / 60,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({cpu_name()}), "
-        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, no GPU",
-        "threads": args.threads,
-        "repeats": args.repeats,
-        "quick": args.quick,
-        "base_steps": args.base_steps,
-        "load_min": min(loads),
-        "load_max": max(loads),
-        "load_median": statistics.median(loads),
-        "loads": loads,
-        "versions": versions(args.skyrl_python),
-        "skyrl_install": SKYRL_INSTALL,
-    }
-    if befores:
-        results["before"] = befores
-    out = Path(args.out)
-    if not out.is_absolute():
-        out = ROOT / out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_report(results, out)
+        ctx.close()
+    write([])
     print(out.with_suffix(".md").read_text())

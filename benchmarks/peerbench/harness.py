@@ -51,6 +51,9 @@ class Ctx:
         self.sft_tokens = ""
         self.example_tokens = 0
         self.examples_per_row = 0
+        # --one-worker-process: the shared worker process, started on first use
+        self._loop: subprocess.Popen[str] | None = None
+        self._loop_err = self.runs / "worker_loop.stderr.log"
 
     def log(self, name: str) -> Path:
         self.n_run += 1
@@ -63,19 +66,55 @@ class Ctx:
 
     def worker(self, name: str, wargs: dict[str, Any], *, python: str | None = None,
                timeout: float = 900) -> dict[str, Any]:  # fmt: skip
+        """One side's run: `peers.py --worker NAME ARGS_JSON` in its own process (in another
+        venv with `python`), or with --one-worker-process a request to the shared worker
+        process of this venv."""
         log = self.log(name)
-        cmd = [
-            python or self.py,
-            str(ENTRY),
-            "--worker",
-            name,
-            json.dumps(wargs),
-        ]
         load0 = self.load()
-        wall = run_logged(cmd, log, self.env, timeout)
-        out = worker_result(log)
+        if self.args.one_worker_process and python is None:
+            t0 = time.perf_counter()
+            out = self._shared_worker(name, wargs, log)
+            wall = time.perf_counter() - t0
+        else:
+            cmd = [python or self.py, str(ENTRY), "--worker", name, json.dumps(wargs)]
+            wall = run_logged(cmd, log, self.env, timeout)
+            out = worker_result(log)
         out.update(process_wall_s=wall, load_before=load0, load_after=self.load(), log=str(log))
         return out
+
+    def _shared_worker(self, name: str, wargs: dict[str, Any], log: Path) -> dict[str, Any]:
+        """A request to `peers.py --worker-loop` (started on first use); its output lines go
+        to `log` until its RESULT / FAILED line."""
+        if self._loop is None:
+            self._loop_err = self.runs / "worker_loop.stderr.log"
+            self._loop = subprocess.Popen(
+                [self.py, str(ENTRY), "--worker-loop"], cwd=ROOT, env=self.env, text=True,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._loop_err.open("w"),
+            )  # fmt: skip
+        assert self._loop.stdin is not None and self._loop.stdout is not None
+        self._loop.stdin.write(json.dumps([name, wargs]) + "\n")
+        self._loop.stdin.flush()
+        with log.open("w") as f:
+            for line in self._loop.stdout:
+                if line.startswith("RESULT "):
+                    return json.loads(line[len("RESULT ") :])
+                if line.startswith("FAILED "):
+                    raise RunFailed(f"{name} failed ({log}):\n{json.loads(line[7:])[-2500:]}")
+                f.write(line)
+        tail = self._loop_err.read_text(errors="replace")[-2500:]
+        raise RunFailed(f"the shared worker process exited ({self._loop_err}):\n{tail}")
+
+    def close(self) -> None:
+        """Ends the shared worker process, if one was started."""
+        if self._loop is not None:
+            assert self._loop.stdin is not None
+            self._loop.stdin.close()
+            try:
+                self._loop.wait(60)
+            except subprocess.TimeoutExpired:
+                self._loop.kill()
+                self._loop.wait(10)
+            self._loop = None
 
 
 # -- the base and the data -------------------------------------------------------------------

@@ -243,7 +243,13 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         "",
         f"`{m['command']}`, {m['date']}, {m['wall_minutes']:.1f} minutes. {m['machine']}; "
         f"{m['threads']} thread(s) per process, one process at a time, {m['repeats']} "
-        "repeat(s) per side, the sides interleaved (ours, peer, peer, ours, ...).",
+        "repeat(s) per side, the sides interleaved (ours, peer, peer, ours, ...)."
+        + (
+            " --one-worker-process: the peers' and the tinker clients' runs shared one "
+            "process (a loss check: these timings are not the benchmark's)."
+            if m.get("one_worker_process")
+            else ""
+        ),
         "",
         f"Load average (1 min) at the start of each run: {m['load_min']:.1f} to "
         f"{m['load_max']:.1f}, median {m['load_median']:.1f}, on 2 cores: other jobs shared "
@@ -278,6 +284,11 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         "|---|---|---|---|---|---|---|" + "---|" * len(befores) + "---|",
     ]
     L = [x for x in L if x is not None]
+    if m.get("pairs_pending"):
+        L.insert(
+            2,
+            f"**Partial: written after each pair; not run (yet): {', '.join(m['pairs_pending'])}.**\n",
+        )
     for name, ours, peer, a, b, wr, cr, loss, wrr, crr in ratio_rows(P):
         was = "".join(
             f"{r[1]:.2f} ({r[0]:.2f}) | " if r else "| "

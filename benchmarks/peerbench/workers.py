@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+import traceback
 
 from benchmarks.peerbench.config import ROOT
 
@@ -22,8 +23,8 @@ WORKERS = {
 }
 
 
-def run_worker(name: str, raw: str) -> None:
-    a = json.loads(raw)
+def call(name: str, a: dict) -> dict:
+    """Run worker `name` on its arguments in this process; its result."""
     sys.path.insert(0, str(ROOT))
     if "threads" in a:
         try:
@@ -33,5 +34,23 @@ def run_worker(name: str, raw: str) -> None:
         except ImportError:
             pass
     module, fn = WORKERS[name]
-    out = getattr(importlib.import_module(f"benchmarks.peerbench.{module}"), fn)(a)
-    print("RESULT " + json.dumps(out), flush=True)
+    return getattr(importlib.import_module(f"benchmarks.peerbench.{module}"), fn)(a)
+
+
+def run_worker(name: str, raw: str) -> None:
+    """`peers.py --worker NAME ARGS_JSON`: one worker, one process, one RESULT line."""
+    print("RESULT " + json.dumps(call(name, json.loads(raw))), flush=True)
+
+
+def worker_loop() -> None:
+    """`peers.py --worker-loop` (--one-worker-process): every request, one `[NAME, ARGS]`
+    JSON line on stdin, runs in this one process and answers one `RESULT <json>` or
+    `FAILED <json traceback>` line, until stdin closes. The imports (torch, transformers,
+    TRL, the SDK) are paid once instead of once per run: for loss checks, not timings."""
+    for line in sys.stdin:
+        name, a = json.loads(line)
+        try:
+            out = "RESULT " + json.dumps(call(name, a))
+        except Exception:
+            out = "FAILED " + json.dumps(traceback.format_exc())
+        print(out, flush=True)
