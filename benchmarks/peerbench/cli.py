@@ -52,6 +52,35 @@ from benchmarks.peerbench.report import before_of, versions, write_report
 from benchmarks.peerbench.workers import run_worker, worker_loop
 
 
+def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs' results as one: their pairs (later runs replace a pair), commands joined,
+    load readings pooled, the first run's machine, versions and --before columns; the date and
+    wall minutes of the run that ended last (runs may have overlapped: say so in the report)."""
+    first, last = runs[0]["meta"], max((r["meta"] for r in runs), key=lambda m: m["date"])
+    loads = [x for r in runs for x in r["meta"]["loads"]]
+    pairs: dict[str, Any] = {}
+    for r in runs:
+        pairs.update(
+            {k: v for k, v in r["pairs"].items() if k not in r["meta"].get("pairs_pending", [])}
+        )
+    meta = {
+        **first,
+        "command": " + ".join(f"`{r['meta']['command']}` ({', '.join(r['pairs'])})" for r in runs),
+        "date": last["date"],
+        "wall_minutes": max(r["meta"]["wall_minutes"] for r in runs),
+        "load_min": min(loads),
+        "load_max": max(loads),
+        "load_median": statistics.median(loads),
+        "loads": loads,
+        "pairs_pending": [],
+        "merged_from": [r["meta"] for r in runs],
+    }
+    out = {"pairs": pairs, "meta": meta}
+    if "before" in runs[0]:
+        out["before"] = runs[0]["before"]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--worker", nargs=2, metavar=("NAME", "ARGS_JSON"), help=argparse.SUPPRESS)
@@ -84,6 +113,13 @@ def main() -> None:
     )
     ap.add_argument("--work", default="outputs/peers", help="base cache and run folders")
     ap.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="no run: one report (--out) from the pairs of several runs' .json (a pair in a "
+        "later file replaces an earlier one's; the first file's --before columns are kept)",
+    )
+    ap.add_argument(
         "--skyrl-python",
         default=str(ROOT / ".venv-skyrl" / "bin" / "python"),
         help="interpreter of the skyrl-tx venv ('' = skip skyrl-tx)",
@@ -106,6 +142,14 @@ def main() -> None:
         args.repeats = 1 if args.quick else 5
     if args.base_steps is None:
         args.base_steps = 30 if args.quick else 150
+    out = Path(args.out)
+    if not out.is_absolute():
+        out = ROOT / out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        write_report(merge([json.loads(Path(f).read_text()) for f in args.merge]), out)
+        print(out.with_suffix(".md").read_text())
+        return
     befores = [before_of(json.loads(Path(b).read_text())) for b in args.before]
     t_start = time.perf_counter()
     ctx = Ctx(args)
@@ -114,10 +158,6 @@ def main() -> None:
     except RunFailed as e:
         raise SystemExit(f"peers: the base could not be prepared: {e}") from None
     vers = versions(args.skyrl_python)
-    out = Path(args.out)
-    if not out.is_absolute():
-        out = ROOT / out
-    out.parent.mkdir(parents=True, exist_ok=True)
 
     def write(pending: list[str]) -> None:
         """The report of the pairs run so far (after each pair: a long run interrupted

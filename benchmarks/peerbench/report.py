@@ -241,7 +241,13 @@ def write_report(results: dict[str, Any], out: Path) -> None:
     L: list[str] = [
         "# titanscale side by side with its peers (CPU)",
         "",
-        f"`{m['command']}`, {m['date']}, {m['wall_minutes']:.1f} minutes. {m['machine']}; "
+        (
+            f"Merged (`--merge`) from {len(m['merged_from'])} runs that overlapped in time: "
+            f"{m['command']}"
+            if m.get("merged_from")
+            else f"`{m['command']}`"
+        )
+        + f", {m['date']}, {m['wall_minutes']:.1f} minutes. {m['machine']}; "
         f"{m['threads']} thread(s) per process, one process at a time, {m['repeats']} "
         "repeat(s) per side, the sides interleaved (ours, peer, peer, ours, ...)."
         + (
