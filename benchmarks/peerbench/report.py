@@ -206,7 +206,7 @@ def details(P: dict[str, Any]) -> list[str]:
     if s and "train_step_s" in s:
         f = s["first_call_s"]
         L.append(
-            f"- **service**: the same script (peers.py `w_tinker_script`: LoRA rank {LORA['rank']}, "
+            f"- **service**: the same script (benchmarks/peerbench/tinker_workers.py `w_tinker_script`: LoRA rank {LORA['rank']}, "
             f"{s['config']['steps']} x (forward_backward of {s['config']['batch']} examples + "
             f"optim_step), save_weights_and_get_sampling_client, {s['config']['samples']} x "
             f"sample(8 x {s['config']['max_tokens']} tokens)); SDK {s['sdk']['ours']} against "
