@@ -3,7 +3,10 @@ base and data, titanscale's step-0 loss equals the peer's within 1e-4 for LoRA S
 SFTTrainer + PEFT, packing bfd and none: the packed rows and the cut padding of
 data.loader.trim_padding) and for DPO through tools.serve (TRL DPOTrainer), and the DPO
 sequence log-probs agree too (the DPO loss at step 0 is ln 2 for any implementation).
-One peers.py run: a 5-step base, then the three pairs, one repeat each."""
+One peers.py run at what these claims need: a 5-step base, then the three pairs, one repeat
+each, 3 SFT steps (step 0 compared, the losses move) and 2 DPO steps; the peers' runs and the
+tinker DPO client share one worker process (--one-worker-process: TRL and torch imported once;
+the timings that mode reports are not used). TRL stays the reference: its own trainers."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import pytest
 
 from tests.helpers.runs import ROOT, child_env
 
-pytestmark = pytest.mark.slow  # ~3-4 minutes on 2 shared cores: 7 training processes
+pytestmark = pytest.mark.slow  # 5 processes (base, 2 train.py, tools.serve, the peers')
 
 TOL = 1e-4
 
@@ -30,6 +33,7 @@ def report(tmp_path_factory):
         sys.executable,
         "benchmarks/peers.py",
         "--quick",
+        "--one-worker-process",
         "--pairs",
         "sft_lora_packed,sft_lora_unpacked,dpo",
         "--base-steps",
