@@ -205,3 +205,40 @@ def test_bad_input_is_one_line_and_exit_2(argv, needles, kind, capsys):
     for n in needles:
         assert n in lines[0], (n, lines[0])
     record_case("tools.dryrun", kind)
+
+
+def test_fsdp_chunks_made_on_demand_are_torchs():
+    """The dry run's on-demand FSDP2 shards (tools.dryrun._own_fsdp_chunks) against torch's
+    own `_chunk_with_empty`: the same views (size, stride, offset, values) at every index."""
+    import torch
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    patched = {}
+
+    class Patches:
+        def set(self, obj, name, value):
+            patched[name] = value
+
+    dryrun._own_fsdp_chunks(Patches())
+    ours_of = patched["_chunk_with_empty"]
+    for n, c, dim in [
+        (10, 4, 0),
+        (3, 8, 0),
+        (0, 4, 0),
+        (7, 7, 0),
+        (16, 4, 0),
+        (12, 4, 1),
+        (5, 512, 0),
+    ]:
+        t = torch.arange(n * 12).reshape(n, 12) if dim == 0 else torch.arange(36).reshape(3, 12)
+        ours, theirs = ours_of(t, c, dim), _chunk_with_empty(t, c, dim)
+        assert len(ours) == len(theirs) == c
+        for i in range(c):
+            a, b = ours[i], theirs[i]
+            assert (a.shape, a.stride(), a.storage_offset()) == (
+                b.shape,
+                b.stride(),
+                b.storage_offset(),
+            )
+            assert torch.equal(a, b), (n, c, dim, i)
+        assert ours[-1].shape == theirs[-1].shape

@@ -68,6 +68,8 @@ TORCH_PRIVATE: list[tuple[str, str, str]] = [
     ("torch.distributed._tools.fake_collectives", "sync_ops", "imported"),
     ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup.post_backward",
      "patched (gradients tagged)"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param", "_chunk_with_empty",
+     "patched (this rank's and the first shard's views only)"),
     # a CPU recipe's float32 grouped GEMM (MoE experts) past CUDA's meta rule
     ("torch._meta_registrations", "_meta_grouped_mm_common", "patched (wrapped: float32 on CPU)"),
     ("torch._meta_registrations", "_create_grouped_mm_output_tensor", "called"),
