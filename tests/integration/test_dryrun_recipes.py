@@ -43,7 +43,7 @@ EXPLAINED: dict[tuple[str, int], str] = {
     "(benchmarks/dryrun.md, MoE section): GPT-OSS's sinks and expert biases are not counted "
     "tensor by tensor",
 }
-# RL recipes step one update on the step layer (tools.dryrun_posttrain) against tools.predict's
+# RL recipes step one update on the step layer (tools.dryrun.posttrain) against tools.predict's
 # post-training figure: async RL also holds the staged, gathered float32 weights while it
 # trains (benchmarks/dryrun.md, "Post-training step"), which the memory model does not count.
 EXPLAINED[("rl_llama3_8b", 0)] = (
@@ -85,7 +85,7 @@ def dry_run(*args: str) -> tuple[int, str, dict[str, Any]]:
     the report). Each rank still steps in a fresh process of its own (tools.dryrun's
     workers); the command's own interpreter, its torch and torchtitan imports and the
     recipe's checks (~5 CPU-s a command) are this process's, paid once for the file."""
-    from tools.dryrun import main
+    from tools.dryrun.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -126,7 +126,7 @@ def test_shipped_recipe_builds_and_steps_at_its_world_size(name):
         fsdp = r["collectives"].get("fsdp.all_gather")
         lora = recipe.finetune.mode == "lora"  # adapters' gathers: priced by issue 23's terms
         # An RL update gathers the weights for each of its passes and for the push to the
-        # generator (tools.dryrun_posttrain); the perf model's volume is a Trainer step's.
+        # generator (tools.dryrun.posttrain); the perf model's volume is a Trainer step's.
         if pp == 1 and not lora and not recipe.rl.enabled and fsdp and fsdp["predicted_gib"]:
             # MoE under EP: the experts are gathered on torchtitan's efsdp groups.
             efsdp = r["collectives"].get("efsdp.all_gather", {"measured_gib": 0.0})

@@ -20,7 +20,10 @@ from parallel.memory import (
 )
 from parallel.stacks import load_stack
 from parallel.workload import Workload
-from tools import dryrun
+from tools.dryrun.cli import main as dryrun_main
+from tools.dryrun.fake_world import _own_fsdp_chunks
+from tools.dryrun.job import prepare
+from tools.dryrun.trackers import axis_groups
 from tools.reliability_report import record_case
 
 _KIND = {
@@ -132,7 +135,7 @@ def test_collectives_are_named_by_their_groups_ranks(layout):
     mesh = np.arange(layout.world_size).reshape(layout.shape())
     axes = [a.value for a in MESH_ORDER]
     for rank in range(layout.world_size):
-        named = {v: k for k, v in dryrun.axis_groups(layout, rank).items()}
+        named = {v: k for k, v in axis_groups(layout, rank).items()}
         coord = tuple(int(c) for c in np.argwhere(mesh == rank)[0])
 
         def ranks_varying(*which: str, at: tuple[int, ...] = coord) -> frozenset[int]:
@@ -147,7 +150,7 @@ def test_collectives_are_named_by_their_groups_ranks(layout):
 
 
 def test_more_nodes_grow_dp_and_keep_the_global_batch():
-    job = dryrun.prepare("recipes/llama3_70b_h100.toml", ["training.global_batch_size=2048"],
+    job = prepare("recipes/llama3_70b_h100.toml", ["training.global_batch_size=2048"],
                          nodes=512)  # fmt: skip
     lay, tr = job.layout, job.recipe.training
     assert job.world_size == 4096 and (lay.pp, lay.cp, lay.tp, lay.dp_shard) == (8, 2, 4, 64)
@@ -157,13 +160,13 @@ def test_more_nodes_grow_dp_and_keep_the_global_batch():
 
 
 def test_pipeline_stage_zero_always_runs_first():
-    job = dryrun.prepare("recipes/llama3_70b.toml", [], ranks=[255, 100])
+    job = prepare("recipes/llama3_70b.toml", [], ranks=[255, 100])
     assert job.ranks == [0, 100, 255]  # rank 0's forward gives the boundary metadata
     assert any("boundary" in n for n in job.notes)
 
 
 def test_fewer_microbatches_keep_the_microbatch_size():
-    job = dryrun.prepare("recipes/llama3_70b.toml", [], microbatches=8)
+    job = prepare("recipes/llama3_70b.toml", [], microbatches=8)
     r = job.recipe
     assert r.parallel.pp_microbatches == 8 and r.training.local_batch_size == 8
     assert r.training.global_batch_size == 8 * job.layout.dp
@@ -171,7 +174,7 @@ def test_fewer_microbatches_keep_the_microbatch_size():
 
 def run_main(argv: list[str], capsys) -> tuple[int, str]:
     try:
-        code = dryrun.main(argv)
+        code = dryrun_main(argv)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     return code, capsys.readouterr().err
@@ -219,7 +222,7 @@ def test_fsdp_chunks_made_on_demand_are_torchs():
         def set(self, obj, name, value):
             patched[name] = value
 
-    dryrun._own_fsdp_chunks(Patches())
+    _own_fsdp_chunks(Patches())
     ours_of = patched["_chunk_with_empty"]
     for n, c, dim in [
         (10, 4, 0),
