@@ -1,5 +1,5 @@
 """Post-training dry runs: one RL update and one [[adapters]] round stepped on the step layer
-(tools.dryrun -> tools.dryrun_posttrain) against tools.predict's post-training figure.
+(tools.dryrun -> tools.dryrun.posttrain) against tools.predict's post-training figure.
 
     python -m benchmarks.dryrun_posttrain [--only LABEL ...] [--out benchmarks/dryrun_posttrain.json]
     python -m benchmarks.dryrun_posttrain --render [--out FILE.json]   # the table from a file

@@ -158,7 +158,8 @@ def _spec(args: list[str]) -> dict:
 
 
 def render(data: dict) -> str:
-    from tools.dryrun import planned, prepare
+    from tools.dryrun.job import prepare
+    from tools.dryrun.planned import planned
 
     rows = [
         "| case | kind | world | rank (stages) | planner GiB | measured GiB | error | "

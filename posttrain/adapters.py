@@ -249,7 +249,7 @@ class AdapterJob:
                    mesh: Any, microbatch_tokens: int, load: bool = True) -> None:  # fmt: skip
         """The frozen base on its device (FSDP-sharded over `mesh`), the schedule and the token
         budget: what every adapter steps on (`load` False: the base's weights are not read,
-        tools.dryrun_posttrain's fake tensors)."""
+        tools.dryrun.posttrain's fake tensors)."""
         if schedule not in ("turns", "batched"):
             raise ValueError(f"schedule must be 'turns' or 'batched', got {schedule!r}")
         self.recipe = recipe
@@ -308,7 +308,7 @@ class AdapterJob:
 
     def _adapter_engine(self, spec: AdapterSection) -> tuple[AdapterWeights, Any, Any, StepEngine]:
         """An adapter's weights (its seed), the recipe's optimizer and schedule at its lr /
-        warmup / steps, and its step engine (also what tools.dryrun_posttrain steps)."""
+        warmup / steps, and its step engine (also what tools.dryrun.posttrain steps)."""
         weights = init_adapter(self.model, spec.seed)
         opt, sched = recipe_optimizer(self.recipe, weights, lr=spec.lr,
                                       warmup_steps=spec.warmup_steps, steps=spec.steps)  # fmt: skip

@@ -289,14 +289,28 @@ def parser_of(main: Callable[..., Any], argv: Sequence[str]) -> argparse.Argumen
 
 
 def tool_modules() -> list[str]:
-    """train plus every tools/*.py whose source builds an argument parser."""
+    """train plus every tools/*.py whose source builds an argument parser, and every package
+    under tools/ run as `python -m tools.x` (its __main__.py; the parser in its cli.py)."""
     mods = ["train"]
-    for path in sorted((ROOT / "tools").glob("*.py")):
-        name = f"tools.{path.stem}"
-        text = path.read_text()
+    paths = [*(ROOT / "tools").glob("*.py"), *(ROOT / "tools").glob("*/__main__.py")]
+    for path in sorted(paths, key=lambda p: p.parent.name if p.stem == "__main__" else p.stem):
+        package = path.stem == "__main__"
+        name = f"tools.{path.parent.name if package else path.stem}"
+        text = (path.parent / "cli.py").read_text() if package else path.read_text()
         if name not in SKIP and "def main" in text and "parse_args" in text:
             mods.append(name)
     return mods
+
+
+def _entry(mod: str) -> tuple[Any, str]:
+    """(the module whose `main` the command runs, the docstring documented): a tools/*.py
+    module itself; a package's __main__ and its cli module's docstring."""
+    m = importlib.import_module(mod)
+    if hasattr(m, "main"):
+        return m, m.__doc__ or ""
+    return importlib.import_module(f"{mod}.__main__"), importlib.import_module(
+        f"{mod}.cli"
+    ).__doc__ or ""
 
 
 def _value(a: argparse.Action) -> str:
@@ -378,8 +392,8 @@ def tools_md() -> str:
     ]
     sections = []
     for mod in tool_modules():
-        m = importlib.import_module(mod)
-        doc = (m.__doc__ or "").strip()
+        m, doc = _entry(mod)
+        doc = doc.strip()
         out.append(f"| [`{_command(mod)}`](#{_anchor(mod)}) | {_cell(_summary(doc))} |")
         sections += [f"## {_command(mod)}", ""]
         sections += ["```text", doc, "```", ""]

@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = best_plan(recipe, cluster, nodes=args.nodes)
         check_job(apply_plan(recipe, plan), cluster, plan.layout.world_size)
     if args.dry_run_rank:
-        from tools.dryrun import check_before_launch
+        from tools.dryrun.runner import check_before_launch
 
         for line in check_before_launch(
             args.recipe, args.overrides, args.cluster, args.nodes, args.dry_run_rank

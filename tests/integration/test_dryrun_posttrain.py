@@ -1,4 +1,4 @@
-"""The post-training dry run (tools.dryrun -> tools.dryrun_posttrain) steps one RL update and
+"""The post-training dry run (tools.dryrun -> tools.dryrun.posttrain) steps one RL update and
 one [[adapters]] round on the step layer, and each measured peak is a hand count of the
 tensors that update holds.
 

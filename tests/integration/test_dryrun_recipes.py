@@ -1,15 +1,19 @@
 """Every shipped recipe dry-runs (tools.dryrun) at its own world size, on the ranks that cover
-its first and last pipeline stage, one subprocess per recipe; the measured rank is held to
-the memory model and to the performance model's FSDP volumes; tools.launch --dry-run-rank
-refuses a job whose rank does not survive its step. Slow: minutes per large recipe on 2
-cores (docs/dryrun.md, "Cost"); the figures themselves are benchmarks/dryrun.md."""
+its first and last pipeline stage (the command's main() in this process, each rank in a
+fresh process of its own, as the command runs it); the measured rank is held to the memory
+model and to the performance model's FSDP volumes; tools.launch --dry-run-rank refuses a
+job whose rank does not survive its step. Slow: up to a minute of CPU per large recipe
+(docs/dryrun.md, "Cost"); the figures themselves are benchmarks/dryrun.md."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,7 +43,7 @@ EXPLAINED: dict[tuple[str, int], str] = {
     "(benchmarks/dryrun.md, MoE section): GPT-OSS's sinks and expert biases are not counted "
     "tensor by tensor",
 }
-# RL recipes step one update on the step layer (tools.dryrun_posttrain) against tools.predict's
+# RL recipes step one update on the step layer (tools.dryrun.posttrain) against tools.predict's
 # post-training figure: async RL also holds the staged, gathered float32 weights while it
 # trains (benchmarks/dryrun.md, "Post-training step"), which the memory model does not count.
 EXPLAINED[("rl_llama3_8b", 0)] = (
@@ -66,10 +70,31 @@ BENCHMARK_ONLY = {"deepseek_v3_671b", "gpt_oss_120b", "qwen3_235b_a22b", "moonli
 SHIPPED = sorted(p.stem for p in (ROOT / "recipes").glob("*.toml") if p.stem not in BENCHMARK_ONLY)
 
 
-def dry_run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "tools.dryrun", *args, "--json"]
-    return subprocess.run(cmd, cwd=ROOT, env=env or child_env(), capture_output=True,
-                          text=True, timeout=3000)  # fmt: skip
+@pytest.fixture(autouse=True)
+def _worker_env(monkeypatch):
+    """The environment child_env gives a subprocess, for the dry run's rank processes."""
+    monkeypatch.chdir(ROOT)
+    for k, v in child_env().items():
+        monkeypatch.setenv(k, v)
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+
+
+def dry_run(*args: str) -> tuple[int, str, dict[str, Any]]:
+    """`python -m tools.dryrun ARGS --json` as its main() in this process: (exit code, stderr,
+    the report). Each rank still steps in a fresh process of its own (tools.dryrun's
+    workers); the command's own interpreter, its torch and torchtitan imports and the
+    recipe's checks (~5 CPU-s a command) are this process's, paid once for the file."""
+    from tools.dryrun.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([*args, "--json"])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    text = out.getvalue()
+    return code, err.getvalue(), json.loads(text) if text.strip() else {}
 
 
 @pytest.mark.parametrize(
@@ -79,9 +104,8 @@ def dry_run(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
 )  # fmt: skip
 def test_shipped_recipe_builds_and_steps_at_its_world_size(name):
     recipe = load_recipe(str(ROOT / "recipes" / f"{name}.toml"))
-    proc = dry_run(f"--recipe=recipes/{name}.toml", *EXTRA.get(name, []))
-    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
-    out = json.loads(proc.stdout)
+    code, err, out = dry_run(f"--recipe=recipes/{name}.toml", *EXTRA.get(name, []))
+    assert code == 0, err[-3000:] + json.dumps(out.get("ranks"))[-3000:]
     if recipe.parallel.world_size:
         assert out["world_size"] == recipe.parallel.world_size
     pp = out["layout"]["pp"]
@@ -102,7 +126,7 @@ def test_shipped_recipe_builds_and_steps_at_its_world_size(name):
         fsdp = r["collectives"].get("fsdp.all_gather")
         lora = recipe.finetune.mode == "lora"  # adapters' gathers: priced by issue 23's terms
         # An RL update gathers the weights for each of its passes and for the push to the
-        # generator (tools.dryrun_posttrain); the perf model's volume is a Trainer step's.
+        # generator (tools.dryrun.posttrain); the perf model's volume is a Trainer step's.
         if pp == 1 and not lora and not recipe.rl.enabled and fsdp and fsdp["predicted_gib"]:
             # MoE under EP: the experts are gathered on torchtitan's efsdp groups.
             efsdp = r["collectives"].get("efsdp.all_gather", {"measured_gib": 0.0})
@@ -116,10 +140,10 @@ def test_shipped_recipe_builds_and_steps_at_its_world_size(name):
 def test_moe_expert_parallel_at_the_smallest_world():
     """The DeepSeek-V3 debug model with EP 2 over 2 ranks: the all-to-all on the ep group
     with the performance model's bytes, the experts' FSDP traffic on efsdp (issue 34)."""
-    proc = dry_run("--recipe=recipes/moe_debug.toml", "--set=parallel.ep=2",
-                   "--set=parallel.dp_shard=2", "--set=parallel.world_size=2")  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (r,) = json.loads(proc.stdout)["ranks"]
+    code, err, out = dry_run("--recipe=recipes/moe_debug.toml", "--set=parallel.ep=2",
+                             "--set=parallel.dp_shard=2", "--set=parallel.world_size=2")  # fmt: skip
+    assert code == 0, err[-3000:] + json.dumps(out.get("ranks"))[-3000:]
+    (r,) = out["ranks"]
     assert "error" not in r, r
     assert r["world_size"] == 2 and r["peak_gib"] > 0 and r["planned_gib"] > 0
     a2a = r["collectives"]["ep.all_to_all"]
@@ -128,10 +152,10 @@ def test_moe_expert_parallel_at_the_smallest_world():
 
 
 def test_70b_h100_grown_to_4096_gpus():
-    proc = dry_run("--recipe=recipes/llama3_70b_h100.toml", "--nodes=512",
-                   "--set=training.global_batch_size=2048", "--microbatches=16", "--rank=0")  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout)
+    code, err, out = dry_run("--recipe=recipes/llama3_70b_h100.toml", "--nodes=512",
+                             "--set=training.global_batch_size=2048", "--microbatches=16",
+                             "--rank=0")  # fmt: skip
+    assert code == 0, err[-3000:] + json.dumps(out.get("ranks"))[-3000:]
     assert out["world_size"] == 4096 and out["layout"]["dp_shard"] == 64
     (r,) = out["ranks"]
     assert r["world_size"] == 4096 and r["peak_gib"] > 0 and r["planned_gib"] > 0
@@ -139,19 +163,25 @@ def test_70b_h100_grown_to_4096_gpus():
 
 
 def launch(*extra: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "tools.launch", "--recipe", "recipes/debug.toml",
-           "--cluster", "local_cpu", "--nodes", "1", "--dry-run", *extra]  # fmt: skip
+    cmd = [sys.executable, "-m", "tools.launch", *LAUNCH, *extra]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
+LAUNCH = ["--recipe", "recipes/debug.toml", "--cluster", "local_cpu", "--nodes", "1", "--dry-run"]
+
+
 def test_launch_refuses_a_job_whose_rank_dies_in_its_dry_run():
+    from tools.launch import main
     from tools.reliability_report import record_case
 
+    # The accepted job in this process (its rank steps in a process of its own); the refused
+    # one as the user runs it: its exit code and its whole stderr are the claim.
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert main([*LAUNCH, "--dry-run-rank", "0"]) == 0, err.getvalue()[-2000:]
+    assert "dry run: rank 0 builds and steps at world 8" in err.getvalue()
+    assert "#SBATCH" in out.getvalue()
     env = child_env()
-    ok = launch("--dry-run-rank", "0", env=env)
-    assert ok.returncode == 0, ok.stderr[-2000:]
-    assert "dry run: rank 0 builds and steps at world 8" in ok.stderr
-    assert "#SBATCH" in ok.stdout
     env["TITANSCALE_FAULT"] = "kill:rank=0:step=1"  # runtime.faults: SIGKILL mid-step
     bad = launch("--dry-run-rank", "0", env=env)
     lines = bad.stderr.strip().splitlines()

@@ -170,7 +170,8 @@ def test_planning_tools_run_as_written(tmp_path):
 def test_dryrun_command_prepares_its_ranks():
     """The full step of these ranks is tests/integration/test_dryrun_recipes.py's; here the
     README's flags, recipe, world and ranks go through the tool's own checks."""
-    from tools.dryrun import parse_args, prepare
+    from tools.dryrun.cli import parse_args
+    from tools.dryrun.job import prepare
 
     (cmd,) = commands("dryrun")
     args = parse_args(_argv(cmd)[3:])

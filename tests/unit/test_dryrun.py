@@ -20,7 +20,10 @@ from parallel.memory import (
 )
 from parallel.stacks import load_stack
 from parallel.workload import Workload
-from tools import dryrun
+from tools.dryrun.cli import main as dryrun_main
+from tools.dryrun.fake_world import _own_fsdp_chunks
+from tools.dryrun.job import prepare
+from tools.dryrun.trackers import axis_groups
 from tools.reliability_report import record_case
 
 _KIND = {
@@ -132,7 +135,7 @@ def test_collectives_are_named_by_their_groups_ranks(layout):
     mesh = np.arange(layout.world_size).reshape(layout.shape())
     axes = [a.value for a in MESH_ORDER]
     for rank in range(layout.world_size):
-        named = {v: k for k, v in dryrun.axis_groups(layout, rank).items()}
+        named = {v: k for k, v in axis_groups(layout, rank).items()}
         coord = tuple(int(c) for c in np.argwhere(mesh == rank)[0])
 
         def ranks_varying(*which: str, at: tuple[int, ...] = coord) -> frozenset[int]:
@@ -147,7 +150,7 @@ def test_collectives_are_named_by_their_groups_ranks(layout):
 
 
 def test_more_nodes_grow_dp_and_keep_the_global_batch():
-    job = dryrun.prepare("recipes/llama3_70b_h100.toml", ["training.global_batch_size=2048"],
+    job = prepare("recipes/llama3_70b_h100.toml", ["training.global_batch_size=2048"],
                          nodes=512)  # fmt: skip
     lay, tr = job.layout, job.recipe.training
     assert job.world_size == 4096 and (lay.pp, lay.cp, lay.tp, lay.dp_shard) == (8, 2, 4, 64)
@@ -157,13 +160,13 @@ def test_more_nodes_grow_dp_and_keep_the_global_batch():
 
 
 def test_pipeline_stage_zero_always_runs_first():
-    job = dryrun.prepare("recipes/llama3_70b.toml", [], ranks=[255, 100])
+    job = prepare("recipes/llama3_70b.toml", [], ranks=[255, 100])
     assert job.ranks == [0, 100, 255]  # rank 0's forward gives the boundary metadata
     assert any("boundary" in n for n in job.notes)
 
 
 def test_fewer_microbatches_keep_the_microbatch_size():
-    job = dryrun.prepare("recipes/llama3_70b.toml", [], microbatches=8)
+    job = prepare("recipes/llama3_70b.toml", [], microbatches=8)
     r = job.recipe
     assert r.parallel.pp_microbatches == 8 and r.training.local_batch_size == 8
     assert r.training.global_batch_size == 8 * job.layout.dp
@@ -171,7 +174,7 @@ def test_fewer_microbatches_keep_the_microbatch_size():
 
 def run_main(argv: list[str], capsys) -> tuple[int, str]:
     try:
-        code = dryrun.main(argv)
+        code = dryrun_main(argv)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     return code, capsys.readouterr().err
@@ -205,3 +208,40 @@ def test_bad_input_is_one_line_and_exit_2(argv, needles, kind, capsys):
     for n in needles:
         assert n in lines[0], (n, lines[0])
     record_case("tools.dryrun", kind)
+
+
+def test_fsdp_chunks_made_on_demand_are_torchs():
+    """The dry run's on-demand FSDP2 shards (tools.dryrun._own_fsdp_chunks) against torch's
+    own `_chunk_with_empty`: the same views (size, stride, offset, values) at every index."""
+    import torch
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    patched = {}
+
+    class Patches:
+        def set(self, obj, name, value):
+            patched[name] = value
+
+    _own_fsdp_chunks(Patches())
+    ours_of = patched["_chunk_with_empty"]
+    for n, c, dim in [
+        (10, 4, 0),
+        (3, 8, 0),
+        (0, 4, 0),
+        (7, 7, 0),
+        (16, 4, 0),
+        (12, 4, 1),
+        (5, 512, 0),
+    ]:
+        t = torch.arange(n * 12).reshape(n, 12) if dim == 0 else torch.arange(36).reshape(3, 12)
+        ours, theirs = ours_of(t, c, dim), _chunk_with_empty(t, c, dim)
+        assert len(ours) == len(theirs) == c
+        for i in range(c):
+            a, b = ours[i], theirs[i]
+            assert (a.shape, a.stride(), a.storage_offset()) == (
+                b.shape,
+                b.stride(),
+                b.storage_offset(),
+            )
+            assert torch.equal(a, b), (n, c, dim, i)
+        assert ours[-1].shape == theirs[-1].shape

@@ -1,4 +1,4 @@
-"""Every private torch (and torchtitan) name the dry run (tools/dryrun.py) relies on, checked.
+"""Every private torch (and torchtitan) name the dry run (tools/dryrun/) relies on, checked.
 
 The dry run patches torch internals to run a whole training step on fake tensors (a fake
 process group, pipeline metadata without peers, the CUDA rms_norm path) and subclasses
@@ -16,8 +16,7 @@ import inspect
 import pytest
 import torch.distributed  # noqa: F401  (registers torch.ops._c10d_functional, as in the dry run)
 
-WHERE = "tools/dryrun.py"
-FILES = ("tools/dryrun.py", "tools/dryrun_posttrain.py")  # every file that patches
+WHERE = "tools/dryrun/"
 
 # (module, attribute path, how the dry run relies on it)
 TORCH_PRIVATE: list[tuple[str, str, str]] = [
@@ -68,10 +67,12 @@ TORCH_PRIVATE: list[tuple[str, str, str]] = [
     ("torch.distributed._tools.fake_collectives", "sync_ops", "imported"),
     ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup.post_backward",
      "patched (gradients tagged)"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param", "_chunk_with_empty",
+     "patched (this rank's and the first shard's views only)"),
     # a CPU recipe's float32 grouped GEMM (MoE experts) past CUDA's meta rule
     ("torch._meta_registrations", "_meta_grouped_mm_common", "patched (wrapped: float32 on CPU)"),
     ("torch._meta_registrations", "_create_grouped_mm_output_tensor", "called"),
-    # tools/dryrun_posttrain.py: the step layer's value reads on fake tensors give 0
+    # tools/dryrun/posttrain.py: the step layer's value reads on fake tensors give 0
     ("torch._subclasses.fake_impls", "op_implementations_dict",
      "entry replaced (_local_scalar_dense: 0 instead of DataDependentOutputException)"),
     ("torch._subclasses.fake_tensor", "DataDependentOutputException", "caught"),
@@ -124,13 +125,13 @@ def test_private_name_the_dry_run_uses_exists(module, path, how):
 
 def test_every_patch_in_the_dry_run_is_listed():
     """Each `set(<module>, "<name>", ...)` patch and `set_item(<module>.<table>, ...)` table
-    entry in the dry run's files names an attribute this list guards (a new patch without a
+    entry in the dry run's files (every module of tools/dryrun/) names an attribute this list guards (a new patch without a
     guard fails here)."""
     import re
 
     from tests.helpers.runs import ROOT
 
-    src = "\n".join((ROOT / f).read_text() for f in FILES)
+    src = "\n".join(f.read_text() for f in sorted((ROOT / WHERE).glob("*.py")))
     patched = set(re.findall(r"\.set\(\s*[\w.]+,\s*\"(\w+)\"", src))
     patched |= set(re.findall(r"\.set_item\(\s*[\w.]+\.(\w+),", src))
     assert "op_implementations_dict" in patched  # the scan sees table patches

@@ -204,7 +204,7 @@ def test_dryrun_names_torchtitans_ep_and_efsdp_groups():
     block dp_shard x cp x tp: rank 5 of dp_shard 4 x tp 2 with ep 4 is in EP group 4..7 and
     in the efsdp group {1, 5} (efsdp = 8 / 4 = 2, stride ep)."""
     from core.axes import Layout
-    from tools.dryrun import axis_groups
+    from tools.dryrun.trackers import axis_groups
 
     named = {v: k for k, v in axis_groups(Layout(dp_shard=4, tp=2), 5, ep=4).items()}
     assert named["ep"] == frozenset({4, 5, 6, 7})

@@ -38,7 +38,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-GIB = 2**30
+from parallel.memory import GIB
+from tools.dryrun.fake_world import Patches
+from tools.dryrun.rank import rank_entry, rank_world
+from tools.dryrun.trackers import axis_groups, collective_counter_class, memory_tracker_class
 
 # Microbatches of the update stepped: each holds the same (the step layer's budget); the
 # update's (B, L) float32 logprob matrices are the only thing that grows with the rest.
@@ -302,18 +305,16 @@ def simulate_adapters(job: Any, rank: int, boundary: Any) -> dict[str, Any]:
     frozen base, as AdapterJob.train runs it: tools.dryrun.simulate's entry for the rank."""
     import time
 
-    from tools import dryrun as dr
-
     t0 = time.perf_counter()
-    with dr.rank_world(job, rank, boundary) as (cfg, kernels):
+    with rank_world(job, rank, boundary) as (cfg, kernels):
         aj = adapter_job(job, cfg)
         built = time.perf_counter() - t0
-        memory = dr._memory_tracker_class()()
+        memory = memory_tracker_class()()
         opts = [o for a in aj.adapters for o in a.engine.optimizers.optimizers]
         memory.track_external(aj.model, *[a.weights for a in aj.adapters], *opts)
         memory.name_modules([aj.model])
-        comms = dr._collective_counter_class()(dr.axis_groups(job.layout, rank))
-        patches = dr._Patches()
+        comms = collective_counter_class()(axis_groups(job.layout, rank))
+        patches = Patches()
         scalar_reads(patches)
         try:
             with memory, comms:
@@ -335,6 +336,6 @@ def simulate_adapters(job: Any, rank: int, boundary: Any) -> dict[str, Any]:
             f"{aj.microbatch_tokens:,}-token microbatches (posttrain.adapters.AdapterJob)"
         ],
     }
-    return dr.rank_entry(
+    return rank_entry(
         job, rank, 0, [0], kernels, figures, memory.peak_where, comms, posttrain, built, t0
     )
