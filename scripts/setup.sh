@@ -16,9 +16,11 @@ stamp=.venv/.titanscale-deps
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  # --no-compile: pip would byte-compile all ~17,700 files (33 CPU-s on the 2-core machine);
-  # Python compiles what is imported, once, on first import.
-  .venv/bin/python -m pip install -q --no-compile -e '.[dev]'
+  # pip byte-compiles every file here (~33 CPU-s for ~17,700 files), and that must stay:
+  # with PYTHONDONTWRITEBYTECODE=1 (set on this machine and CI's) Python never writes the
+  # .pyc of what it imports, and each process would compile torch again (measured: the
+  # integration tier's first pass 1,230 -> 1,778 s with pip --no-compile).
+  .venv/bin/python -m pip install -q -e '.[dev]'
   # [tool.titanscale] no_deps_dev: pinned dev packages whose own pins cannot be met (why:
   # pyproject.toml); their usable requirements are in the dev group above.
   nodeps=$(.venv/bin/python -c '
@@ -28,6 +30,6 @@ except ImportError:  # Python 3.10: tomli, a runtime dependency there
     import tomli as tomllib
 print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["tool"]["titanscale"]["no_deps_dev"]))')
   # shellcheck disable=SC2086
-  .venv/bin/python -m pip install -q --no-compile --no-deps $nodeps
+  .venv/bin/python -m pip install -q --no-deps $nodeps
   echo "$want" > "$stamp"
 fi

@@ -21,9 +21,8 @@ if [ -x $VENV/bin/python ] && [ -f $stamp ] && [ "$(cat $stamp)" = "$pins" ]; th
 fi
 [ -x $VENV/bin/python ] || "$PY" -m venv $VENV
 # shellcheck disable=SC2086
-# --no-compile: the engine imports a fraction of what pip would byte-compile (it installs while
-# the tests run: CPU it takes is theirs).
-if ! $VENV/bin/python -m pip install -q --no-compile $pins > $VENV/install.log 2>&1; then
+# Byte-compiled at install (scripts/setup.sh says why).
+if ! $VENV/bin/python -m pip install -q $pins > $VENV/install.log 2>&1; then
   grep -v "is ignored: it is neither" $VENV/install.log | tail -20 >&2
   exit 1
 fi

@@ -73,7 +73,10 @@ def test_adapters_two_processes(tmp_path):
     for name in ("a", "b"):
         assert (out / "batched-a-b" / "export" / name / "adapter_model.safetensors").exists()
         # The merged folder (sft_debug sets export_merged): the base all-gathered on both ranks.
-        assert (out / "batched-a-b" / "export" / name / "merged" / "model.safetensors").exists()
+        merged_index = (
+            out / "batched-a-b" / "export" / name / "merged" / "model.safetensors.index.json"
+        )
+        assert merged_index.exists()  # runtime.hf's writer: safetensors file(s) + their index
         # Tokens count every rank's rows: 2 processes x 2 rows x 64 per step.
         assert summary["adapters"][name]["tokens"] == STEPS[name] * 2 * 2 * 64
 
@@ -104,7 +107,11 @@ def test_adapters_two_processes(tmp_path):
     base = aj.state_dict_adapter.to_hf(base_state(aj.model))
     scale = job.recipe.lora.alpha / job.recipe.lora.rank
     folder = out / "batched-a-b" / "export" / "a"
-    merged = load_file(folder / "merged" / "model.safetensors")
+    index = json.loads((folder / "merged" / "model.safetensors.index.json").read_text())
+    merged = {}
+    for f in sorted(set(index["weight_map"].values())):
+        merged.update(load_file(folder / "merged" / f))
+    assert set(index["weight_map"]) == merged.keys()
     peft = load_file(folder / "adapter_model.safetensors")
     assert merged.keys() == base.keys()
     adapted = 0
