@@ -85,6 +85,23 @@ def _peft_config():
     )
 
 
+def _recording(trainer_cls: type, losses: list[float], after=None) -> type:
+    """`trainer_cls` (a transformers/TRL trainer) appending the raw loss of every
+    compute_loss call to `losses` (the loss itself, not the log's running mean); `after(self)`,
+    if given, runs after each call (DPO reads its chosen/rejected log-probs there)."""
+
+    class Recorded(trainer_cls):  # type: ignore[misc, valid-type]
+        def compute_loss(self, model, inputs, *args, **kw):
+            out = super().compute_loss(model, inputs, *args, **kw)
+            loss = out[0] if isinstance(out, tuple) else out
+            losses.append(float(loss.detach()))
+            if after is not None:
+                after(self)
+            return out
+
+    return Recorded
+
+
 def w_trl_sft(a: dict) -> dict:
     """TRL SFTTrainer (+ PEFT LoRA) on the pre-tokenized examples."""
     import datasets
@@ -96,12 +113,7 @@ def w_trl_sft(a: dict) -> dict:
     tok = AutoTokenizer.from_pretrained(a["hf"])
     clock, losses = StepClock(), []
 
-    class Recorded(SFTTrainer):
-        def compute_loss(self, model, inputs, *args, **kw):  # the raw loss, not the log's
-            out = super().compute_loss(model, inputs, *args, **kw)
-            loss = out[0] if isinstance(out, tuple) else out
-            losses.append(float(loss.detach()))
-            return out
+    Recorded = _recording(SFTTrainer, losses)
 
     cfg = SFTConfig(
         **_hf_args(a),
@@ -147,12 +159,7 @@ def w_hf_full(a: dict) -> dict:
     tok = AutoTokenizer.from_pretrained(a["hf"])
     clock, losses = StepClock(), []
 
-    class Recorded(Trainer):
-        def compute_loss(self, model, inputs, *args, **kw):
-            out = super().compute_loss(model, inputs, *args, **kw)
-            loss = out[0] if isinstance(out, tuple) else out
-            losses.append(float(loss.detach()))
-            return out
+    Recorded = _recording(Trainer, losses)
 
     args = TrainingArguments(
         **_hf_args(a),
@@ -266,14 +273,11 @@ def w_trl_dpo(a: dict) -> dict:
     tok = AutoTokenizer.from_pretrained(a["hf"])
     clock, losses, metrics = StepClock(), [], []
 
-    class Recorded(DPOTrainer):
-        def compute_loss(self, model, inputs, *args, **kw):
-            out = super().compute_loss(model, inputs, *args, **kw)
-            loss = out[0] if isinstance(out, tuple) else out
-            losses.append(float(loss.detach()))
-            m = self._metrics["train"]
-            metrics.append({k: m[k][-1] for k in ("logps/chosen", "logps/rejected")})
-            return out
+    def logps(trainer: Any) -> None:
+        m = trainer._metrics["train"]
+        metrics.append({k: m[k][-1] for k in ("logps/chosen", "logps/rejected")})
+
+    Recorded = _recording(DPOTrainer, losses, logps)
 
     cfg = DPOConfig(
         **_hf_args(a),

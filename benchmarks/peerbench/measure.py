@@ -41,6 +41,20 @@ def ratio_range(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
     return summarize([y / x for x, y in zip(a, b, strict=True)])
 
 
+def ratios(
+    t_ours: dict[str, Any], t_peer: dict[str, Any], c_ours: dict[str, Any], c_peer: dict[str, Any]
+) -> dict[str, Any]:
+    """peer / ours (> 1 = titanscale faster) of the medians of wall (`t_*`) and CPU (`c_*`)
+    seconds, each with its per-repeat range (`ratio_range`): the four ratio fields of every
+    pair in peers.json."""
+    return {
+        "ratio": t_peer["median"] / t_ours["median"],
+        "ratio_range": ratio_range(t_ours, t_peer),
+        "cpu_ratio": c_peer["median"] / c_ours["median"],
+        "cpu_ratio_range": ratio_range(c_ours, c_peer),
+    }
+
+
 def steady(step_times: list[float], skip: int, drop_last: int = 0) -> float | None:
     """Median step time after `skip` warm-up steps (and without the last `drop_last`)."""
     xs = step_times[skip : len(step_times) - drop_last if drop_last else None]

@@ -12,7 +12,7 @@ from typing import Any
 
 from benchmarks.peerbench.config import LORA, SKYRL_INSTALL, TOL
 from benchmarks.peerbench.harness import Ctx, RunFailed, Server, interleave, start_skyrl, ts_train
-from benchmarks.peerbench.measure import ratio_range, steady, steady_cpu, summarize
+from benchmarks.peerbench.measure import ratios, steady, steady_cpu, summarize
 
 
 def sft_pair(ctx: Ctx, *, lora: bool, packed: bool) -> dict[str, Any]:
@@ -110,14 +110,11 @@ def sft_pair(ctx: Ctx, *, lora: bool, packed: bool) -> dict[str, Any]:
         "peer_step_s": t_peer,
         "ours_tokens_per_s": tokens_per_step / t_ours["median"],
         "peer_tokens_per_s": tokens_per_step / t_peer["median"],
-        "ratio": t_peer["median"] / t_ours["median"],
-        "ratio_range": ratio_range(t_ours, t_peer),
         "ours_cpu_s_per_step": c_ours,
         "peer_cpu_s_per_step": c_peer,
         "ours_tokens_per_cpu_s": tokens_per_step / c_ours["median"],
         "peer_tokens_per_cpu_s": tokens_per_step / c_peer["median"],
-        "cpu_ratio": c_peer["median"] / c_ours["median"],
-        "cpu_ratio_range": ratio_range(c_ours, c_peer),
+        **ratios(t_ours, t_peer, c_ours, c_peer),
         "loss_step0": {"ours": loss0[0], "peer": loss0[1], "abs_diff": abs(loss0[0] - loss0[1])},
         "loss_stepN": {"ours": lossN[0], "peer": lossN[1], "step": steps},
         "loss_step0_spread_over_repeats": loss0_spread,
@@ -158,12 +155,9 @@ def gen_pair(ctx: Ctx) -> dict[str, Any]:
             "tokens": toks,
             "ours_tokens_per_s": toks / a["median"],
             "peer_tokens_per_s": toks / b["median"],
-            "ratio": b["median"] / a["median"],
-            "ratio_range": ratio_range(a, b),
             "ours_cpu_s": ca,
             "peer_cpu_s": cb,
-            "cpu_ratio": cb["median"] / ca["median"],
-            "cpu_ratio_range": ratio_range(ca, cb),
+            **ratios(a, b, ca, cb),
         }
     out["load"] = [r["load_before"], r["load_after"]]
     return out
@@ -220,12 +214,9 @@ def grpo_pair(ctx: Ctx) -> dict[str, Any]:
         "config": {**wargs, "titanscale_sets": sets, "max_new_tokens": 4},
         "ours_step_s": t_ours,
         "peer_step_s": t_peer,
-        "ratio": t_peer["median"] / t_ours["median"],
-        "ratio_range": ratio_range(t_ours, t_peer),
         "ours_cpu_s_per_step": c_ours,
         "peer_cpu_s_per_step": c_peer,
-        "cpu_ratio": c_peer["median"] / c_ours["median"],
-        "cpu_ratio_range": ratio_range(c_ours, c_peer),
+        **ratios(t_ours, t_peer, c_ours, c_peer),
         "heldout_reward": {
             "ours_before": summarize([evals(r)[0] for r in ours]),
             "ours_after": summarize([evals(r)[1] for r in ours]),
@@ -307,12 +298,9 @@ def dpo_pair(ctx: Ctx, serve: Server) -> dict[str, Any]:
         "config": {**common, "lora": LORA, "pairs_per_step": pairs_per_step},
         "ours_step_s": t_ours,
         "peer_step_s": t_peer,
-        "ratio": t_peer["median"] / t_ours["median"],
-        "ratio_range": ratio_range(t_ours, t_peer),
         "ours_cpu_s_per_step": c_ours,
         "peer_cpu_s_per_step": c_peer,
-        "cpu_ratio": c_peer["median"] / c_ours["median"],
-        "cpu_ratio_range": ratio_range(c_ours, c_peer),
+        **ratios(t_ours, t_peer, c_ours, c_peer),
         "loss_step0": {
             "ours": o["losses"][0],
             "peer": p["losses"][0],
@@ -373,9 +361,7 @@ def service_pair(ctx: Ctx, serve: Server, serve_start_s: float) -> dict[str, Any
         b = summarize([steady(r[key], 1) for r in peer])
         ca = summarize([steady_cpu(r[marks], 1) for r in ours])
         cb = summarize([steady_cpu(r[marks], 1) for r in peer])
-        out[key] = {"ours": a, "peer": b, "ratio": b["median"] / a["median"], "ours_cpu": ca,
-                    "peer_cpu": cb, "cpu_ratio": cb["median"] / ca["median"],
-                    "ratio_range": ratio_range(a, b), "cpu_ratio_range": ratio_range(ca, cb)}  # fmt: skip
+        out[key] = {"ours": a, "peer": b, "ours_cpu": ca, "peer_cpu": cb, **ratios(a, b, ca, cb)}
     out["first_call_s"] = {
         "ours": summarize([r["train_step_s"][0] for r in ours]),
         "peer": summarize([r["train_step_s"][0] for r in peer]),
