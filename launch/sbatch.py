@@ -224,11 +224,16 @@ def check_replica_groups(recipe: Recipe, cluster: Cluster, opts: LaunchOptions) 
     return []
 
 
+def has_replica_groups(recipe: Recipe, opts: LaunchOptions) -> bool:
+    """The job trains torchft replica groups (launch/ft_groups.sh), not one training step."""
+    return opts.serve_args is None and recipe.fault_tolerance.enabled
+
+
 def ports_per_incarnation(recipe: Recipe, opts: LaunchOptions) -> int:
     """Ports one incarnation of the job uses from PORT0: pre-flight, then the training step's
     rendezvous or, with replica groups, the lighthouse and one rendezvous per group and
     attempt (a re-launched step gets a fresh port: emulated nodes share one port space)."""
-    if opts.serve_args is not None or not recipe.fault_tolerance.enabled:
+    if not has_replica_groups(recipe, opts):
         return 2
     return 2 + replica_groups(recipe) * (opts.max_group_restarts + 1)
 
@@ -459,7 +464,7 @@ FT_TEMPLATE = Path(__file__).with_name("ft_groups.sh")
 
 def _main_lines(recipe: Recipe, opts: LaunchOptions) -> list[str]:
     """The job's main part: one training step over every node, or the replica groups."""
-    if opts.serve_args is not None or not recipe.fault_tolerance.enabled:
+    if not has_replica_groups(recipe, opts):
         return [f"run_step $((PORT0 + 1)) {_cmd(train_args(opts))}", "rc=$?"]
     groups = replica_groups(recipe)
     steps = []
@@ -486,6 +491,7 @@ def render_sbatch(recipe: Recipe, cluster: Cluster, layout: Layout, opts: Launch
     """The sbatch script text, from launch/job.sbatch. Call `check_launch` first (it validates
     what this renders)."""
     span = ports_per_incarnation(recipe, opts)
+    ft = has_replica_groups(recipe, opts)
     return fill_template(
         TEMPLATE.read_text(),
         {
@@ -504,7 +510,7 @@ def render_sbatch(recipe: Recipe, cluster: Cluster, layout: Layout, opts: Launch
             "preflight": _preflight_lines(opts),
             "main_comment": (
                 []  # the replica groups' part has its own
-                if opts.serve_args is None and recipe.fault_tolerance.enabled
+                if ft
                 else ["# ---- train (resumes from the latest checkpoint in the run folder) ----"]
                 if opts.serve_args is None
                 else [
@@ -516,13 +522,11 @@ def render_sbatch(recipe: Recipe, cluster: Cluster, layout: Layout, opts: Launch
             # Ports one incarnation uses, twice that per job id (room for a restart).
             "port_offset": f"SLURM_JOB_ID * {2 * span} + RESTART * {span}",
             "group_prefix": (
-                ['GROUP_PREFIX="$LOG_DIR/group-$SLURM_JOB_ID-$RESTART"']
-                if opts.serve_args is None and recipe.fault_tolerance.enabled
-                else []
+                ['GROUP_PREFIX="$LOG_DIR/group-$SLURM_JOB_ID-$RESTART"'] if ft else []
             ),
             "group_files": (
                 f' --replica-groups {replica_groups(recipe)} --group-files "$GROUP_PREFIX"'
-                if opts.serve_args is None and recipe.fault_tolerance.enabled
+                if ft
                 else ""
             ),
         },
