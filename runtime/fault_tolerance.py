@@ -171,9 +171,12 @@ def _classes() -> tuple[Any, Any, Any, Any]:
             if mgr is not None and self.enable:
                 # torchft 0.2.0 has no unregister: TorchFTCheckpointManager's registration
                 # (key "set_state_dict_fns") is replaced in place.
+                # The parameters as FSDP2 holds them sharded, taken now (the model is
+                # parallelized before the checkpointer is built): see sharded_parameters.
                 key = "set_state_dict_fns"
-                mgr._user_state_dicts[key] = lambda: heal_state(self.states)
-                mgr._load_state_dict_fns[key] = lambda sd: load_heal_state(self.states, sd)
+                params = sharded_parameters(self.states)
+                mgr._user_state_dicts[key] = lambda: heal_state(self.states, params)
+                mgr._load_state_dict_fns[key] = lambda sd: load_heal_state(self.states, sd, params)
 
     class TitanscaleFTTrainer(TitanscaleTrainer):
         """TitanscaleTrainer plus torchtitan's FT additions at the base Trainer's seams.
@@ -262,7 +265,28 @@ def _local(t: Any) -> Any:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def heal_state(states: dict[str, Any]) -> dict[str, Any]:
+def sharded_parameters(states: dict[str, Any]) -> list[tuple[str, Any]]:
+    """(part index.name, parameter) of every model part, to be taken while the parameters
+    are FSDP2's sharded DTensors (after parallelization, outside a step).
+
+    Why not `named_parameters()` when torchft asks: between a module's forward and its
+    reshard FSDP2 registers the unsharded parameters in their place (for the last group,
+    whose reshard_after_forward is False, until the backward), and torchft's quorum thread
+    calls `heal_state` while the step's forward runs. Reading the registration then sends a
+    full tensor where the healing rank holds a shard (seen, with restarts a few seconds
+    apart: `norm.weight` (256,) against a (128,) shard). These objects are FSDP2's sharded
+    parameters for the run's lifetime: the optimizer steps and checkpoint loads update
+    them in place, and between the quorum's start and the optimizer step (torchft's
+    should_commit) their values do not change."""
+    from torchtitan.components.checkpoint import MODEL
+
+    return [(f"{i}.{name}", p) for i, part in enumerate(states[MODEL].model)
+            for name, p in part.named_parameters()]  # fmt: skip
+
+
+def heal_state(
+    states: dict[str, Any], params: list[tuple[str, Any]] | None = None
+) -> dict[str, Any]:
     """What a live group's rank sends the same rank of a healing group: its own shards of
     the parameters, buffers and optimizer state (local tensors, by name and position), the
     optimizer's hyperparameters, the LR schedule and the step.
@@ -277,15 +301,17 @@ def heal_state(states: dict[str, Any]) -> dict[str, Any]:
     from torchtitan.components.checkpoint import LR_SCHEDULER, MODEL, OPTIMIZER, TRAIN_STATE
 
     model: dict[str, Any] = {}
+    for key, p in sharded_parameters(states) if params is None else params:
+        model[key] = _local(p.detach())
     for i, part in enumerate(states[MODEL].model):
-        for name, t in [*part.named_parameters(), *part.named_buffers()]:
+        for name, t in part.named_buffers():
             model[f"{i}.{name}"] = _local(t.detach())
     optim = []
     for opt in states[OPTIMIZER].optimizers:
-        params = [p for g in opt.param_groups for p in g["params"]]
+        held = [p for g in opt.param_groups for p in g["params"]]
         optim.append(
             {
-                "state": [{k: _local(v) for k, v in opt.state[p].items()} for p in params],
+                "state": [{k: _local(v) for k, v in opt.state[p].items()} for p in held],
                 "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
             }
         )
@@ -297,19 +323,23 @@ def heal_state(states: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def load_heal_state(states: dict[str, Any], sd: dict[str, Any]) -> None:
+def load_heal_state(
+    states: dict[str, Any], sd: dict[str, Any], params: list[tuple[str, Any]] | None = None
+) -> None:
     """`heal_state` from a live peer, copied in place into this rank's shards (torchft calls
     it on every rank of the healing group from the main thread, before the step)."""
     import torch
     from torchtitan.components.checkpoint import LR_SCHEDULER, MODEL, OPTIMIZER, TRAIN_STATE
 
     with torch.no_grad():
+        named = [*(sharded_parameters(states) if params is None else params)]
         for i, part in enumerate(states[MODEL].model):
-            for name, t in [*part.named_parameters(), *part.named_buffers()]:
-                _local(t).copy_(sd["model"][f"{i}.{name}"])
+            named += [(f"{i}.{name}", t) for name, t in part.named_buffers()]
+        for key, t in named:
+            _local(t).copy_(sd["model"][key])
         for opt, got in zip(states[OPTIMIZER].optimizers, sd["optim"], strict=True):
-            params = [p for g in opt.param_groups for p in g["params"]]
-            for p, st in zip(params, got["state"], strict=True):
+            held = [p for g in opt.param_groups for p in g["params"]]
+            for p, st in zip(held, got["state"], strict=True):
                 for k, v in st.items():
                     cur = opt.state[p].get(k)
                     if isinstance(cur, torch.Tensor):

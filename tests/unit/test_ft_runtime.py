@@ -105,6 +105,24 @@ def test_heal_state_copies_a_peer_exactly():
     assert rft.state_digest(rft.heal_state(live)) == rft.state_digest(rft.heal_state(healing))
 
 
+def test_heal_state_reads_the_parameters_taken_while_sharded():
+    """Between a module's forward and its reshard FSDP2 registers the unsharded parameters
+    in place of the shards, and torchft's quorum thread may call heal_state then: what is
+    sent and loaded are the parameters taken at the checkpointer's construction."""
+    live, healing = _trained(2), _trained(0)
+    live_params, healing_params = rft.sharded_parameters(live), rft.sharded_parameters(healing)
+    shard = live["model"].model[0][0].weight
+    # The registration of the moment, as mid-forward: a different, larger tensor.
+    live["model"].model[0][0].weight = torch.nn.Parameter(torch.zeros(8, 4))
+    assert rft.heal_state(live)["model"]["0.0.weight"].shape == (8, 4)  # what went wrong
+    sent = rft.heal_state(live, live_params)
+    assert torch.equal(sent["model"]["0.0.weight"], shard)
+    target = healing["model"].model[0][0].weight
+    healing["model"].model[0][0].weight = torch.nn.Parameter(torch.zeros(8, 4))
+    rft.load_heal_state(healing, copy.deepcopy(sent), healing_params)
+    assert torch.equal(target, shard)
+
+
 def test_launcher_starts_one_torchrun_per_group(tmp_path):
     from launch.ft_local import REPO_ROOT, GroupsPlan, group_command, group_env
 
