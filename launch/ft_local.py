@@ -94,7 +94,9 @@ def _start(plan: GroupsPlan, g: int, lighthouse: str) -> subprocess.Popen:
     folder.mkdir(parents=True, exist_ok=True)
     log = open(folder / "torchrun.log", "a")  # noqa: SIM115 (the child holds it)
     # Own session: a group's torchrun and ranks are stopped together, never the launcher.
-    return subprocess.Popen(group_command(plan), env=group_env(dict(os.environ), g, lighthouse),
+    # $PYTHON_EXEC, where set, is the interpreter (as torchrun reads it for its workers).
+    python = os.environ.get("PYTHON_EXEC") or sys.executable
+    return subprocess.Popen(group_command(plan, python), env=group_env(dict(os.environ), g, lighthouse),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
 

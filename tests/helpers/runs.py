@@ -9,7 +9,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,10 +41,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def child_env() -> dict[str, str]:
+def python() -> str:
+    """The interpreter for a test's command line: the suite's preloaded one
+    (tests/helpers/zygote.py; its ENTRY_POINTS fork a process that has imported torch and
+    torchtitan, anything else runs the real interpreter), or sys.executable with
+    TITANSCALE_TEST_ZYGOTE=0."""
+    from tests.helpers.zygote import python as preloaded
+
+    return preloaded()
+
+
+def child_env(preloaded: bool = True) -> dict[str, str]:
+    """The environment of a test's child: one OpenMP thread, unbuffered, no launch variables
+    of the test's own, and with `preloaded` PYTHON_EXEC (torchrun's interpreter for its
+    workers) = python(); without, no PYTHON_EXEC: every process of the command is a real
+    interpreter (the README's commands, a child in another mount namespace)."""
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
+    if preloaded:
+        env["PYTHON_EXEC"] = python()
+    else:
+        env.pop("PYTHON_EXEC", None)
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     return env
@@ -70,10 +87,10 @@ def run_train(
     if recipe:
         args = ["--recipe", recipe, *args]
     if nproc == 1:
-        cmd = [sys.executable, str(ROOT / "train.py"), *args]
+        cmd = [python(), str(ROOT / "train.py"), *args]
     else:
         cmd = [
-            sys.executable, "-m", launcher,
+            python(), "-m", launcher,
             f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
             f"--rdzv_endpoint=127.0.0.1:{free_port()}",
             *(extra_args or []),

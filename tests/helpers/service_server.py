@@ -12,6 +12,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.helpers.runs import python
+
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "tml-test-key-7f3a91c2"
 # A second tenant ("bob", two keys) for the isolation tests: `start_server(..., keys=TWO_TENANTS)`.
@@ -65,10 +67,13 @@ def start_server(
     procs: int = 1,
     recipe: str = "recipes/debug.toml",
     start_timeout: float = 180.0,
+    real_process: bool = False,
 ) -> Server:
     """`procs` > 1: a model resource, `python -m tools.torchrun --standalone
     --nproc-per-node procs -m tools.serve ...` (rank 0 serves). `start_timeout`: seconds
-    until the health check answers (a vLLM engine takes a minute more)."""
+    until the health check answers (a vLLM engine takes a minute more). The server runs in
+    the suite's preloaded interpreter (tests/helpers/zygote.py) unless `real_process`: a
+    test that reads the server's /proc/PID needs PID to be the server's own."""
     tmp.mkdir(parents=True, exist_ok=True)
     keyfile = tmp / "keys.txt"
     keyfile.write_text(keys or f"# test keys\n{KEY}\n")
@@ -77,11 +82,13 @@ def start_server(
     storage = storage or tmp / "storage"
     log = tmp / f"server-{port}.log"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if not real_process:
+        env["PYTHON_EXEC"] = python()  # a resource's ranks, from its torchrun
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)  # a resource's ranks come from its own torchrun
     launch = ["-m", "tools.torchrun", "--standalone", f"--nproc-per-node={procs}"]
     cmd = [
-        sys.executable,
+        sys.executable if real_process else python(),
         *(launch if procs > 1 else []),
         "-m",
         "tools.serve",

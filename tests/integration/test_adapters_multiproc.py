@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from posttrain.lora import base_state
 from tests.helpers.adapter_recipe import STEPS, adapter_weights, write_adapter_recipe
-from tests.helpers.runs import ROOT, child_env, free_port, train_main_error
+from tests.helpers.runs import ROOT, child_env, free_port, python, train_main_error
 
 
 def _final(out, name: str) -> dict[str, torch.Tensor]:
@@ -35,7 +34,7 @@ def _maxdiff(x: dict[str, torch.Tensor], y: dict[str, torch.Tensor]) -> float:
 def test_adapters_two_processes(tmp_path):
     recipe = write_adapter_recipe(tmp_path)
     out = tmp_path / "dp2"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+    cmd = [python(), "-m", "torch.distributed.run", "--nproc_per_node=2",
            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
            str(ROOT / "tests/helpers/adapters_dp_worker.py"), recipe, str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,

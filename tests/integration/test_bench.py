@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from tests.helpers.runs import ROOT, child_env
+from tests.helpers.runs import ROOT, child_env, python
 
 
 def test_bench_rejects_warmup_not_below_steps():
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.bench", "--steps", "3", "--warmup", "3"],
+        [python(), "-m", "tools.bench", "--steps", "3", "--warmup", "3"],
         cwd=ROOT, env=child_env(), capture_output=True, text=True,
     )  # fmt: skip
     assert proc.returncode == 2 and "--warmup" in proc.stderr and "Traceback" not in proc.stderr
@@ -22,7 +21,7 @@ def test_bench_rejects_warmup_not_below_steps():
 @pytest.mark.slow
 def test_bench_measures_a_run(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.bench", "--steps", "4", "--warmup", "1",
+        [python(), "-m", "tools.bench", "--steps", "4", "--warmup", "1",
          "--out", str(tmp_path), "--set", "training.seq_len=128"],
         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip

@@ -6,11 +6,10 @@ import json
 import os
 import socket
 import subprocess
-import sys
 
 import pytest
 
-from tests.helpers.runs import ROOT
+from tests.helpers.runs import ROOT, python
 
 pytestmark = pytest.mark.multiproc
 
@@ -23,9 +22,9 @@ def _port() -> int:
 
 def test_tp2_keeps_documents_apart():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHON_EXEC=python())
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        python(), "-m", "torch.distributed.run", "--nproc_per_node=2",
         "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{_port()}",
         str(ROOT / "tests" / "helpers" / "doc_mask_tp_worker.py"), "dense", "flex",
     ]  # fmt: skip

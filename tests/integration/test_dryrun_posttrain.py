@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from recipe.loader import load_recipe
 from runtime.build import recipe_model_spec
-from tests.helpers.runs import ROOT, child_env
+from tests.helpers.runs import ROOT, child_env, python
 
 MiB = 2**20
 SETS = ["parallel.world_size=2", "model.layers=1", "model.vocab_size=32768",
@@ -45,7 +44,7 @@ SETS = ["parallel.world_size=2", "model.layers=1", "model.vocab_size=32768",
 
 
 def dry_run(*sets: str) -> dict:
-    cmd = [sys.executable, "-m", "tools.dryrun", "--recipe=recipes/rl_debug.toml", "--json"]
+    cmd = [python(), "-m", "tools.dryrun", "--recipe=recipes/rl_debug.toml", "--json"]
     cmd += [f"--set={s}" for s in (*SETS, *sets)]
     p = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
                        timeout=600)  # fmt: skip
@@ -109,7 +108,7 @@ ADAPTER_SETS = ["parallel.world_size=1", "model.layers=1", "model.vocab_size=327
 
 
 def adapters_dry_run(recipe: str, schedule: str) -> dict:
-    cmd = [sys.executable, "-m", "tools.dryrun", f"--recipe={recipe}", "--json",
+    cmd = [python(), "-m", "tools.dryrun", f"--recipe={recipe}", "--json",
            f"--set=finetune.adapter_schedule={schedule}"]  # fmt: skip
     cmd += [f"--set={s}" for s in ADAPTER_SETS]
     p = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.runs import ROOT, child_env
+from tests.helpers.runs import ROOT, child_env, python
 
 pytestmark = pytest.mark.slow  # training runs: ~30-120 s on 2 shared cores
 
@@ -31,7 +30,7 @@ def _run(family: str, tmp: Path, *extra: str) -> dict:
     env = child_env()
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     proc = subprocess.run(
-        [sys.executable, str(WORKER), family, str(tmp), *extra],
+        [python(), str(WORKER), family, str(tmp), *extra],
         cwd=ROOT,
         env=env,
         capture_output=True,

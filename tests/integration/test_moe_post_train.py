@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.runs import child_env
+from tests.helpers.runs import child_env, python
 
 pytestmark = pytest.mark.slow  # two CPU trainings of a 64-expert debug MoE: ~2 min on 2 cores
 
@@ -21,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _train(recipe: str, out: Path, *sets: str) -> list[dict]:
-    argv = [sys.executable, "train.py", "--recipe", recipe, "--set", f"job.output_dir={out}"]
+    argv = [python(), "train.py", "--recipe", recipe, "--set", f"job.output_dir={out}"]
     for s in sets:
         argv += ["--set", s]
     p = subprocess.run(argv, cwd=ROOT, env=child_env(), capture_output=True, text=True,

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from tests.helpers.runs import ROOT, child_env, read_losses, run_train
+from tests.helpers.runs import ROOT, child_env, python, read_losses, run_train
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]  # measured: 163 s (seed + 2 runs)
 
@@ -28,7 +27,7 @@ STEPS = ["training.steps=4", "metrics.tensorboard=false", "metrics.summary_skip_
 @pytest.fixture(scope="module")
 def moe_seed(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("moe_seed")
-    cmd = [sys.executable, "-m", "tools.seed_checkpoint", "--recipe", RECIPE,
+    cmd = [python(), "-m", "tools.seed_checkpoint", "--recipe", RECIPE,
            "--out", str(out / "seed"), "--set", f"job.output_dir={out / 'run'}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]

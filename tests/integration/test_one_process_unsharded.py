@@ -19,12 +19,11 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.runs import FAST, ROOT, child_env, read_losses, run_train
+from tests.helpers.runs import FAST, ROOT, child_env, python, read_losses, run_train
 
 pytestmark = pytest.mark.slow  # four training processes, ~50 s on 2 shared cores
 
@@ -35,7 +34,7 @@ TOL = 2e-4  # the layout tests' bound across process counts: float reduction ord
 
 def _run(tmp: Path, seed: str, mode: str, *extra: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp), seed, mode, *extra],
+        [python(), str(WORKER), str(tmp), seed, mode, *extra],
         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -6,14 +6,13 @@ import json
 import os
 import random
 import subprocess
-import sys
 
 import pytest
 import torch
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 from data.loader import PackedStream
-from tests.helpers.runs import ROOT
+from tests.helpers.runs import ROOT, python
 from tests.helpers.tiny_data import ListSource, make_tokenizer_dir
 
 
@@ -36,7 +35,7 @@ def test_packstats_cli_json(tmp_path, tok_dir):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     env["HF_DATASETS_CACHE"] = str(tmp_path / "cache")
     cmd = [
-        sys.executable, "-m", "tools.packstats", "--data", str(data), "--tokenizer", tok_dir,
+        python(), "-m", "tools.packstats", "--data", str(data), "--tokenizer", tok_dir,
         "--seq-len", "128", "--packing", "bfd", "--window", "16", "--json",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

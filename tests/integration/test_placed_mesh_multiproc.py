@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from tests.helpers.runs import FAST, ROOT, child_env, free_port, read_losses
+from tests.helpers.runs import FAST, ROOT, child_env, free_port, python, read_losses
 
 pytestmark = pytest.mark.multiproc
 
 
 def _torchrun(nproc: int, script: str, args: list[str], env: dict | None = None, timeout=600):
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        python(), "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
         "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
         str(ROOT / script), *args,
     ]  # fmt: skip

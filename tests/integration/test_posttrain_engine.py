@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ import torch
 
 from runtime.metrics import read_trajectory
 from tests.helpers.adapter_recipe import STEPS, adapter_weights, write_adapter_recipe
-from tests.helpers.runs import ROOT, child_env
+from tests.helpers.runs import ROOT, child_env, python
 
 pytestmark = pytest.mark.slow  # three train.py runs per test: ~1-2 min on 2 loaded cores
 
@@ -38,7 +37,7 @@ RL_TINY = [
 
 
 def train(out: Path, sets: list[str], *, recipe: str, env: dict[str, str] | None = None):
-    cmd = [sys.executable, str(ROOT / "train.py"), "--recipe", recipe,
+    cmd = [python(), str(ROOT / "train.py"), "--recipe", recipe,
            "--set", f"job.output_dir={out}"]  # fmt: skip
     for s in sets:
         cmd += ["--set", s]

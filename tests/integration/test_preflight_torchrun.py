@@ -5,19 +5,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
-from tests.helpers.runs import ROOT, free_port
+from tests.helpers.runs import ROOT, free_port, python
 
 
 @pytest.mark.multiproc
 def test_preflight_under_torchrun(tmp_path):
     """4 CPU processes, pp2 x tp2: every axis's collective runs and checks out."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON_EXEC=python())
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4",
+        python(), "-m", "torch.distributed.run", "--nproc-per-node=4",
         f"--master-port={free_port()}", "--module", "tools.preflight",
         "--recipe", str(ROOT / "recipes" / "debug.toml"),
         "--set", "parallel.tp=2", "--set", "parallel.pp=2",

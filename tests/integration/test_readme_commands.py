@@ -111,7 +111,7 @@ def _argv(cmd: str) -> list[str]:
 
 
 def _run(argv: list[str], tmp: Path, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
-    env = child_env()
+    env = child_env(preloaded=False)
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     return subprocess.run(argv, cwd=kw.pop("cwd", ROOT), env=env, capture_output=True,
                           text=True, timeout=timeout, **kw)  # fmt: skip
@@ -265,7 +265,7 @@ def test_key_file_serve_and_tinker_script(tmp_path, seed_checkpoint):
         "--set",
         f"checkpoint.load_from={seed_checkpoint}",
     ]
-    env = child_env()
+    env = child_env(preloaded=False)
     log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

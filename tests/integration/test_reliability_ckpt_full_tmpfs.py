@@ -32,7 +32,7 @@ def in_tmpfs(tmp_path, size: str, args: list[str], timeout: int = 300) -> dict:
     cmd = ["unshare", "-rm", "sh", "-c", script, str(disk), sys.executable, str(WORKER)]
     proc = subprocess.run(
         [*cmd, args[0], str(disk), *args[1:]],
-        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT, env=child_env(preloaded=False), capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
 from runtime.metrics import read_starts, read_trajectory
-from tests.helpers.runs import FAST, ROOT, child_env, free_port, run_train
+from tests.helpers.runs import FAST, ROOT, child_env, free_port, python, run_train
 from tools.reliability_report import record
 
 pytestmark = pytest.mark.multiproc
@@ -88,7 +87,7 @@ def test_hung_rank_ends_the_job_naming_rank_and_group(tmp_path):
     for o in [*FAST, "training.local_batch_size=2", f"job.collective_timeout_s={timeout_s}"]:
         args.append(f"--set={o}")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        python(), "-m", "torch.distributed.run", "--nproc_per_node=2",
         "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
         str(ROOT / "train.py"), *args,
     ]  # fmt: skip

@@ -58,6 +58,7 @@ def test_the_documented_maximum_is_refused_or_runs_within_its_budget(tmp_path):
         "--max-request-gib",
         str(BUDGET_GIB),
         sets=["model.layers=1", f"training.seq_len={CONTEXT}"],
+        real_process=True,
     )
     pid = server.proc.pid
     budget = BUDGET_GIB * (1 << 30)

@@ -35,7 +35,7 @@ DEADLINE_MIN_S = 120.0
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("svc-limits"), keys=TWO_TENANTS)
+    srv = start_server(tmp_path_factory.mktemp("svc-limits"), keys=TWO_TENANTS, real_process=True)
     yield srv
     assert srv.stop() == 0, srv.log_text()[-3000:]
 

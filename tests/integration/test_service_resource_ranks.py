@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from tests.helpers.runs import ROOT, child_env
+from tests.helpers.runs import ROOT, child_env, python
 
 pytestmark = pytest.mark.multiproc
 
 
 def test_slow_rank_fails_the_operation_within_the_deadline():
     env = dict(child_env(), OP_TIMEOUT_S="2", SLOW_S="6")
-    cmd = [sys.executable, "-m", "tools.torchrun", "--standalone", "--nproc-per-node=2",
+    cmd = [python(), "-m", "tools.torchrun", "--standalone", "--nproc-per-node=2",
            str(ROOT / "tests" / "helpers" / "resource_worker.py")]  # fmt: skip
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     line = next(x for x in p.stdout.splitlines() if x.startswith("{"))
@@ -45,7 +44,7 @@ def test_slow_rank_fails_the_operation_within_the_deadline():
 
 
 def test_sharded_decode_equals_one_process_both_ways():
-    cmd = [sys.executable, "-m", "tools.torchrun", "--standalone", "--nproc-per-node=2",
+    cmd = [python(), "-m", "tools.torchrun", "--standalone", "--nproc-per-node=2",
            str(ROOT / "tests" / "helpers" / "resource_decode_worker.py")]  # fmt: skip
     p = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]

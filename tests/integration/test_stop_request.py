@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from launch.stop_request import StopRequest
-from tests.helpers.runs import ROOT
+from tests.helpers.runs import ROOT, python
 
 SETS = ["training.seq_len=64", "training.steps=3", "training.warmup_steps=1",
         "checkpoint.interval=2", "metrics.tensorboard=false"]  # fmt: skip
@@ -18,7 +17,7 @@ SETS = ["training.seq_len=64", "training.steps=3", "training.warmup_steps=1",
 def _train(out: Path, stop_file: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", TITANSCALE_STOP_FILE=stop_file)
-    cmd = [sys.executable, str(ROOT / "train.py"), "--set", f"job.output_dir={out}"]
+    cmd = [python(), str(ROOT / "train.py"), "--set", f"job.output_dir={out}"]
     for s in SETS:
         cmd += ["--set", s]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

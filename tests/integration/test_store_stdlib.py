@@ -9,7 +9,6 @@ import json
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,13 +22,13 @@ from data.sources import open_source
 from data.store import TokenStore, is_store
 from data.store_stream import StoreStream
 from data.tokenizer import resolve_tokenizer
-from tests.helpers.runs import FAST, ROOT, child_env, read_losses, run_train
+from tests.helpers.runs import FAST, ROOT, child_env, python, read_losses, run_train
 
 RECORDS = 90  # the first 90 stdlib files: ~0.4M tokens
 
 
 def prepare_cmd(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "tools.prepare_data", "--source", "stdlib", "--tokenizer",
+    return [python(), "-m", "tools.prepare_data", "--source", "stdlib", "--tokenizer",
             "embedded", "--out", str(out), "--max-records", str(RECORDS), *extra]  # fmt: skip
 
 
@@ -81,7 +80,7 @@ def test_killed_prepare_is_never_a_store_and_resumes(stdlib_store, tmp_path):
     assert (partial / "shard-00002.arrow").exists() and not (partial / "shard-00003.arrow").exists()
     assert not out.exists() and not is_store(out)
     bad = subprocess.run(
-        [sys.executable, "-m", "tools.packstats", "--data", str(out), "--tokenizer", "embedded",
+        [python(), "-m", "tools.packstats", "--data", str(out), "--tokenizer", "embedded",
          "--dp", "2", "--rows", "2"], cwd=ROOT, env=env(), capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip

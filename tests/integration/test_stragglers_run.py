@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from tests.helpers.runs import ROOT, child_env, free_port
+from tests.helpers.runs import ROOT, child_env, free_port, python
 
 
 @pytest.mark.slow
 def test_sleeping_rank_is_named(tmp_path):
     env = child_env()
     env["TITANSCALE_FAULT"] = "slow:rank=1:step=1:at=batch:seconds=2.0"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+    cmd = [python(), "-m", "torch.distributed.run", "--nproc_per_node=2",
            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
            str(ROOT / "train.py"), "--set", f"job.output_dir={tmp_path}",
            "--set", "training.steps=5", "--set", "training.seq_len=64",

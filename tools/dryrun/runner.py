@@ -52,13 +52,14 @@ def _site() -> str:
 
 def run_job(job: DryRunJob) -> dict[str, Any]:
     """Every chosen rank in its own process, pipeline stage 0 first (its forward gives the
-    stage-boundary metadata the later ranks receive)."""
+    stage-boundary metadata the later ranks receive). The ranks' interpreter is
+    $PYTHON_EXEC where set (as torchrun reads it for its workers), else this one."""
     import subprocess
 
     ranks = []
     with tempfile.TemporaryDirectory(prefix="dryrun-state-") as state:
         for rank in job.ranks:
-            cmd = [sys.executable, "-m", "tools.dryrun", *job.spec, f"--worker={rank}",
+            cmd = [os.environ.get("PYTHON_EXEC") or sys.executable, "-m", "tools.dryrun", *job.spec, f"--worker={rank}",
                    f"--state={state}"]  # fmt: skip
             # The worker imports this checkout's modules whatever the caller's folder.
             path_env = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
