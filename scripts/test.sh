@@ -24,25 +24,34 @@ bash scripts/setup.sh
 .venv/bin/ruff format --check .
 .venv/bin/mypy
 # The unit tier on both cores. The integration tier in two passes: the tests not marked
-# `serial`, multi-process and vLLM ones included, on two workers (`--dist loadfile`: a whole
-# file per worker, so a module's server or training run is built once), then the `serial`
-# ones (SERIAL_FILES in tests/conftest.py: deadlines, filled disks, signals, concurrency and
-# peak memory, the README's commands) one at a time, beside the Slurm lab's tests (their
-# jobs mostly wait on Slurm; their deadlines are minutes). Each pass prints its 30 slowest
-# tests.
+# `serial` (nor `beside_serial`), multi-process and vLLM ones included, on two workers
+# (`--dist loadfile`: a whole file per worker, so a module's server or training run is built
+# once), then the `serial` ones (SERIAL_FILES in tests/conftest.py: deadlines, filled disks,
+# signals, concurrency and peak memory, the README's commands) one at a time, beside two
+# other pytest processes that use the core the serial tests leave idle: the Slurm lab's
+# tests (their jobs mostly wait on Slurm; their deadlines are minutes) and the
+# `beside_serial` files (BESIDE_SERIAL_FILES: CPU-bound, no deadline: the dry runs). Each
+# pass prints its 30 slowest tests.
 .venv/bin/python -m pytest -q -rs --durations=30 -n 2 tests/unit
-.venv/bin/python -m pytest -q -rs --durations=30 -n 2 --dist loadfile -m "not serial" tests/integration
+.venv/bin/python -m pytest -q -rs --durations=30 -n 2 --dist loadfile \
+    -m "not serial and not beside_serial" tests/integration
 wait "$setup_pid"
 [ "$(cat "$TITANSCALE_VLLM_SETUP_RC")" = 0 ] || { tail -20 "$TITANSCALE_VLLM_SETUP_RC.log"; exit 1; }
 slurm_log=$setup_dir/slurm-tests.log
-echo "Slurm lab tests running beside the serial pass; their report follows it ($slurm_log)"
+beside_log=$setup_dir/beside-serial-tests.log
+echo "Slurm lab tests and the beside_serial files running beside the serial pass; their reports follow it"
 .venv/bin/python -m pytest -q -rs --durations=30 -m "serial and slurm" tests/integration \
     > "$slurm_log" 2>&1 &
 slurm_pid=$!
+.venv/bin/python -m pytest -q -rs --durations=30 -m "beside_serial" tests/integration \
+    > "$beside_log" 2>&1 &
+beside_pid=$!
 serial_rc=0
 .venv/bin/python -m pytest -q -rs --durations=30 -m "serial and not slurm" tests/integration \
     || serial_rc=$?
 slurm_rc=0
 wait "$slurm_pid" || slurm_rc=$?
-cat "$slurm_log"
-[ "$serial_rc" = 0 ] && [ "$slurm_rc" = 0 ]
+beside_rc=0
+wait "$beside_pid" || beside_rc=$?
+cat "$slurm_log" "$beside_log"
+[ "$serial_rc" = 0 ] && [ "$slurm_rc" = 0 ] && [ "$beside_rc" = 0 ]

@@ -135,11 +135,20 @@ SERIAL_FILES = frozenset({
 })  # fmt: skip
 
 
+# CPU-bound files with no deadline and nothing measured from the machine: scripts/test.sh
+# runs them beside the serial pass (one process), on the core the serial tests and the Slurm
+# lab's jobs leave idle, instead of in the parallel pass.
+BESIDE_SERIAL_FILES = frozenset({"test_dryrun_recipes.py"})
+
+
 def pytest_collection_modifyitems(config, items):
-    """`serial` on the Slurm tests and the files in SERIAL_FILES."""
+    """`serial` on the Slurm tests and the files in SERIAL_FILES; `beside_serial` on the
+    files in BESIDE_SERIAL_FILES."""
     for item in items:
         if item.path.name in SERIAL_FILES or item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.serial)
+        if item.path.name in BESIDE_SERIAL_FILES:
+            item.add_marker(pytest.mark.beside_serial)
 
 
 @pytest.fixture(autouse=True)

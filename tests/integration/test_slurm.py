@@ -30,7 +30,7 @@ from launch.slurm import fabric_from_slurm
 from launch.topology import topology_order
 from parallel.cluster import load_cluster
 from parallel.placement import planned_rank_order
-from tests.helpers.runs import ROOT
+from tests.helpers.runs import ROOT, python
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -51,7 +51,10 @@ EXPECTED_ORDER = ["node1", "node3", "node2", "node4"]  # spine.leaf1.*, then spi
 
 
 def _slurm_env() -> dict[str, str]:
-    return dict(os.environ, SLURM_CONF=f"{BASE}/etc/slurm.conf")
+    """The lab's Slurm, and the jobs' torchrun workers in the suite's preloaded interpreter
+    (PYTHON_EXEC; tests/helpers/zygote.py): a job of 8 ranks starts 12-24 processes that
+    would each import torch and torchtitan (~300 of the lab's ~380 CPU-seconds)."""
+    return dict(os.environ, SLURM_CONF=f"{BASE}/etc/slurm.conf", PYTHON_EXEC=python())
 
 
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -118,7 +121,7 @@ def _wait(job_id: str, out: Path, until, timeout: float, what: str) -> dict[str,
 def _launch(out: Path, *extra: str) -> str:
     cmd = [
         sys.executable, "-m", "tools.launch", "--recipe", str(ROOT / "recipes" / "debug.toml"),
-        "--cluster", str(PROFILE), "--nodes", "4", "--time", "00:15:00",
+        "--cluster", str(PROFILE), "--nodes", "4", "--time", "00:15:00", "--python", python(),
         "--signal-seconds", "60", "--switch-wait", "00:01:00", "--out", str(out), *extra,
     ]  # fmt: skip
     for o in TRAIN:
@@ -328,6 +331,7 @@ def test_replica_group_step_is_relaunched_alone(slurm_cluster, tmp_path):
     cmd = [
         sys.executable, "-m", "tools.launch", "--recipe", str(ROOT / "recipes" / "debug.toml"),
         "--cluster", str(profile), "--nodes", "4", "--time", "00:15:00", "--no-preflight",
+        "--python", python(),
         "--signal-seconds", "60", "--switch-wait", "00:01:00", "--out", str(out),
     ]  # fmt: skip
     for o in FT_SETS:
