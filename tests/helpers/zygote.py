@@ -26,8 +26,8 @@ What it preserves, what it does not (why the list below is short):
 - Not preserved: /proc/<shim pid> is not the program's (tests that read a process's /proc,
   its children or RUSAGE_CHILDREN keep `sys.executable`); interpreter-start warnings of
   torch's imports are printed once by the server, not by each program.
-- The README's commands and the `serial` tests run real processes (they never call
-  `python()`), so the plain path stays proven.
+- The README's commands run real processes (`child_env(preloaded=False)`), so the plain
+  path stays proven; tests/integration/test_zygote.py compares this one with it.
 
 TITANSCALE_TEST_ZYGOTE=0 turns it off: `python()` returns `sys.executable`.
 """
