@@ -14,7 +14,8 @@ working directory and its stdin/stdout/stderr to the server over a Unix socket; 
 forks a child that takes them over and runs the program as `python` would, and the shim
 mirrors the child's end: the same exit code, or death by the same signal. Signals sent to
 the shim (torchrun's SIGTERM, a test's SIGTERM or SIGHUP) are forwarded to the child; if the
-shim is killed (SIGKILL, a test's timeout) the child kills itself.
+shim is killed (SIGKILL, a test's timeout) the server, which sees the shim's connection
+close, SIGKILLs the child at once (no thread of ours runs in the program).
 
 What it preserves, what it does not (why the list below is short):
 - Only programs in ENTRY_POINTS run in the server: train.py, torchrun, the dry run, the
@@ -227,7 +228,14 @@ def _serve(sock_path: str) -> None:
     sel.register(listener, selectors.EVENT_READ)
     children: dict[int, socket.socket] = {}
     while os.getppid() == parent:
-        for _key, _ in sel.select(timeout=0.05):
+        for key, _ in sel.select(timeout=0.05):
+            if key.fileobj is not listener:
+                # A shim's connection became readable: the shim ended before its program
+                # (SIGKILL, a test's timeout; it never writes again). The program follows.
+                sel.unregister(key.fileobj)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(key.data, signal.SIGKILL)
+                continue
             conn, _ = listener.accept()
             conn.settimeout(30)
             try:
@@ -269,6 +277,7 @@ def _serve(sock_path: str) -> None:
                 os.close(fd)
             children[pid] = conn
             conn.sendall(b"pid %d\n" % pid)
+            sel.register(conn, selectors.EVENT_READ, pid)
         while children:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -279,6 +288,8 @@ def _serve(sock_path: str) -> None:
             conn = children.pop(pid, None)
             if conn is None:
                 continue
+            with contextlib.suppress(KeyError, ValueError):
+                sel.unregister(conn)
             if os.WIFSIGNALED(status):
                 msg = b"signal %d\n" % os.WTERMSIG(status)
             else:
@@ -305,12 +316,7 @@ def _child(conn, fds: list[int], request: dict, flags: dict) -> None:
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
-        def watch() -> None:  # the shim died (SIGKILL, a timeout): so does the program
-            with contextlib.suppress(OSError):
-                conn.recv(1)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        threading.Thread(target=watch, daemon=True, name="zygote-shim-watch").start()
+        conn.close()  # the server answers the shim; a shim that dies is the server's to see
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             if fd > 2:
