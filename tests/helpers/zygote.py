@@ -151,7 +151,7 @@ def python() -> str:
             [sys.executable, "-u", __file__, sock], cwd=ROOT, env=env,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
-        atexit.register(_stop, server)
+        atexit.register(_stop, server, folder)
         _state["server"] = server
         # The server listens once its imports are done (~5 s); a shim that finds no socket
         # runs the real interpreter, so waiting is only about not paying twice.
@@ -170,12 +170,15 @@ def env_with_python(env: dict[str, str]) -> dict[str, str]:
     return {**env, "PYTHON_EXEC": python()}
 
 
-def _stop(server: subprocess.Popen) -> None:
+def _stop(server: subprocess.Popen, folder: str) -> None:
+    import shutil
+
     server.terminate()
     try:
         server.wait(10)
     except subprocess.TimeoutExpired:
         server.kill()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------
