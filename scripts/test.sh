@@ -22,11 +22,6 @@ setup_pid=$!
 bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-# mypy (~27 CPU-s without its cache) beside the unit tier and the parallel pass, which leave
-# about a sixth of the two cores idle; its exit code is checked at the end.
-mypy_log=$setup_dir/mypy.log
-.venv/bin/mypy > "$mypy_log" 2>&1 &
-mypy_pid=$!
 # The unit tier on both cores. The integration tier in two passes: the tests not marked
 # `serial` (nor `beside_serial`), multi-process and vLLM ones included, on two workers
 # (`--dist loadfile`: a whole file per worker, so a module's server or training run is built
@@ -37,6 +32,11 @@ mypy_pid=$!
 # `beside_serial` files (BESIDE_SERIAL_FILES: CPU-bound, no deadline: the dry runs). Each
 # pass prints its 30 slowest tests.
 .venv/bin/python -m pytest -q -rs --durations=30 -n 2 tests/unit
+# mypy (~27 CPU-s without its cache) beside the parallel pass, which leaves about a sixth of
+# the two cores idle; its exit code is checked at the end.
+mypy_log=$setup_dir/mypy.log
+.venv/bin/mypy > "$mypy_log" 2>&1 &
+mypy_pid=$!
 .venv/bin/python -m pytest -q -rs --durations=30 -n 2 --dist loadfile \
     -m "not serial and not beside_serial" tests/integration
 wait "$setup_pid"
