@@ -235,6 +235,14 @@ def require_launch_vars(env: Mapping[str, str] | None = None) -> None:
             )
 
 
+def worker_python(env: Mapping[str, str] | None = None) -> str:
+    """The interpreter for the Python processes a launcher starts: $PYTHON_EXEC where set (the
+    variable torchrun reads for its workers), else this process's own."""
+    import sys
+
+    return (os.environ if env is None else env).get("PYTHON_EXEC") or sys.executable
+
+
 def fill_single_process(environ: MutableMapping[str, str]) -> None:
     """A 1-process job (`python train.py`, `WORLD_SIZE=1`): give torch's env:// rendezvous and
     torchtitan what torchrun would (rank 0, a free local port); keeps what is already set.

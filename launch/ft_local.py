@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from core.launch_env import LIGHTHOUSE_ENV, REPLICA_ENV
+from core.launch_env import LIGHTHOUSE_ENV, REPLICA_ENV, worker_python
 
 if TYPE_CHECKING:  # torchft's import costs seconds: only where a lighthouse starts
     from torchft.coordination import LighthouseServer
@@ -94,9 +94,7 @@ def _start(plan: GroupsPlan, g: int, lighthouse: str) -> subprocess.Popen:
     folder.mkdir(parents=True, exist_ok=True)
     log = open(folder / "torchrun.log", "a")  # noqa: SIM115 (the child holds it)
     # Own session: a group's torchrun and ranks are stopped together, never the launcher.
-    # $PYTHON_EXEC, where set, is the interpreter (as torchrun reads it for its workers).
-    python = os.environ.get("PYTHON_EXEC") or sys.executable
-    return subprocess.Popen(group_command(plan, python), env=group_env(dict(os.environ), g, lighthouse),
+    return subprocess.Popen(group_command(plan, worker_python()), env=group_env(dict(os.environ), g, lighthouse),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
 

@@ -284,6 +284,17 @@ def sharded_parameters(states: dict[str, Any]) -> list[tuple[str, Any]]:
             for name, p in part.named_parameters()]  # fmt: skip
 
 
+def _heal_tensors(states: dict[str, Any], params: list[tuple[str, Any]] | None) -> list:
+    """(key, tensor) of what a heal moves: `params` (default: `sharded_parameters` now),
+    then every model part's buffers (FSDP2 does not shard or swap those)."""
+    from torchtitan.components.checkpoint import MODEL
+
+    named = [*(sharded_parameters(states) if params is None else params)]
+    for i, part in enumerate(states[MODEL].model):
+        named += [(f"{i}.{name}", t) for name, t in part.named_buffers()]
+    return named
+
+
 def heal_state(
     states: dict[str, Any], params: list[tuple[str, Any]] | None = None
 ) -> dict[str, Any]:
@@ -298,14 +309,9 @@ def heal_state(
     deadlock until torchft's timeout (found here, torchtitan 0.3.0). Both groups shard the
     same way (one layout per recipe), so rank r's shards are what rank r of the healing
     group holds; nothing here needs a peer."""
-    from torchtitan.components.checkpoint import LR_SCHEDULER, MODEL, OPTIMIZER, TRAIN_STATE
+    from torchtitan.components.checkpoint import LR_SCHEDULER, OPTIMIZER, TRAIN_STATE
 
-    model: dict[str, Any] = {}
-    for key, p in sharded_parameters(states) if params is None else params:
-        model[key] = _local(p.detach())
-    for i, part in enumerate(states[MODEL].model):
-        for name, t in part.named_buffers():
-            model[f"{i}.{name}"] = _local(t.detach())
+    model = {key: _local(t.detach()) for key, t in _heal_tensors(states, params)}
     optim = []
     for opt in states[OPTIMIZER].optimizers:
         held = [p for g in opt.param_groups for p in g["params"]]
@@ -329,13 +335,10 @@ def load_heal_state(
     """`heal_state` from a live peer, copied in place into this rank's shards (torchft calls
     it on every rank of the healing group from the main thread, before the step)."""
     import torch
-    from torchtitan.components.checkpoint import LR_SCHEDULER, MODEL, OPTIMIZER, TRAIN_STATE
+    from torchtitan.components.checkpoint import LR_SCHEDULER, OPTIMIZER, TRAIN_STATE
 
     with torch.no_grad():
-        named = [*(sharded_parameters(states) if params is None else params)]
-        for i, part in enumerate(states[MODEL].model):
-            named += [(f"{i}.{name}", t) for name, t in part.named_buffers()]
-        for key, t in named:
+        for key, t in _heal_tensors(states, params):
             _local(t).copy_(sd["model"][key])
         for opt, got in zip(states[OPTIMIZER].optimizers, sd["optim"], strict=True):
             held = [p for g in opt.param_groups for p in g["params"]]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.helpers.runs import python
+from tests.helpers.runs import child_env, python
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "tml-test-key-7f3a91c2"
@@ -81,11 +81,9 @@ def start_server(
     port = free_port()
     storage = storage or tmp / "storage"
     log = tmp / f"server-{port}.log"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    if not real_process:
-        env["PYTHON_EXEC"] = python()  # a resource's ranks, from its torchrun
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)  # a resource's ranks come from its own torchrun
+    # No launch variables of the test's own: a resource's ranks come from its own torchrun
+    # (whose workers' interpreter is PYTHON_EXEC, the preloaded one unless real_process).
+    env = child_env(preloaded=not real_process)
     launch = ["-m", "tools.torchrun", "--standalone", f"--nproc-per-node={procs}"]
     cmd = [
         sys.executable if real_process else python(),

@@ -106,7 +106,7 @@ socket.send_fds(conn, [struct.pack("!I", len(request))], fds)
 conn.sendall(request)
 reply = conn.makefile("rb")
 line = reply.readline()
-if line != b"" and line.startswith(b"fallback"):
+if line.startswith(b"fallback"):
     conn.close()
     os.execv(REAL, [REAL, *args])
 if not line.startswith(b"pid "):
@@ -156,18 +156,10 @@ def python() -> str:
         # The server listens once its imports are done (~5 s); a shim that finds no socket
         # runs the real interpreter, so waiting is only about not paying twice.
         deadline = time.monotonic() + 120
-        while not os.path.exists(sock) and server.poll() is None:
-            if time.monotonic() > deadline:
-                break
+        while not os.path.exists(sock) and server.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         _state["shim"] = shim = shim_path
     return str(shim)
-
-
-def env_with_python(env: dict[str, str]) -> dict[str, str]:
-    """`env` with PYTHON_EXEC set to `python()`: torchrun's (and tools.dryrun's) interpreter
-    for the processes it starts."""
-    return {**env, "PYTHON_EXEC": python()}
 
 
 def _stop(server: subprocess.Popen, folder: str) -> None:
@@ -186,23 +178,24 @@ def _stop(server: subprocess.Popen, folder: str) -> None:
 # so a fork never copies a lock another thread holds.
 
 
-def _entry(argv: list[str]) -> tuple[dict, str] | None:
-    """Parse a python command line into (flags, entry key) for ENTRY_POINTS, or None (the
-    shim runs the real interpreter)."""
-    flags: dict = {"u": False, "B": False, "W": [], "X": []}
+def _entry(argv: list[str], cwd: str) -> dict | None:
+    """Parse a python command line run in `cwd` into its flags and program when that program
+    is in ENTRY_POINTS, else None (the shim runs the real interpreter). -u and -s are
+    accepted and need nothing: the server's streams are unbuffered, its site is the
+    installation's."""
+    flags: dict = {"B": False, "W": [], "X": []}
     i = 0
     while i < len(argv) and argv[i].startswith("-") and argv[i] != "-":
         a = argv[i]
-        if a in ("-u", "-B", "-s"):
-            flags[a[1]] = True
+        if a in ("-u", "-s", "-B"):
+            flags["B"] = flags["B"] or a == "-B"
         elif a in ("-W", "-X") and i + 1 < len(argv):
             flags[a[1]].append(argv[i + 1])
             i += 1
         elif a == "-m" and i + 1 < len(argv):
             flags["module"] = argv[i + 1]
             flags["args"] = argv[i + 2 :]
-            key = f"-m {argv[i + 1]}"
-            return (flags, key) if key in ENTRY_POINTS else None
+            return flags if f"-m {argv[i + 1]}" in ENTRY_POINTS else None
         else:
             return None
         i += 1
@@ -210,7 +203,8 @@ def _entry(argv: list[str]) -> tuple[dict, str] | None:
         return None
     flags["script"] = argv[i]
     flags["args"] = argv[i + 1 :]
-    return flags, "script"
+    script = os.path.realpath(os.path.join(cwd, argv[i]))
+    return flags if os.path.relpath(script, ROOT) in ENTRY_POINTS else None
 
 
 def _serve(sock_path: str) -> None:
@@ -255,13 +249,8 @@ def _serve(sock_path: str) -> None:
                 conn.close()
                 continue
             conn.settimeout(None)
-            parsed = _entry(request["argv"])
-            if parsed is not None and parsed[1] == "script":
-                script = os.path.realpath(os.path.join(request["cwd"], parsed[0]["script"]))
-                rel = os.path.relpath(script, ROOT)
-                if rel not in ENTRY_POINTS:
-                    parsed = None
-            if parsed is None:
+            flags = _entry(request["argv"], request["cwd"])
+            if flags is None:
                 for fd in fds:
                     os.close(fd)
                 conn.sendall(b"fallback\n")
@@ -275,7 +264,7 @@ def _serve(sock_path: str) -> None:
                 listener.close()
                 for other in children.values():
                     other.close()
-                _child(conn, fds, request, parsed[0])  # never returns
+                _child(conn, fds, request, flags)  # never returns
             for fd in fds:
                 os.close(fd)
             children[pid] = conn
@@ -373,9 +362,7 @@ def _child(conn, fds: list[int], request: dict, flags: dict) -> None:
             sys.excepthook(*sys.exc_info())
             code = 1
         threading._shutdown()  # type: ignore[attr-defined]  # join non-daemon threads
-        import atexit as _atexit
-
-        _atexit._run_exitfuncs()
+        atexit._run_exitfuncs()
     except BaseException:
         traceback.print_exc()
         code = 1

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 from typing import Any
 
 from core.errors import ConfigError
+from core.launch_env import worker_python
 from parallel.memory import GIB
 from tools.cli import ROOT
 from tools.dryrun.fake_world import Boundary
@@ -52,14 +52,13 @@ def _site() -> str:
 
 def run_job(job: DryRunJob) -> dict[str, Any]:
     """Every chosen rank in its own process, pipeline stage 0 first (its forward gives the
-    stage-boundary metadata the later ranks receive). The ranks' interpreter is
-    $PYTHON_EXEC where set (as torchrun reads it for its workers), else this one."""
+    stage-boundary metadata the later ranks receive), in `worker_python()`'s interpreter."""
     import subprocess
 
     ranks = []
     with tempfile.TemporaryDirectory(prefix="dryrun-state-") as state:
         for rank in job.ranks:
-            cmd = [os.environ.get("PYTHON_EXEC") or sys.executable, "-m", "tools.dryrun", *job.spec, f"--worker={rank}",
+            cmd = [worker_python(), "-m", "tools.dryrun", *job.spec, f"--worker={rank}",
                    f"--state={state}"]  # fmt: skip
             # The worker imports this checkout's modules whatever the caller's folder.
             path_env = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
