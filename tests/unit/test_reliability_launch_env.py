@@ -28,6 +28,7 @@ from core.launch_env import (
     LaunchEnv,
     check_visible_devices,
     parse_launch_env,
+    worker_python,
 )
 from tools.preflight import main as preflight_main
 from tools.reliability_report import record_case
@@ -245,3 +246,15 @@ def test_launch_tools_do_not_read_the_launch_variables(clean_env, tmp_path, env)
     assert both() == before
     record_case("tools.launch", "launch variables (not read)")
     record_case("tools.node_order", "launch variables (not read)")
+
+
+def test_worker_python_is_python_exec_where_set(monkeypatch):
+    """The launchers' workers (tools.dryrun's ranks, tools.launch --local's groups) take
+    $PYTHON_EXEC as torchrun's do, else this interpreter; an empty value is unset."""
+    import sys
+
+    assert worker_python({"PYTHON_EXEC": "/opt/py/bin/python"}) == "/opt/py/bin/python"
+    assert worker_python({"PYTHON_EXEC": ""}) == sys.executable
+    assert worker_python({}) == sys.executable
+    monkeypatch.setenv("PYTHON_EXEC", "/opt/py/bin/python")
+    assert worker_python() == "/opt/py/bin/python"
